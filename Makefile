@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# A machine whose system Python already has a CUDA torch keeps it: the venv then sees system packages.
+CUDA_TORCH := $(shell $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1 && echo 1)
+VENV_FLAGS := $(if $(CUDA_TORCH),--system-site-packages,)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV_FLAGS) $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	@if $(BIN)/python -c "import torch" >/dev/null 2>&1; then \
+	  echo "torch present: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	else \
+	  echo "installing torch==2.13.0 (CPU build)"; $(BIN)/python -m pip install --quiet torch==2.13.0; \
+	fi
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/megatron-dapo demo
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check megatron_dapo tests tools
+	$(BIN)/ruff format --check megatron_dapo tests tools
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
