@@ -1,0 +1,91 @@
+"""Run a function on N local processes that form one torch.distributed world.
+
+Used by tests, `verify-model` and the CPU demo to start Megatron ranks without torchrun. Each
+process gets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in its environment (as torchrun would set)
+and calls ``fn(rank, world_size, *args)``; the function initialises its own process group. Return
+values travel back pickled; an exception in any rank is re-raised in the caller with that rank's
+traceback, and the other ranks are terminated instead of left hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised; the message carries its traceback."""
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, threads: int) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        queue.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 600.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; results ordered by rank.
+
+    ``fn`` must be importable (module level) because processes start with the "spawn" method,
+    the only one that is safe with threads already running in the parent (Ray, tokenizers).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads_per_rank), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout_s)
+            except Exception as e:  # queue.Empty
+                raise RankFailed(f"no result from some rank within {timeout_s:.0f}s (got ranks {sorted(results)})") from e
+            if not ok:
+                raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(results) == world_size else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return [results[r] for r in range(world_size)]
