@@ -67,7 +67,9 @@ def run_ranks(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, threads_per_rank), daemon=False)
+        ctx.Process(
+            target=_entry, args=(r, world_size, port, fn, args, queue, threads_per_rank), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -78,7 +80,9 @@ def run_ranks(
             try:
                 rank, ok, value = queue.get(timeout=timeout_s)
             except Exception as e:  # queue.Empty
-                raise RankFailed(f"no result from some rank within {timeout_s:.0f}s (got ranks {sorted(results)})") from e
+                raise RankFailed(
+                    f"no result from some rank within {timeout_s:.0f}s (got ranks {sorted(results)})"
+                ) from e
             if not ok:
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
             results[rank] = value

@@ -1,0 +1,230 @@
+"""The structured run configuration.
+
+One tree of dataclasses, validated by OmegaConf for names and types, then by `validate.py` for
+cross-field rules. Knob names follow verl where its users know them (clip_ratio_low,
+loss_agg_mode, overlong_buffer.len, filter_groups.max_num_gen_batches, rollout.n, ...), so a verl
+DAPO script translates key by key. Sizes of batches are counted in prompts (groups), like verl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    # HF checkpoint directory (config.json + safetensors + tokenizer files).
+    path: str = "???"
+    # Optional Megatron dist checkpoint to start from instead of converting `path` on the fly.
+    megatron_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    # Parameter dtype of the actor: fp32 (CPU tests), bf16 (GPU; fp32 main params in the optimizer).
+    dtype: str = "bf16"
+    # Layer implementation: auto = Transformer Engine when importable and a GPU is present.
+    transformer_impl: str = "auto"  # auto | transformer_engine | local
+    # FP8 (Hopper+, needs Transformer Engine): null | e4m3 | hybrid.
+    fp8: Optional[str] = None
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+    recompute: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    # Actor world size; data parallel = world / (tp * pp * cp).
+    actor_world_size: int = 1
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    format: str = "auto"  # auto | parquet | jsonl | hf
+    prompt_key: str = "prompt"
+    answer_key: Optional[str] = None
+    # auto: apply the DAPO template to bare problems; dapo: always; none: never.
+    template: str = "auto"
+    apply_chat_template: bool = True
+    max_prompt_length: int = 2048
+    max_response_length: int = 20480
+    shuffle: bool = True
+    seed: int = 1
+    skip_bad_rows: bool = False
+    val_max_samples: Optional[int] = None
+
+
+@dataclass
+class SGLangConfig:
+    mem_fraction_static: float = 0.7
+    api_key: Optional[str] = None
+    enable_memory_saver: bool = True
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    startup_timeout_s: float = 900.0
+    router: bool = False
+    # Existing servers to use instead of launching them (torchrun mode, external engines).
+    urls: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ValSamplingConfig:
+    n: int = 32
+    temperature: float = 1.0
+    top_p: float = 0.7
+    top_k: int = -1
+    max_response_length: Optional[int] = None
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"  # auto (sglang on GPU, hf on CPU) | sglang | hf
+    n: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # Prompts per generation round; verl's gen_batch_size (3x train batch in the 32B script).
+    gen_batch_size: int = 1536
+    # Adaptive over-sampling: ask for more prompts per round from the observed keep rate.
+    over_sample: bool = True
+    max_over_sample_factor: float = 3.0
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    max_concurrency_per_engine: int = 1024
+    request_timeout_s: float = 1800.0
+    max_retries: int = 2
+    dump_rollouts: bool = False
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = True
+    metric: str = "acc"  # acc | score | seq_final_reward
+    # Generation rounds per step before giving up; 0 = unlimited.
+    max_num_gen_batches: int = 10
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = True
+    len: int = 4096
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class TISConfig:
+    enable: bool = False
+    cap: float = 2.0
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    # Dual-clip bound for negative advantages (the 32B recipe: 10); null disables it.
+    clip_ratio_c: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    # Mask truncated responses out of the loss (DAPO's overlong filtering; off in the recipe).
+    overlong_filter: bool = False
+    allow_partial_batch: bool = False
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    tis: TISConfig = field(default_factory=TISConfig)
+    entropy_coeff: float = 0.0
+    kl_coef: float = 0.0
+
+
+@dataclass
+class RewardConfig:
+    # verl-style custom reward "path/to/file.py:function"; default = registry by data_source.
+    custom_fn: Optional[str] = None
+    timeout_s: float = 10.0
+    boxed_fallback: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 10
+    lr_scheduler: str = "constant"  # constant | cosine
+
+
+@dataclass
+class ActorConfig:
+    # Prompts (groups) per optimizer step; the rollout step is split train_batch_size / this.
+    ppo_mini_batch_size: int = 32
+    ppo_epochs: int = 1
+    # Token budget of one micro-batch (dynamic batch size): sequences are packed up to it.
+    micro_batch_max_tokens: int = 16384
+    shuffle: bool = True
+    max_consecutive_skips: int = 3
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: int = 512
+    timeout_s: float = 600.0
+    transport: str = "auto"  # auto | object_store | nccl | cuda_ipc | disk
+
+
+@dataclass
+class TrainerConfig:
+    project: str = "megatron-dapo"
+    run_name: str = "dapo"
+    runs_dir: str = "runs"
+    device: str = "auto"  # auto | cpu | cuda
+    # Prompts (groups) per rollout step.
+    train_batch_size: int = 512
+    total_steps: int = 100
+    seed: int = 1
+    save_freq: int = 20
+    keep_last: int = 3
+    resume: str = "auto"  # auto | never | PATH
+    test_freq: int = 10
+    val_before_train: bool = True
+    hf_export_at_end: bool = True
+    placement: str = "colocated"  # colocated | disaggregated
+    rollout_gpus: int = 0  # disaggregated: GPUs for engines; actor gets the rest
+    ray_address: Optional[str] = None
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+
+
+@dataclass
+class LoggingConfig:
+    jsonl: bool = True
+    wandb: bool = False
+    wandb_mode: str = "offline"  # offline | online
+    tensorboard: bool = True
+    progress: bool = True
+    plots_at_end: bool = True
+
+
+@dataclass
+class DAPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

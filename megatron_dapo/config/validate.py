@@ -1,0 +1,221 @@
+"""Cross-field checks of a merged config. Each failure names the key(s) and spells out the fix.
+
+Model-shape checks (heads divisible by TP, layers by PP) read `model.path/config.json` when it
+exists; they never import transformers or megatron, so validation stays instant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from megatron_dapo.config.loader import ConfigError
+
+CHOICES: dict[str, tuple] = {
+    "model.dtype": ("fp32", "bf16", "fp16"),
+    "model.transformer_impl": ("auto", "transformer_engine", "local"),
+    "model.fp8": (None, "e4m3", "hybrid"),
+    "model.fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+    "data.format": ("auto", "parquet", "jsonl", "hf"),
+    "data.template": ("auto", "dapo", "none"),
+    "rollout.engine": ("auto", "sglang", "hf"),
+    "algorithm.adv_estimator": ("grpo",),
+    "algorithm.loss_agg_mode": (
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ),
+    "algorithm.filter_groups.metric": ("acc", "score", "seq_final_reward"),
+    "optim.lr_scheduler": ("constant", "cosine"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.placement": ("colocated", "disaggregated"),
+    "trainer.weight_sync.transport": ("auto", "object_store", "nccl", "cuda_ipc", "disk"),
+    "logging.wandb_mode": ("offline", "online"),
+}
+
+POSITIVE_INTS = (
+    "parallel.tensor_model_parallel_size",
+    "parallel.pipeline_model_parallel_size",
+    "parallel.context_parallel_size",
+    "parallel.actor_world_size",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "rollout.n",
+    "rollout.gen_batch_size",
+    "rollout.num_engines",
+    "rollout.tensor_parallel_size",
+    "rollout.max_concurrency_per_engine",
+    "rollout.val.n",
+    "actor.ppo_mini_batch_size",
+    "actor.ppo_epochs",
+    "actor.micro_batch_max_tokens",
+    "actor.max_consecutive_skips",
+    "trainer.train_batch_size",
+    "trainer.total_steps",
+    "trainer.keep_last",
+    "trainer.weight_sync.bucket_mb",
+    "model.make_vocab_size_divisible_by",
+)
+
+
+def _get(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _hf_config(cfg: DictConfig) -> dict | None:
+    path = cfg.model.path
+    if not path or path == "???":
+        return None
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(
+            f"model.path: {f} is not readable JSON ({e}); point model.path at an HF checkpoint"
+        ) from e
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError on the first inconsistency found."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+    for key in POSITIVE_INTS:
+        value = _get(cfg, key)
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+
+    alg = cfg.algorithm
+    if not 0.0 <= alg.clip_ratio_low < 1.0:
+        raise ConfigError(f"algorithm.clip_ratio_low={alg.clip_ratio_low} must be in [0, 1) (DAPO: 0.2)")
+    if not 0.0 <= alg.clip_ratio_high <= 10.0:
+        raise ConfigError(f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be in [0, 10] (DAPO: 0.28)")
+    if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1.0:
+        raise ConfigError(
+            f"algorithm.clip_ratio_c={alg.clip_ratio_c} must be > 1 (dual-clip lower bound; the 32B recipe "
+            "uses 10) or null to disable dual-clip"
+        )
+    if alg.tis.enable and alg.tis.cap <= 0:
+        raise ConfigError(f"algorithm.tis.cap={alg.tis.cap} must be > 0")
+    if alg.filter_groups.max_num_gen_batches < 0:
+        raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = unlimited)")
+
+    data = cfg.data
+    ob = alg.overlong_buffer
+    if ob.enable:
+        if not 0 < ob.len <= data.max_response_length:
+            raise ConfigError(
+                f"algorithm.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
+                f"{data.max_response_length}]; the DAPO recipe uses 4096 of 20480 (or set "
+                "algorithm.overlong_buffer.enable=false)"
+            )
+        if ob.penalty_factor < 0:
+            raise ConfigError(f"algorithm.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
+
+    ro = cfg.rollout
+    for prefix, s in (("rollout", ro), ("rollout.val", ro.val)):
+        if s.temperature <= 0:
+            raise ConfigError(f"{prefix}.temperature={s.temperature} must be > 0")
+        if not 0 < s.top_p <= 1:
+            raise ConfigError(f"{prefix}.top_p={s.top_p} must be in (0, 1]")
+        if s.top_k == 0 or s.top_k < -1:
+            raise ConfigError(f"{prefix}.top_k={s.top_k} must be -1 (off) or >= 1")
+    if ro.max_over_sample_factor < 1:
+        raise ConfigError(f"rollout.max_over_sample_factor={ro.max_over_sample_factor} must be >= 1")
+
+    par = cfg.parallel
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    model_parallel = tp * pp * cp
+    if par.actor_world_size % model_parallel:
+        raise ConfigError(
+            f"parallel.actor_world_size={par.actor_world_size} is not a multiple of tp*pp*cp={model_parallel}; "
+            f"use a world size of {model_parallel}, {2 * model_parallel}, ... or change the layout"
+        )
+    dp = par.actor_world_size // model_parallel
+    if par.sequence_parallel and tp == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; set it to false"
+        )
+    vpp = par.virtual_pipeline_model_parallel_size
+    if vpp is not None and (vpp < 1 or pp == 1):
+        raise ConfigError(
+            f"parallel.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
+            "and a value >= 1; set it to null otherwise"
+        )
+
+    tb, mb = cfg.trainer.train_batch_size, cfg.actor.ppo_mini_batch_size
+    if tb % mb:
+        raise ConfigError(
+            f"trainer.train_batch_size={tb} must be a multiple of actor.ppo_mini_batch_size={mb} "
+            f"(prompts); e.g. actor.ppo_mini_batch_size={_largest_divisor_at_most(tb, mb)}"
+        )
+    if (mb * ro.n) % dp:
+        raise ConfigError(
+            f"actor.ppo_mini_batch_size * rollout.n = {mb * ro.n} responses must split evenly over the "
+            f"{dp} data-parallel ranks (actor_world_size / (tp*pp*cp)); change the mini-batch or the layout"
+        )
+    if alg.filter_groups.enable and ro.gen_batch_size < 1:
+        raise ConfigError("rollout.gen_batch_size must be >= 1")
+    if not alg.filter_groups.enable and alg.allow_partial_batch:
+        raise ConfigError(
+            "algorithm.allow_partial_batch only applies with algorithm.filter_groups.enable=true"
+        )
+
+    if cfg.model.fp8 is not None and cfg.model.transformer_impl == "local":
+        raise ConfigError(
+            "model.fp8 needs Transformer Engine layers; set model.transformer_impl=auto or transformer_engine "
+            "(and install the `gpu` extra), or model.fp8=null"
+        )
+    if (
+        cfg.trainer.placement == "disaggregated"
+        and cfg.trainer.device == "cuda"
+        and cfg.trainer.rollout_gpus < 1
+    ):
+        raise ConfigError("trainer.placement=disaggregated needs trainer.rollout_gpus >= 1 for the engines")
+    if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0 and 0 <= optim.min_lr <= optim.lr")
+    if cfg.optim.clip_grad < 0 or cfg.optim.lr_warmup_steps < 0:
+        raise ConfigError("optim.clip_grad and optim.lr_warmup_steps must be >= 0")
+
+    hf = _hf_config(cfg)
+    if hf:
+        _check_model_shape(hf, tp, pp, vpp, cfg.model.path)
+
+
+def _largest_divisor_at_most(n: int, m: int) -> int:
+    return max(d for d in range(1, min(n, m) + 1) if n % d == 0)
+
+
+def _check_model_shape(hf: dict, tp: int, pp: int, vpp: int | None, path: str) -> None:
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads", heads)
+    layers = hf.get("num_hidden_layers")
+    if heads and heads % tp:
+        raise ConfigError(
+            f"parallel.tensor_model_parallel_size={tp} does not divide the {heads} attention heads of "
+            f"{path}; use one of {_divisors(heads)}"
+        )
+    if kv and kv % tp:
+        raise ConfigError(
+            f"parallel.tensor_model_parallel_size={tp} does not divide the {kv} key/value heads of {path}; "
+            f"use one of {_divisors(kv)}"
+        )
+    stages = pp * (vpp or 1)
+    if layers and layers % stages:
+        raise ConfigError(
+            f"{layers} layers of {path} do not split into pipeline_model_parallel_size * "
+            f"virtual_pipeline_model_parallel_size = {stages} equal stages; use a divisor of {layers}"
+        )

@@ -1,0 +1,113 @@
+"""Config loading, overrides and the cross-field checks: each error names the key and the fix."""
+
+import json
+
+import pytest
+
+from megatron_dapo.cli import main
+from megatron_dapo.config import ConfigError, all_keys, load_config
+
+
+def _load(*overrides, path=None):
+    return load_config(path, ["model.path=/nonexistent", *overrides])
+
+
+def test_defaults_follow_the_dapo_recipe():
+    cfg = _load()
+    assert cfg.algorithm.clip_ratio_low == 0.2 and cfg.algorithm.clip_ratio_high == 0.28
+    assert cfg.algorithm.loss_agg_mode == "token-mean"
+    assert cfg.algorithm.filter_groups.enable and cfg.algorithm.filter_groups.max_num_gen_batches == 10
+    assert cfg.algorithm.overlong_buffer.len == 4096 and cfg.data.max_response_length == 20480
+    assert cfg.rollout.n == 16 and cfg.trainer.train_batch_size == 512 and cfg.actor.ppo_mini_batch_size == 32
+
+
+def test_overrides_are_typed():
+    cfg = _load("rollout.n=8", "algorithm.clip_ratio_c=10", "data.train_files=[a.parquet,b.parquet]")
+    assert cfg.rollout.n == 8 and cfg.algorithm.clip_ratio_c == 10.0
+    assert list(cfg.data.train_files) == ["a.parquet", "b.parquet"]
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("algorithm.clip_ratio_hihg=0.3", "did you mean 'algorithm.clip_ratio_high'"),
+        ("rollout.nn=3", "did you mean 'rollout.n'"),
+        ("algoritm.loss_agg_mode=x", "did you mean 'algorithm'"),
+        ("rollout.n=many", "bad value for 'rollout.n'"),
+        ("algorithm.loss_agg_mode=mean", "algorithm.loss_agg_mode='mean' is not one of token-mean"),
+        ("trainer.train_batch_size=100", "actor.ppo_mini_batch_size=25"),
+        ("algorithm.overlong_buffer.len=30000", "data.max_response_length=20480"),
+        ("algorithm.clip_ratio_c=0.5", "must be > 1"),
+        ("algorithm.clip_ratio_low=1.5", "clip_ratio_low"),
+        ("parallel.actor_world_size=6", "not a multiple of tp*pp*cp"),
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("model.fp8=e4m3", "model.fp8 needs Transformer Engine"),
+        ("rollout.n", "not of the form key=value"),
+    ],
+)
+def test_bad_values_name_the_key_and_fix(override, expected):
+    extra = ["parallel.tensor_model_parallel_size=4"] if "actor_world_size" in override else []
+    extra += ["model.transformer_impl=local"] if "fp8" in override else []
+    with pytest.raises(ConfigError, match=None) as e:
+        _load(*extra, override)
+    assert expected in str(e.value)
+
+
+def test_missing_model_path_is_explained():
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config(None, [])
+
+
+def test_model_shape_checks_read_the_hf_config(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24})
+    )
+    base = [f"model.path={tmp_path}"]
+    with pytest.raises(ConfigError, match="use one of 1, 2, 7, 14"):
+        load_config(None, [*base, "parallel.tensor_model_parallel_size=4", "parallel.actor_world_size=4"])
+    with pytest.raises(ConfigError, match="key/value heads"):
+        load_config(None, [*base, "parallel.tensor_model_parallel_size=7", "parallel.actor_world_size=7"])
+    with pytest.raises(ConfigError, match="equal stages"):
+        load_config(None, [*base, "parallel.pipeline_model_parallel_size=5", "parallel.actor_world_size=5"])
+    ok = load_config(None, [*base, "parallel.tensor_model_parallel_size=2", "parallel.actor_world_size=2"])
+    assert ok.parallel.tensor_model_parallel_size == 2
+
+
+def test_yaml_base_chain_and_unknown_yaml_key(tmp_path):
+    (tmp_path / "base.yaml").write_text("model:\n  path: /m\nrollout:\n  n: 4\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nrollout:\n  temperature: 0.9\n")
+    cfg = load_config(tmp_path / "child.yaml", ["trainer.total_steps=3"])
+    assert cfg.model.path == "/m" and cfg.rollout.n == 4 and cfg.rollout.temperature == 0.9
+    assert cfg.trainer.total_steps == 3
+    (tmp_path / "bad.yaml").write_text("model:\n  path: /m\n  dtpye: bf16\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml.*did you mean 'model.dtype'"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "loop.yaml")
+
+
+def test_verl_knob_names_exist():
+    keys = set(all_keys())
+    for k in [
+        "algorithm.clip_ratio_low",
+        "algorithm.clip_ratio_high",
+        "algorithm.clip_ratio_c",
+        "algorithm.loss_agg_mode",
+        "algorithm.overlong_buffer.len",
+        "algorithm.overlong_buffer.penalty_factor",
+        "algorithm.filter_groups.enable",
+        "algorithm.filter_groups.metric",
+        "algorithm.filter_groups.max_num_gen_batches",
+        "rollout.n",
+        "data.max_prompt_length",
+        "data.max_response_length",
+    ]:
+        assert k in keys
+
+
+def test_cli_config_prints_and_fails_cleanly(capsys):
+    assert main(["config", "model.path=/m", "rollout.n=5"]) == 0
+    assert "'n': 5" in capsys.readouterr().out
+    assert main(["config", "model.path=/m", "rollout.nn=5"]) == 2
+    assert "did you mean 'rollout.n'" in capsys.readouterr().err
