@@ -1,0 +1,28 @@
+"""`megatron-dapo plot RUN_DIR`: PNG curves from a run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot", help="write PNG curves of a run (reward, length, entropy, clip, keep rate, val)"
+    )
+    p.add_argument("run_dir", help="a run directory containing metrics.jsonl (e.g. runs/demo)")
+    p.add_argument("--out", default=None, help="output folder (default RUN_DIR/plots)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_dapo.driver.plots import plot_run
+
+    try:
+        written = plot_run(args.run_dir, args.out)
+    except FileNotFoundError as e:
+        print(f"plot: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0

@@ -1,0 +1,134 @@
+"""The run directory `runs/NAME/` and the metrics sinks that write into it.
+
+Layout: config.yaml (resolved), metrics.jsonl (one line per step, verl-style namespaced keys),
+checkpoints/, hf/ (exports), rollouts/ (optional sample dumps), plots/, tensorboard/, wandb/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @classmethod
+    def create(cls, runs_dir: str | Path, name: str) -> RunDir:
+        root = Path(runs_dir) / name
+        for sub in ("checkpoints", "hf", "rollouts", "plots"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        return cls(root)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def hf(self) -> Path:
+        return self.root / "hf"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep them visible rather than dropping the key
+    return value
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All step records of a metrics.jsonl; a torn last line (crash mid-write) is ignored."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+class MetricsLogger:
+    """Writes each step's metrics to metrics.jsonl, and to wandb / TensorBoard when enabled.
+
+    On resume from a checkpoint at step k, records after k (written by the killed run after its
+    last checkpoint) are dropped so the file continues exactly as an uninterrupted run's would.
+    """
+
+    def __init__(
+        self,
+        run: RunDir,
+        *,
+        resume_step: int | None = None,
+        wandb_cfg: dict | None = None,
+        tensorboard: bool = False,
+        config: dict | None = None,
+    ):
+        self.path = run.metrics
+        if resume_step is not None:
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run.root / "tensorboard"))
+            except ImportError:
+                self._tb = None
+        self._wandb = None
+        if wandb_cfg and wandb_cfg.get("enable"):
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_cfg.get("project", "megatron-dapo"),
+                name=wandb_cfg.get("name"),
+                dir=str(run.root),
+                mode=wandb_cfg.get("mode", "offline"),
+                config=config,
+                resume="allow",
+            )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
