@@ -1,0 +1,167 @@
+"""A group of training ranks that the driver calls SPMD-style: every rank runs the same method
+with the same arguments, and the driver gets each rank's return value.
+
+Two implementations with one interface, `call(method, *args, timeout_s=None) -> list`:
+- `RayRankGroup`: each rank is a Ray actor; rank 0's node address and a free port on it form the
+  torch.distributed world (what torchrun would set in the environment).
+- `SPMDRankGroup`: under torchrun, this process is rank 0 of the world; the method name and
+  arguments go to the other ranks (which sit in `follow()`) over a gloo control group, so CPU
+  objects move even when the training backend is NCCL.
+The worker class is the same in both: a plain class whose `setup()` initialises the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from megatron_dapo.actor.spawn import free_port
+
+
+class RankCallError(RuntimeError):
+    """A rank method failed or timed out; names the method and the ranks concerned."""
+
+
+def node_address() -> tuple[str, int]:
+    """This node's routable IP and a free port on it, for MASTER_ADDR / MASTER_PORT."""
+    try:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray: fall back to the hostname's address
+        ip = socket.gethostbyname(socket.gethostname())
+    return ip, free_port()
+
+
+def set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int = 0) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+
+
+class RayRankGroup:
+    """`world_size` Ray actors of `worker_cls`, placed on the bundles of `placement_group`."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        world_size: int,
+        *,
+        placement_group,
+        bundle_offset: int = 0,
+        num_gpus_per_rank: float = 0.0,
+        num_cpus_per_rank: float = 1.0,
+        init_args: tuple = (),
+        env: dict[str, str] | None = None,
+    ):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote_cls = ray.remote(worker_cls)
+        self.world_size = world_size
+        self.workers = []
+        for rank in range(world_size):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=bundle_offset + rank
+            )
+            options = {
+                "num_cpus": num_cpus_per_rank,
+                "num_gpus": num_gpus_per_rank,
+                "scheduling_strategy": strategy,
+            }
+            if env:
+                options["runtime_env"] = {"env_vars": dict(env)}
+            self.workers.append(remote_cls.options(**options).remote(*init_args))
+        addr, port = ray.get(self.workers[0].__ray_call__.remote(lambda self: node_address()))
+        # On GPU nodes Ray sets CUDA_VISIBLE_DEVICES per actor, so every rank's local device is 0.
+        ray.get(
+            [w.__ray_call__.remote(_set_env, r, world_size, addr, port) for r, w in enumerate(self.workers)]
+        )
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return self._wait(method, refs, timeout_s)
+
+    def call_each(self, method: str, per_rank_args: list[tuple], timeout_s: float | None = None) -> list[Any]:
+        refs = [getattr(w, method).remote(*a) for w, a in zip(self.workers, per_rank_args)]
+        return self._wait(method, refs, timeout_s)
+
+    def _wait(self, method: str, refs: list, timeout_s: float | None) -> list[Any]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError as e:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [r for r, ref in enumerate(refs) if ref not in ready]
+            raise RankCallError(f"{method}: ranks {late} did not finish within {timeout_s:.0f}s") from e
+        except (RayTaskError, RayActorError) as e:
+            failed = []
+            for rank, ref in enumerate(refs):
+                try:
+                    ray.get(ref, timeout=5)
+                except Exception as err:  # noqa: BLE001 - collecting every rank's failure
+                    cause = getattr(err, "cause", None) or err
+                    failed.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+            raise RankCallError(f"{method} failed on {len(failed)} rank(s): " + "; ".join(failed)) from e
+
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+
+
+def _set_env(self, rank: int, world_size: int, addr: str, port: int) -> None:
+    set_dist_env(rank, world_size, addr, port)
+
+
+class SPMDRankGroup:
+    """Rank 0's view of a torchrun world: `call` runs the method here and on every other rank."""
+
+    _STOP = "__stop__"
+
+    def __init__(self, worker: Any):
+        import torch.distributed as dist
+
+        self.worker = worker
+        self.world_size = dist.get_world_size()
+        # gloo carries Python objects whatever the training backend is
+        self._group = dist.new_group(backend="gloo")
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        msg = [(method, args, kwargs)]
+        dist.broadcast_object_list(msg, src=0, group=self._group)
+        mine = getattr(self.worker, method)(*args, **kwargs)
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self._group)
+        return gathered
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([(self._STOP, (), {})], src=0, group=self._group)
+
+    @classmethod
+    def follow(cls, worker: Any) -> None:
+        """Ranks > 0: execute whatever rank 0 calls until it shuts the group down."""
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo")
+        world = dist.get_world_size()
+        while True:
+            msg: list[Any] = [None]
+            dist.broadcast_object_list(msg, src=0, group=group)
+            method, args, kwargs = msg[0]
+            if method == cls._STOP:
+                return
+            result = getattr(worker, method)(*args, **kwargs)
+            dist.all_gather_object([None] * world, result, group=group)
