@@ -65,3 +65,25 @@ def test_ray_ranks_form_a_world_and_report_errors(ray_local):
     with pytest.raises(RankCallError, match=r"sleep: ranks \[0, 1\] did not finish within 1s"):
         group.call("sleep", 5, timeout_s=1)
     group.shutdown()
+
+
+def _spmd_main(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron_dapo.driver.rank_group import SPMDRankGroup
+
+    dist.init_process_group("gloo")
+    worker = SumWorker()
+    if rank == 0:
+        group = SPMDRankGroup(worker)
+        out = group.call("all_reduce", 3.0)
+        group.shutdown()
+        return out
+    SPMDRankGroup.follow(worker)
+    return "followed"
+
+
+def test_spmd_group_under_torchrun_style_world():
+    from megatron_dapo.actor.spawn import run_ranks
+
+    assert run_ranks(_spmd_main, 2, timeout_s=120) == [[9.0, 9.0], "followed"]
