@@ -1,0 +1,83 @@
+"""Reduce a per-token loss matrix to a scalar (verl's ``agg_loss`` modes)."""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    num_tokens: int | float | torch.Tensor | None = None,
+    num_seqs: int | float | torch.Tensor | None = None,
+    *,
+    norm_len: int | float | None = None,
+) -> torch.Tensor:
+    """Aggregate ``loss_mat`` (B, T) over the tokens where ``mask`` is set.
+
+    Modes (verl's ``agg_loss``):
+
+    - ``token-mean``: sum of masked token losses / ``num_tokens`` (DAPO's token-level loss).
+    - ``seq-mean-token-sum``: each sequence's token sum, averaged over ``num_seqs`` sequences.
+    - ``seq-mean-token-mean``: each sequence's token mean, averaged over ``num_seqs`` sequences.
+    - ``seq-mean-token-sum-norm``: sum over all sequences of their token sums, divided by the
+      constant ``norm_len`` (Dr.GRPO; default ``mask.shape[-1]``). No division by the number
+      of sequences, exactly as verl.
+
+    Sequences with no unmasked token are excluded from the ``seq-mean-*`` averages.
+
+    ``num_tokens`` / ``num_seqs`` are the normalisers; leave them None to use the local mask's
+    count. To make micro-batches add up to the mini-batch loss, pass the mini-batch's global
+    count (all micro-batches and data-parallel ranks): then summing the per-micro-batch losses
+    gives exactly the loss of the whole mini-batch. An empty local mask gives a zero loss (not
+    NaN) that still carries the graph.
+
+    Masked positions may hold any value (padding garbage, inf, NaN): they are zeroed by a
+    select, not a multiply, so they cannot leak into the loss or its gradient.
+
+    Differs from verl in one detail: ``seq-mean-token-mean`` divides a sequence's token sum by
+    its exact token count, where verl divides by ``count + 1e-8``.
+    """
+    if loss_mat.shape != mask.shape or loss_mat.dim() != 2:
+        raise ValueError(
+            f"loss_mat and mask must both be (B, T); got {tuple(loss_mat.shape)} and {tuple(mask.shape)}"
+        )
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    keep = mask.bool()
+    masked = torch.where(keep, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
+    token_counts = keep.sum(dim=-1)
+
+    if mode == "token-mean":
+        denom = token_counts.sum() if num_tokens is None else num_tokens
+        return masked.sum() / _positive(denom, "num_tokens", loss_mat)
+
+    seq_sums = masked.sum(dim=-1)
+    if mode == "seq-mean-token-sum-norm":
+        divisor = mask.shape[-1] if norm_len is None else norm_len
+        if divisor <= 0:
+            raise ValueError(f"norm_len must be > 0, got {divisor}")
+        return seq_sums.sum() / divisor
+
+    nonempty = token_counts > 0
+    if mode == "seq-mean-token-mean":
+        seq_losses = seq_sums / token_counts.clamp(min=1).to(loss_mat.dtype)
+    else:
+        seq_losses = seq_sums
+    denom = nonempty.sum() if num_seqs is None else num_seqs
+    return torch.where(nonempty, seq_losses, torch.zeros_like(seq_losses)).sum() / _positive(
+        denom, "num_seqs", loss_mat
+    )
+
+
+def _positive(denom, name: str, like: torch.Tensor) -> torch.Tensor:
+    """The normaliser as a tensor, at least 1: a zero count only occurs with a zero numerator.
+
+    Tensor normalisers are not inspected on the host, so no device sync happens per micro-batch.
+    """
+    if not isinstance(denom, torch.Tensor) and denom < 0:
+        raise ValueError(f"{name} must be >= 0, got {denom}")
+    return torch.clamp(torch.as_tensor(denom, dtype=like.dtype, device=like.device), min=1)

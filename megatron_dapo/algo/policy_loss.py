@@ -1,0 +1,166 @@
+"""DAPO/PPO clipped policy-gradient loss with decoupled clip ratios, dual-clip and TIS."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_dapo.algo.aggregation import agg_loss
+
+# verl clamps log(ratio) to +-20 before exp so a stale token cannot overflow the ratio.
+_LOG_RATIO_CLAMP = 20.0
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    num_tokens: int | float | torch.Tensor | None = None,
+    num_seqs: int | float | torch.Tensor | None = None,
+    norm_len: int | float | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level PPO-clip loss as verl's ``compute_policy_loss_vanilla`` + ``agg_loss``.
+
+    Per token, with ``r = exp(clamp(logprobs - old_logprobs, -20, 20))`` and advantage ``A``::
+
+        l1 = -A * r
+        l2 = -A * clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        l  = max(l1, l2)
+        if clip_ratio_c is not None and A < 0:      # dual-clip (Ye et al. 2019)
+            l = min(l, -A * clip_ratio_c)
+
+    then, with TIS, ``l *= w`` where ``w = min(exp(old_logprobs - rollout_logprobs), tis_cap)``
+    (a constant: no gradient), and finally ``agg_loss(l, mask, loss_agg_mode, num_tokens,
+    num_seqs, norm_len=norm_len)`` (see :func:`agg_loss` for the modes and normalisers).
+
+    Args:
+        logprobs: (B, T) current-policy log-probs of the response tokens (carries the graph).
+        old_logprobs: (B, T) log-probs under pi_old (recomputed by the trainer).
+        advantages: (B,) per sample or (B, T) per token.
+        mask: (B, T) bool/0-1 response mask; masked positions may hold any values.
+        clip_ratio_low / clip_ratio_high: DAPO's decoupled eps_low / eps_high.
+        clip_ratio_c: dual-clip bound (> 1; the 32B recipe uses 10); None disables dual-clip.
+        loss_agg_mode, num_tokens, num_seqs, norm_len: passed to :func:`agg_loss`.
+        rollout_logprobs: (B, T) log-probs from the rollout engine; with ``tis_cap`` enables
+            truncated importance sampling. Give both or neither.
+        tis_cap: truncation cap of the TIS weight (> 0, e.g. 2).
+
+    The loss is computed in float32, or float64 when the inputs are float64; bf16/fp16 inputs
+    are upcast, and the loss has that dtype.
+
+    Returns:
+        ``(loss, metrics)``. ``metrics`` holds detached 0-dim tensors. The fractions and means
+        are over this call's unmasked tokens, so a caller combining micro-batches/ranks weighs
+        each by its ``num_tokens``: ``global = sum(m_i * num_tokens_i) / sum(num_tokens_i)``.
+
+        - ``clipfrac`` (float32): fraction of tokens where ``l2 > l1``, i.e. the clipped term is
+          taken (verl's ``pg_clipfrac``).
+        - ``clipfrac_high``: fraction of tokens with ``A > 0`` and ``r > 1 + clip_ratio_high``
+          (clipped at the upper bound, DAPO's clip-higher).
+        - ``clipfrac_low``: fraction of tokens with ``A < 0`` and ``r < 1 - clip_ratio_low``.
+          ``clipfrac_high + clipfrac_low == clipfrac`` except for float rounding ties.
+        - ``clipfrac_lower``: fraction of tokens with ``A < 0`` where dual-clip bounds the loss
+          (``l > -A * clip_ratio_c``; verl's ``pg_clipfrac_lower``); 0 without dual-clip.
+        - ``ppo_kl``: mean of ``old_logprobs - logprobs`` (after the +-20 clamp).
+        - ``tis_mean``, ``tis_clipfrac`` (only with TIS): mean TIS weight after truncation;
+          fraction of tokens whose untruncated weight exceeds ``tis_cap``.
+        - ``num_tokens`` (int64): unmasked tokens in this call; ``num_seqs`` (int64): sequences
+          with at least one unmasked token.
+    """
+    _check_args(logprobs, old_logprobs, advantages, mask, rollout_logprobs, tis_cap)
+    _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    keep = mask.bool()
+    n_tok = keep.sum()
+
+    def clean(x: torch.Tensor) -> torch.Tensor:
+        # Zero the masked positions up front: padding may hold inf/NaN, and a select keeps them
+        # out of both the forward value and the backward pass.
+        return torch.where(keep, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
+
+    lp = clean(logprobs)
+    old = clean(old_logprobs.detach())
+    adv = advantages.detach().to(dtype)
+    adv = adv.unsqueeze(-1).expand_as(lp) if adv.dim() == 1 else clean(adv)
+
+    log_ratio = torch.clamp(lp - old, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    loss1 = -adv * ratio
+    loss2 = -adv * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+
+    neg_adv = adv < 0
+    if clip_ratio_c is not None:
+        loss3 = -adv * clip_ratio_c
+        per_token = torch.where(neg_adv, torch.minimum(clipped, loss3), clipped)
+        dual_clipped = neg_adv & (clipped > loss3)
+    else:
+        per_token = clipped
+        dual_clipped = torch.zeros_like(keep)
+
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": _masked_mean(loss2 > loss1, keep, n_tok),
+            "clipfrac_high": _masked_mean((adv > 0) & (ratio > 1.0 + clip_ratio_high), keep, n_tok),
+            "clipfrac_low": _masked_mean(neg_adv & (ratio < 1.0 - clip_ratio_low), keep, n_tok),
+            "clipfrac_lower": _masked_mean(dual_clipped, keep, n_tok),
+            "ppo_kl": _masked_mean(-log_ratio, keep, n_tok),
+        }
+
+    if rollout_logprobs is not None:
+        raw_w = torch.exp(old - clean(rollout_logprobs.detach()))
+        weight = torch.clamp(raw_w, max=tis_cap)
+        per_token = per_token * weight
+        metrics["tis_mean"] = _masked_mean(weight, keep, n_tok)
+        metrics["tis_clipfrac"] = _masked_mean(raw_w > tis_cap, keep, n_tok)
+
+    loss = agg_loss(per_token, keep, loss_agg_mode, num_tokens, num_seqs, norm_len=norm_len)
+    metrics["num_tokens"] = n_tok.detach()
+    metrics["num_seqs"] = (keep.sum(dim=-1) > 0).sum().detach()
+    return loss, metrics
+
+
+def _masked_mean(x: torch.Tensor, keep: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Float32 mean of ``x`` over ``keep``; 0 when nothing is kept."""
+    x = torch.where(keep, x.to(torch.float32), torch.zeros((), dtype=torch.float32, device=x.device))
+    return (x.sum() / n.clamp(min=1).to(torch.float32)).detach()
+
+
+def _check_args(logprobs, old_logprobs, advantages, mask, rollout_logprobs, tis_cap) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
+    shape = logprobs.shape
+    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("rollout_logprobs", rollout_logprobs)):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(t.shape)}")
+    if advantages.shape not in (shape, shape[:1]):
+        raise ValueError(
+            f"advantages must be (B,) per sample or (B, T) per token with (B, T) = {tuple(shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+    if (rollout_logprobs is None) != (tis_cap is None):
+        raise ValueError(
+            "truncated importance sampling needs both rollout_logprobs and tis_cap; pass both to "
+            "enable it or neither to disable it"
+        )
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+
+
+def _check_clip(low: float, high: float, c: float | None) -> None:
+    if not 0.0 <= low < 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {low}")
+    if high < 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {high}")
+    if c is not None and c <= 1.0:
+        raise ValueError(
+            f"clip_ratio_c (dual-clip bound) must be > 1, got {c}; use None to disable dual-clip"
+        )
