@@ -1,0 +1,268 @@
+"""Run megatron-core 0.16 on machines without CUDA (CPU tensors, gloo collectives).
+
+Megatron-core assumes CUDA in a handful of places. When ``torch.cuda.is_available()`` is False,
+:func:`apply_cpu_compat` installs the patches below, each as narrow as the assumption it removes;
+with CUDA present it does nothing, so GPU runs execute megatron-core unmodified. Every patch wraps
+the original object (nothing is copied out of megatron-core), and every CPU/GPU difference of the
+actor lives in this file.
+
+Patches (all installed together, once per process):
+
+1. ``torch.cuda.current_device`` -> returns ``torch.device("cpu")``. Megatron creates buffers with
+   ``device=torch.cuda.current_device()`` in RoPE (inv_freq), tensor-parallel all-gather/reduce
+   scatter outputs (``tensor_parallel.mappings``), vocab-parallel embedding/linear layers, GPT
+   rotary setup, attention and pipeline p2p shape tensors. On a CPU-only torch build the original
+   can only raise, so redirecting it changes no working behaviour.
+2. ``torch.cuda.synchronize`` -> no-op. Called after ``batch_isend_irecv`` in pipeline p2p
+   (``pipeline_parallel.p2p_communication``) and in DDP buffer helpers; CPU ops are synchronous.
+3. ``device="cuda"`` literals: the module-level name ``torch`` inside
+   ``pipeline_parallel.schedules`` (``total_num_tokens`` counters), ``optimizer.optimizer``
+   (``found_inf`` / ``_scale`` tensors of the fp32 and mixed-precision optimizers),
+   ``optimizer.clip_grads`` (grad-norm buffers) and ``transformer.utils`` (default causal mask of
+   the local softmax) is replaced by a proxy that forwards everything to ``torch`` but rewrites
+   ``device="cuda[:N]"`` to ``"cpu"`` in the tensor factories (tensor, zeros, ones, empty, full,
+   arange). Only those four modules see the proxy.
+4. CUDA RNG tracker: megatron's ``CudaRNGStatesTracker`` snapshots ``torch.cuda`` generator states.
+   :class:`CpuRNGStatesTracker` keeps the same named streams (data-parallel, model-parallel,
+   expert-parallel) as CPU generator states and is installed as megatron's tracker, so
+   ``get_cuda_rng_tracker().fork()`` (dropout in TP regions, weight init) and
+   ``model_parallel_cuda_manual_seed`` work. :func:`model_parallel_manual_seed` seeds it.
+5. ``param.type() == 'torch.cuda.FloatTensor'`` checks: ``clip_grad_by_total_norm_fp32`` (grad
+   clipping) and ``Float16OptimizerWithFloat16Params.__init__`` (bf16 params with fp32 main
+   params) assert CUDA tensor type strings. They are wrapped so that, for the duration of that
+   call only, ``Tensor.type()`` (no arguments) of a CPU tensor reports the CUDA type string of the
+   same dtype.
+6. ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding copy of the last
+   pipeline stage with ``weight.data.cuda()`` before the first/last-stage all-reduce (tied
+   embeddings with PP > 1). It is wrapped so that ``Tensor.cuda()`` returns the tensor itself
+   during that call.
+
+Not patched, because the CPU path does not use them: the distributed optimizer (the CPU path uses
+megatron's non-distributed optimizer), CUDA graphs, NCCL user buffers, overlapped grad reduce /
+param gather streams, ``tensor_parallel.data.broadcast_data``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_APPLIED = False
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange")
+_DEVICE_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.transformer.utils",
+)
+
+
+def on_cpu() -> bool:
+    """True when this process has no CUDA device (the CPU/gloo path)."""
+    return not torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device this rank's parameters and activations live on (``cuda:LOCAL_RANK`` or cpu)."""
+    if on_cpu():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+
+
+def dist_backend() -> str:
+    """torch.distributed backend for this machine: nccl with CUDA, gloo without."""
+    return "gloo" if on_cpu() else "nccl"
+
+
+def _cpu_if_cuda(dev: Any) -> Any:
+    if isinstance(dev, str) and dev.startswith("cuda"):
+        return "cpu"
+    if isinstance(dev, torch.device) and dev.type == "cuda":
+        return torch.device("cpu")
+    return dev
+
+
+class _CudaLiteralsOnCpu:
+    """Stand-in for the ``torch`` module inside one megatron module: same attributes, except that
+    the tensor factories place ``device="cuda"`` tensors on the CPU."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        for name in _FACTORIES:
+            setattr(self, name, self._wrap(getattr(real, name)))
+
+    @staticmethod
+    def _wrap(factory: Callable) -> Callable:
+        @functools.wraps(factory)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+            return factory(*args, **kwargs)
+
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class CpuRNGStatesTracker:
+    """Megatron's named RNG streams (``add`` / ``fork`` / ``get_states`` / ``set_states``) kept as
+    CPU generator states. ``fork(name)`` swaps the process CPU generator to stream ``name`` and
+    back, exactly as the CUDA tracker does with the CUDA generator."""
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._current_state_name = "default-rng"
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"rng seed {seed} already used by another stream")
+        if name in self.states_:
+            raise ValueError(f"rng stream {name!r} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"rng stream {name!r} was never added (seed the model-parallel RNG first)")
+        orig = torch.get_rng_state()
+        orig_name = self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if orig_name != "default-rng":
+                orig = self.states_[orig_name]
+            torch.set_rng_state(orig)
+            self._current_state_name = orig_name
+
+
+def _install_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """Seed the default generator and megatron's data/model/expert-parallel RNG streams (what
+    ``model_parallel_cuda_manual_seed`` does), on the CPU tracker when CUDA is absent. Call after
+    parallel_state is initialised."""
+    from megatron.core import tensor_parallel
+
+    if on_cpu():
+        apply_cpu_compat()
+        _install_cpu_rng_tracker()
+        torch.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+    # On CPU the tracker already exists, so megatron only resets and refills it; its
+    # torch.cuda.manual_seed call is a lazy no-op without CUDA.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if on_cpu():
+        _install_cpu_rng_tracker()
+
+
+@contextlib.contextmanager
+def _tensor_type_reports_cuda() -> Iterator[None]:
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            return original(self).replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity() -> Iterator[None]:
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _within(context: Callable[[], contextlib.AbstractContextManager], fn: Callable) -> Callable:
+    if getattr(fn, "_megatron_dapo_compat", False):
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return fn(*args, **kwargs)
+
+    call._megatron_dapo_compat = True
+    return call
+
+
+def apply_cpu_compat() -> None:
+    """Install the CPU patches listed in the module docstring; idempotent; no-op with CUDA."""
+    global _APPLIED
+    if _APPLIED or not on_cpu():
+        return
+    import importlib
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+
+    for name in _DEVICE_LITERAL_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _CudaLiteralsOnCpu):
+            module.torch = _CudaLiteralsOnCpu(torch)
+
+    clip_grads = sys.modules["megatron.core.optimizer.clip_grads"]
+    optimizer = sys.modules["megatron.core.optimizer.optimizer"]
+    wrapped_clip = _within(_tensor_type_reports_cuda, clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = wrapped_clip
+    optimizer.clip_grad_by_total_norm_fp32 = wrapped_clip
+    f16 = optimizer.Float16OptimizerWithFloat16Params
+    f16.__init__ = _within(_tensor_type_reports_cuda, f16.__init__)
+
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _within(
+        _tensor_cuda_is_identity, LanguageModule.setup_embeddings_and_output_layer
+    )
+    _install_cpu_rng_tracker()
+    _APPLIED = True

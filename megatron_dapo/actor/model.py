@@ -1,0 +1,409 @@
+"""A megatron-core GPTModel built from a Hugging Face config.json (Qwen2/Qwen2.5, Llama-3).
+
+The HF config decides the architecture; the parallel layout comes from megatron's parallel_state
+(call :func:`megatron_dapo.actor.parallel.init_parallel` first). The Transformer Engine layer spec
+is used when TE is importable and a GPU is present, megatron's local spec otherwise. The vocabulary
+is padded to a multiple of ``make_vocab_size_divisible_by * TP`` as megatron requires; logits
+beyond ``hf_config.vocab_size`` belong to padding rows (zero when loaded from HF) and must be
+ignored by callers (:func:`forward_logits` drops them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_dapo.actor import compat
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+
+class ModelConfigError(ValueError):
+    """The HF config or the requested precision cannot be mapped onto megatron-core."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What differs between the supported HF families, read from config.json."""
+
+    architecture: str
+    family: str  # "qwen2" | "llama"
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    head_dim: int
+    rope_theta: float
+    rope_scaling_factor: float | None  # llama3-style scaling, None when off
+
+
+def load_hf_config(hf_dir_or_config: Any) -> Any:
+    """An HF ``PretrainedConfig`` from a directory, a config.json path, a dict or a config object."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(hf_dir_or_config, PretrainedConfig):
+        return hf_dir_or_config
+    if isinstance(hf_dir_or_config, dict):
+        data = dict(hf_dir_or_config)
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise ModelConfigError("HF config dict has no 'model_type'")
+        return AutoConfig.for_model(model_type, **data)
+    path = Path(hf_dir_or_config)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise FileNotFoundError(f"HF config not found: {config_file} (expected an HF model directory)")
+    try:
+        data = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{config_file} is not valid JSON: {e}") from e
+    return load_hf_config(data)
+
+
+def _architecture(hf_config: Any) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:
+        by_type = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+        if hf_config.model_type in by_type:
+            return by_type[hf_config.model_type]
+        raise ModelConfigError(
+            f"HF config (model_type={hf_config.model_type!r}) names no architecture; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelConfigError(
+            f"unsupported architecture {archs[0]!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return archs[0]
+
+
+def _rope(hf_config: Any) -> tuple[float, float | None]:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if legacy and not params.get("rope_type"):
+        params.update(legacy)
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        theta = 10000.0
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        # megatron-core implements Llama-3.1 scaling with these constants fixed.
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for key, want in fixed.items():
+            if float(params.get(key, want)) != float(want):
+                raise ModelConfigError(
+                    f"rope_scaling.{key}={params[key]} is not supported (megatron-core fixes it to {want})"
+                )
+        return float(theta), float(params.get("factor", 8.0))
+    raise ModelConfigError(f"rope scaling type {rope_type!r} is not supported; supported: default, llama3")
+
+
+def arch_spec(hf_config: Any) -> ArchSpec:
+    """Validate ``hf_config`` and extract the family-specific switches."""
+    arch = _architecture(hf_config)
+    family = "qwen2" if arch == "Qwen2ForCausalLM" else "llama"
+    if family == "qwen2":
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ModelConfigError("Qwen2 with use_sliding_window=true is not supported")
+        qkv_bias = True
+    else:
+        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+            raise ModelConfigError("Llama with attention_bias or mlp_bias is not supported")
+        qkv_bias = False
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"hidden_act={act!r} is not supported (SwiGLU with silu only)")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    theta, scaling = _rope(hf_config)
+    return ArchSpec(
+        architecture=arch,
+        family=family,
+        qkv_bias=qkv_bias,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling_factor=scaling,
+    )
+
+
+def te_available() -> bool:
+    """Transformer Engine importable and a GPU present (the TE spec needs both)."""
+    if compat.on_cpu():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_fp8(fp8: str, fp8_recipe: str) -> None:
+    if fp8 not in FP8_FORMATS:
+        raise ModelConfigError(f"fp8={fp8!r} is not a valid FP8 format; use one of {FP8_FORMATS}")
+    if fp8_recipe not in FP8_RECIPES:
+        raise ModelConfigError(f"fp8_recipe={fp8_recipe!r} is not valid; use one of {FP8_RECIPES}")
+    if compat.on_cpu():
+        raise ModelConfigError("fp8 needs a CUDA GPU with compute capability >= 8.9; none is present")
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        raise ModelConfigError(
+            f"fp8 needs compute capability >= 8.9 (Ada/Hopper); this GPU is {major}.{minor}"
+        )
+    if fp8_recipe == "mxfp8" and major < 10:
+        raise ModelConfigError(
+            f"fp8_recipe=mxfp8 needs a Blackwell GPU (>= 10.0); this GPU is {major}.{minor}"
+        )
+    if not te_available():
+        raise ModelConfigError("fp8 needs Transformer Engine (pip install transformer-engine[pytorch])")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by * tp``."""
+    multiple = make_vocab_size_divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_config_from_hf(
+    hf_config: Any,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    fp8: str | None = None,
+    fp8_recipe: str = "delayed",
+    recompute: bool = False,
+    sequence_parallel: bool = False,
+    tp: int | None = None,
+    pp: int | None = None,
+    vpp: int | None = None,
+    cp: int | None = None,
+    perform_initialization: bool = True,
+    **overrides: Any,
+) -> Any:
+    """A megatron ``TransformerConfig`` equivalent to the HF architecture.
+
+    Parallel sizes default to megatron's initialised parallel_state (1 when it is not set up).
+    Dropout is off (RL fine-tuning), fusions that need apex/TE are off on CPU. ``overrides`` are
+    passed to TransformerConfig as is (e.g. ``recompute_granularity="selective"``).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    hf_config = load_hf_config(hf_config)
+    spec = arch_spec(hf_config)
+    if fp8 is not None:
+        _check_fp8(fp8, fp8_recipe)
+    init = ps.model_parallel_is_initialized()
+    tp = tp or (ps.get_tensor_model_parallel_world_size() if init else 1)
+    pp = pp or (ps.get_pipeline_model_parallel_world_size() if init else 1)
+    cp = cp or (ps.get_context_parallel_world_size() if init else 1)
+    if vpp is None and init:
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    layers = hf_config.num_hidden_layers
+    if layers % (pp * (vpp or 1)):
+        raise ModelConfigError(
+            f"num_hidden_layers={layers} is not divisible by pp*vpp={pp}*{vpp or 1}; choose another layout"
+        )
+    heads, kv_heads = (
+        hf_config.num_attention_heads,
+        hf_config.num_key_value_heads or hf_config.num_attention_heads,
+    )
+    if heads % tp or kv_heads % tp:
+        raise ModelConfigError(
+            f"tp={tp} must divide num_attention_heads={heads} and num_key_value_heads={kv_heads}"
+        )
+    if sequence_parallel and tp == 1:
+        sequence_parallel = False
+    kwargs: dict[str, Any] = dict(
+        num_layers=layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=compat.on_cpu(),
+        perform_initialization=perform_initialization,
+        attention_softmax_in_fp32=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    if fp8 is not None:
+        kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe)
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(config: Any, use_te: bool | None = None) -> Any:
+    """TE layer spec when ``use_te`` (auto: TE importable and a GPU present), local spec otherwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_te is None:
+        use_te = te_available()
+    if use_te and not te_available():
+        raise ModelConfigError("use_te=True but Transformer Engine or a GPU is missing")
+    if config.fp8 and not use_te:
+        raise ModelConfigError("fp8 needs the Transformer Engine layer spec (use_te)")
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(
+    hf_config: Any,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    use_te: bool | None = None,
+    vpp: int | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    parallel_output: bool = True,
+    config_overrides: dict[str, Any] | None = None,
+    **config_kwargs: Any,
+) -> list[Any]:
+    """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (one without vpp).
+
+    Needs megatron's parallel_state (``init_parallel``). Each chunk has pre_process on the first
+    stage's first virtual chunk and post_process on the last stage's last chunk. Parameters are on
+    :func:`compat.device`. ``config_kwargs`` go to :func:`transformer_config_from_hf`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    compat.apply_cpu_compat()
+    hf_config = load_hf_config(hf_config)
+    spec = arch_spec(hf_config)
+    if vpp is None:
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    vpp = vpp if vpp and vpp > 1 else None
+    config = transformer_config_from_hf(
+        hf_config, params_dtype=params_dtype, vpp=vpp, **config_kwargs, **(config_overrides or {})
+    )
+    transformer_layer_spec = layer_spec(config, use_te)
+    tp = ps.get_tensor_model_parallel_world_size()
+    vocab = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
+    pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    dev = compat.device()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        first = pp_rank == 0 and vp_stage == 0
+        last = pp_rank == pp_size - 1 and vp_stage == (vpp or 1) - 1
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=transformer_layer_spec,
+            vocab_size=vocab,
+            max_sequence_length=getattr(hf_config, "max_position_embeddings", 4096),
+            pre_process=first,
+            post_process=last,
+            parallel_output=parallel_output,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rope_theta,
+            rope_scaling=spec.rope_scaling_factor is not None,
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+            vp_stage=vp_stage if vpp else None,
+        )
+        chunks.append(model.to(dev))
+    # HF vocab metadata for the weight maps and logit helpers.
+    for model in chunks:
+        model.hf_vocab_size = hf_config.vocab_size
+    return chunks
+
+
+def forward_logits(
+    model_chunks: list[Any],
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Full-vocabulary logits [batch, seq, hf_vocab] of one forward pass through the pipeline.
+
+    Every rank calls it with the same ``input_ids``; the last pipeline stage returns the logits
+    (TP-gathered, padding vocab rows dropped), other stages return None. Runs megatron's
+    forward-only pipeline schedule, so it exercises the same p2p path as training.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dev = compat.device()
+    input_ids = input_ids.to(dev)
+    batch, seq = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, seq)
+    position_ids = position_ids.to(dev)
+    hf_vocab = getattr(model_chunks[-1], "hf_vocab_size", None)
+    collected: list[torch.Tensor] = []
+
+    def forward_step(_data_iterator, model):
+        out = model(input_ids, position_ids, attention_mask)
+
+        def gather(output):
+            if not ps.is_pipeline_last_stage(ignore_virtual=True):
+                return output.sum() * 0, {}
+            logits = output
+            if getattr(model, "parallel_output", True):
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            collected.append(logits.detach()[..., :hf_vocab] if hf_vocab else logits.detach())
+            return output.sum() * 0, {}
+
+        return out, gather
+
+    for model in model_chunks:
+        model.eval()
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter([None]) for _ in model_chunks] if len(model_chunks) > 1 else iter([None]),
+            model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
+            num_microbatches=1,
+            seq_length=seq,
+            micro_batch_size=batch,
+            forward_only=True,
+        )
+    if not collected:
+        return None
+    return collected[0]
+
+
+def model_parallel_env_summary() -> str:
+    """One line naming the backend and layout, for logs."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        f"backend={compat.dist_backend()} device={compat.device()} "
+        f"tp={ps.get_tensor_model_parallel_world_size()} pp={ps.get_pipeline_model_parallel_world_size()} "
+        f"dp={ps.get_data_parallel_world_size()} pid={os.getpid()}"
+    )
