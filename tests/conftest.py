@@ -1,0 +1,34 @@
+"""Shared pytest fixtures.
+
+``tiny_hf_checkpoint`` is a factory: ``tiny_hf_checkpoint(family="qwen2", tie_word_embeddings=False,
+num_layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seed=0, max_shard_size=None)`` writes a
+random tiny HF checkpoint (config.json + safetensors + tokenizer) into a fresh tmp dir and
+returns its Path. Identical arguments within one test session return the same directory (the
+checkpoint is written once), so treat it as read-only. The same function without caching is
+``helpers.make_tiny_hf_checkpoint(path, ...)`` (tests/helpers.py; tests import it as ``from helpers import ...``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import make_tiny_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    cache: dict[tuple, Path] = {}
+
+    def make(**kwargs) -> Path:
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            target = tmp_path_factory.mktemp("tiny_hf") / "model"
+            cache[key] = make_tiny_hf_checkpoint(target, **kwargs)
+        return cache[key]
+
+    return make

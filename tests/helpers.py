@@ -1,0 +1,119 @@
+"""Shared test helpers: tiny random HF checkpoints (Qwen2 with GQA + qkv bias, Llama).
+
+``make_tiny_hf_checkpoint(path, ...)`` writes an HF model directory (config.json, safetensors,
+optionally sharded with model.safetensors.index.json, and a tiny word-level tokenizer) that
+``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads. Every weight, including norms
+and biases, is random (seeded), so a swapped or mis-sliced tensor changes the logits visibly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen2", "llama")
+
+
+def tiny_hf_config(
+    family: str = "qwen2",
+    tie_word_embeddings: bool = False,
+    num_layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 256,
+    intermediate: int | None = None,
+):
+    """The HF config object of a tiny model of ``family`` ("qwen2" or "llama")."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        torch_dtype="float32",
+    )
+    if family == "qwen2":
+        return Qwen2Config(rope_theta=10000.0, architectures=["Qwen2ForCausalLM"], **common)
+    if family == "llama":
+        return LlamaConfig(rope_theta=500000.0, architectures=["LlamaForCausalLM"], **common)
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+
+
+def _write_tokenizer(path: Path, vocab: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    words = [chr(c) for c in range(33, 127)] + [f"w{i}" for i in range(vocab)]
+    table = {tok: i for i, tok in enumerate((specials + words)[:vocab])}
+    tok = Tokenizer(models.WordLevel(vocab=table, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(str(path))
+
+
+def make_tiny_hf_checkpoint(
+    path,
+    family: str = "qwen2",
+    tie_word_embeddings: bool = False,
+    num_layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 256,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Write a random tiny HF checkpoint to ``path`` (created) and return it.
+
+    ``max_shard_size`` (e.g. "20KB") splits the weights into several safetensors files with an
+    index json, as large HF checkpoints are. Deterministic for a given ``seed``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_hf_config(family, tie_word_embeddings, num_layers, hidden, heads, kv_heads, vocab)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), safe_serialization=True, **kwargs)
+    if with_tokenizer:
+        _write_tokenizer(path, vocab)
+    return path
+
+
+def hf_state_dict(path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint directory (single file or sharded)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(path / f)))
+    return out
