@@ -336,8 +336,9 @@ def build_gpt_model(
             vp_stage=vp_stage if vpp else None,
         )
         chunks.append(model.to(dev))
-    # HF vocab metadata for the weight maps and logit helpers.
+    # The weight maps and logit helpers need the HF side of the model.
     for model in chunks:
+        model.hf_config = hf_config
         model.hf_vocab_size = hf_config.vocab_size
     return chunks
 
@@ -347,12 +348,16 @@ def forward_logits(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    micro_batch_size: int | None = None,
 ) -> torch.Tensor | None:
-    """Full-vocabulary logits [batch, seq, hf_vocab] of one forward pass through the pipeline.
+    """Full-vocabulary logits [batch, seq, hf_vocab] of a forward pass through the pipeline.
 
     Every rank calls it with the same ``input_ids``; the last pipeline stage returns the logits
     (TP-gathered, padding vocab rows dropped), other stages return None. Runs megatron's
-    forward-only pipeline schedule, so it exercises the same p2p path as training.
+    forward-only pipeline schedule, so it exercises the same p2p path as training. The batch is
+    split into micro-batches of ``micro_batch_size`` (default: one micro-batch; with virtual
+    pipeline stages megatron needs at least PP micro-batches, so the default is then
+    batch / PP).
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -364,19 +369,28 @@ def forward_logits(
     if position_ids is None:
         position_ids = torch.arange(seq, device=dev).unsqueeze(0).expand(batch, seq)
     position_ids = position_ids.to(dev)
+    if micro_batch_size is None:
+        pp = ps.get_pipeline_model_parallel_world_size()
+        micro_batch_size = batch // pp if len(model_chunks) > 1 else batch
+    if micro_batch_size < 1 or batch % micro_batch_size:
+        raise ValueError(f"batch {batch} is not divisible into micro-batches of {micro_batch_size}")
+    micro_batches = [
+        (input_ids[i : i + micro_batch_size], position_ids[i : i + micro_batch_size])
+        for i in range(0, batch, micro_batch_size)
+    ]
     hf_vocab = getattr(model_chunks[-1], "hf_vocab_size", None)
     collected: list[torch.Tensor] = []
 
-    def forward_step(_data_iterator, model):
-        out = model(input_ids, position_ids, attention_mask)
+    def forward_step(data_iterator, model):
+        ids, pos = next(data_iterator)
+        mask = None if attention_mask is None else attention_mask
+        out = model(ids, pos, mask)
+        post_process = getattr(model, "post_process", True)
 
         def gather(output):
-            if not ps.is_pipeline_last_stage(ignore_virtual=True):
-                return output.sum() * 0, {}
-            logits = output
-            if getattr(model, "parallel_output", True):
-                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-            collected.append(logits.detach()[..., :hf_vocab] if hf_vocab else logits.detach())
+            if post_process:
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(output)
+                collected.append(logits.detach()[..., :hf_vocab] if hf_vocab else logits.detach())
             return output.sum() * 0, {}
 
         return out, gather
@@ -386,16 +400,18 @@ def forward_logits(
     with torch.no_grad():
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=[iter([None]) for _ in model_chunks] if len(model_chunks) > 1 else iter([None]),
+            data_iterator=[iter(micro_batches) for _ in model_chunks]
+            if len(model_chunks) > 1
+            else iter(micro_batches),
             model=model_chunks if len(model_chunks) > 1 else model_chunks[0],
-            num_microbatches=1,
+            num_microbatches=len(micro_batches),
             seq_length=seq,
-            micro_batch_size=batch,
+            micro_batch_size=micro_batch_size,
             forward_only=True,
         )
     if not collected:
         return None
-    return collected[0]
+    return torch.cat(collected, dim=0)
 
 
 def model_parallel_env_summary() -> str:

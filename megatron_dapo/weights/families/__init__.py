@@ -1,0 +1,22 @@
+"""Per-architecture HF <-> Megatron weight maps."""
+
+from __future__ import annotations
+
+from megatron_dapo.weights.families.base import FamilyMap, Rule
+from megatron_dapo.weights.families.llama import LLAMA
+from megatron_dapo.weights.families.qwen2 import QWEN2
+
+FAMILIES: dict[str, FamilyMap] = {m.architecture: m for m in (QWEN2, LLAMA)}
+
+
+def family_map(architecture: str) -> FamilyMap:
+    """The weight map of an HF architecture name (e.g. "Qwen2ForCausalLM")."""
+    try:
+        return FAMILIES[architecture]
+    except KeyError:
+        raise ValueError(
+            f"no weight map for architecture {architecture!r}; supported: {', '.join(FAMILIES)}"
+        ) from None
+
+
+__all__ = ["FAMILIES", "FamilyMap", "Rule", "family_map"]

@@ -1,0 +1,185 @@
+"""Stream a live TP/PP-sharded Megatron model out as full HF-named tensors, in bounded buckets.
+
+This is what rollout engines receive after every optimizer step (``engine.load_weights(buckets)``)
+and what the Megatron -> HF converter writes.
+
+Protocol: every rank of a model-parallel group (all its TP and PP ranks) iterates
+:func:`iter_hf_buckets` in lockstep; each yields the same number of items. The *holder* of a
+group, its rank with ``pp_rank == 0 and tp_rank == 0`` (see :func:`is_bucket_holder`), gets
+``dict[str, Tensor]`` buckets; every other rank gets ``None`` at the same points. With DP/CP > 1
+each replica's group gathers independently, so there is one holder per DP x CP replica (global
+rank 0 is always one). Tensors are on the parameters' device, in the parameters' dtype, with
+exact HF names and shapes (vocabulary padding dropped; no ``lm_head.weight`` when the HF config
+ties embeddings).
+
+How: one all-gather of small metadata over the PP group fixes the global order (HF order) and
+owner stage of every tensor; then, per tensor, the owner stage's TP ranks all-gather their shards
+and the owner's TP rank 0 merges them into HF layout and, if it is not the holder's stage, sends
+them to the holder (point-to-point). A bucket is yielded when its bytes reach ``bucket_bytes``,
+so the holder keeps at most one bucket plus one tensor, and other ranks one tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.weights.layout import MERGERS, Dims
+from megatron_dapo.weights.model_io import hf_config_of, padded_vocab_of, unwrap
+from megatron_dapo.weights.plan import bind, dims_of, expected_hf_names
+
+
+@dataclass(frozen=True)
+class _Item:
+    key: int  # position of the first HF name in HF order
+    owner_pp: int
+    local_index: int  # index into the owner's exported bindings
+    kind: str
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(size * _numel(s) for s in self.hf_shapes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def is_bucket_holder() -> bool:
+    """Whether this rank receives the buckets of :func:`iter_hf_buckets` (others get None)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+
+
+def _hf_shapes(kind: str, shard_shape: tuple[int, ...], tp: int, dims: Dims) -> tuple[tuple[int, ...], ...]:
+    meta = torch.empty(shard_shape, device="meta")
+    shards = [meta] * (1 if kind == "replicated" else tp)
+    return tuple(tuple(t.shape) for t in MERGERS[kind](shards, dims))
+
+
+def _plan(model_chunks: list[Any]) -> tuple[list[_Item], list[Any], Dims]:
+    from megatron.core import parallel_state as ps
+
+    hf_config = hf_config_of(model_chunks)
+    dims = dims_of(hf_config, padded_vocab_of(model_chunks))
+    tp = ps.get_tensor_model_parallel_world_size()
+    order = {name: i for i, name in enumerate(expected_hf_names(hf_config))}
+    exported = [b for b in bind(model_chunks, hf_config) if b.export]
+    local = [
+        (
+            order[b.hf_names[0]],
+            i,
+            b.kind,
+            b.hf_names,
+            _hf_shapes(b.kind, tuple(b.param.shape), tp, dims),
+            b.param.dtype,
+        )
+        for i, b in enumerate(exported)
+    ]
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        gathered: list[Any] = [None] * pp
+        dist.all_gather_object(gathered, local, group=ps.get_pipeline_model_parallel_group())
+    else:
+        gathered = [local]
+    items = [
+        _Item(key, stage, i, kind, names, shapes, dtype)
+        for stage, entries in enumerate(gathered)
+        for key, i, kind, names, shapes, dtype in entries
+    ]
+    items.sort(key=lambda it: it.key)
+    missing = set(order) - {n for it in items for n in it.hf_names}
+    if missing:
+        raise RuntimeError(f"model chunks do not cover HF tensors {sorted(missing)[:5]} ...")
+    return items, exported, dims
+
+
+def _merged_on_owner(item: _Item, binding: Any, dims: Dims) -> list[torch.Tensor] | None:
+    """All TP ranks of the owner stage call this; TP rank 0 gets the HF tensors."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    local = binding.param.detach()
+    if item.kind == "replicated" or tp == 1:
+        shards = [local]
+    else:
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    if ps.get_tensor_model_parallel_rank() != 0:
+        return None
+    return [t.contiguous() for t in MERGERS[item.kind](shards, dims)]
+
+
+def iter_hf_buckets(
+    model_chunks: list[Any],
+    hf_config: Any | None = None,
+    bucket_bytes: int = 512 << 20,
+) -> Iterator[dict[str, torch.Tensor] | None]:
+    """Yield the model's full HF tensors in buckets of about ``bucket_bytes`` (see module doc).
+
+    ``hf_config`` defaults to the one the chunks were built from. Call on every TP and PP rank.
+    """
+    from megatron.core import parallel_state as ps
+
+    if hf_config is not None:
+        for chunk in model_chunks:
+            unwrap(chunk).hf_config = hf_config
+    items, exported, dims = _plan(model_chunks)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    holder = is_bucket_holder()
+    holder_global = ps.get_pipeline_model_parallel_first_rank()
+    bucket: dict[str, torch.Tensor] = {}
+    filled = 0
+    for item in items:
+        tensors: list[torch.Tensor] | None = None
+        if pp_rank == item.owner_pp:
+            tensors = _merged_on_owner(item, exported[item.local_index], dims)
+            if tensors is not None and item.owner_pp != 0:
+                for t in tensors:
+                    dist.send(t, holder_global)
+                tensors = None
+        if holder and item.owner_pp != 0:
+            src = _stage_tp0_global_rank(item.owner_pp)
+            tensors = []
+            for shape in item.hf_shapes:
+                buf = torch.empty(shape, dtype=item.dtype, device=exported[0].param.device)
+                dist.recv(buf, src)
+                tensors.append(buf)
+        if holder:
+            bucket.update(zip(item.hf_names, tensors))
+        filled += item.nbytes
+        if filled >= bucket_bytes:
+            yield bucket if holder else None
+            bucket, filled = {}, 0
+    if filled:
+        yield bucket if holder else None
+
+
+def _stage_tp0_global_rank(stage: int) -> int:
+    """Global rank of PP stage ``stage`` in the holder's pipeline group (the holder is TP rank 0)."""
+    from megatron.core import parallel_state as ps
+
+    return dist.get_global_rank(ps.get_pipeline_model_parallel_group(), stage)
+
+
+def gather_hf_state_dict(
+    model_chunks: list[Any], bucket_bytes: int = 512 << 20
+) -> dict[str, torch.Tensor] | None:
+    """The whole HF state dict on the holder (None elsewhere); for tests and small models."""
+    out: dict[str, torch.Tensor] | None = {} if is_bucket_holder() else None
+    for bucket in iter_hf_buckets(model_chunks, bucket_bytes=bucket_bytes):
+        if out is not None and bucket is not None:
+            out.update(bucket)
+    return out

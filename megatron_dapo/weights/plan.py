@@ -1,0 +1,111 @@
+"""Bind each parameter of this rank's Megatron model chunks to its HF tensors and layout."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_dapo.weights.families import Rule, family_map
+from megatron_dapo.weights.layout import Dims
+from megatron_dapo.weights.model_io import unwrap
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass
+class Binding:
+    """One local Megatron parameter, the HF tensors it holds (global layer index applied) and how.
+
+    ``export`` is False for the last stage's copy of a tied embedding (PP > 1): it is loaded from
+    ``model.embed_tokens.weight`` but never exported, since HF ties it to the first stage's copy.
+    """
+
+    chunk: int
+    megatron_name: str
+    param: torch.Tensor
+    hf_names: tuple[str, ...]
+    kind: str
+    export: bool = True
+
+
+def dims_of(hf_config: Any, padded_vocab_size: int) -> Dims:
+    from megatron_dapo.actor.model import arch_spec
+
+    spec = arch_spec(hf_config)
+    return Dims(
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        head_dim=spec.head_dim,
+        vocab_size=hf_config.vocab_size,
+        padded_vocab_size=padded_vocab_size,
+    )
+
+
+def _switches(hf_config: Any) -> set[str]:
+    from megatron_dapo.actor.model import arch_spec
+
+    spec = arch_spec(hf_config)
+    on = set()
+    if spec.qkv_bias:
+        on.add("qkv_bias")
+    if not spec.tie_word_embeddings:
+        on.add("untied")
+    return on
+
+
+def _index(rules: tuple[Rule, ...], on: set[str]) -> dict[str, Rule]:
+    return {name: r for r in rules if r.when is None or r.when in on for name in r.megatron}
+
+
+def bind(model_chunks: list[Any], hf_config: Any) -> list[Binding]:
+    """Bindings of every parameter of ``model_chunks`` in model order; raises naming any parameter
+    the family map does not cover (an unknown layer spec) or any HF tensor left unbound."""
+    from megatron_dapo.actor.model import arch_spec
+
+    spec = arch_spec(hf_config)
+    fmap = family_map(spec.architecture)
+    on = _switches(hf_config)
+    global_rules = _index(fmap.global_rules, on)
+    layer_rules = _index(fmap.layer_rules, on)
+    out: list[Binding] = []
+    for c, chunk in enumerate(model_chunks):
+        chunk = unwrap(chunk)
+        layers = chunk.decoder.layers
+        for name, param in chunk.named_parameters():
+            m = _LAYER.match(name)
+            if m:
+                rule = layer_rules.get(m.group(2))
+                if rule is None:
+                    raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({spec.architecture})")
+                layer = layers[int(m.group(1))].layer_number - 1
+                hf = tuple(h.format(i=layer) for h in rule.hf)
+                out.append(Binding(c, name, param, hf, rule.kind))
+            elif name == "output_layer.weight" and spec.tie_word_embeddings:
+                out.append(Binding(c, name, param, ("model.embed_tokens.weight",), "vocab", export=False))
+            elif name in global_rules:
+                rule = global_rules[name]
+                out.append(Binding(c, name, param, rule.hf, rule.kind))
+            else:
+                raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({spec.architecture})")
+    return out
+
+
+def expected_hf_names(hf_config: Any) -> list[str]:
+    """Every tensor name of the HF checkpoint of ``hf_config``, in HF's order."""
+    from megatron_dapo.actor.model import arch_spec
+
+    spec = arch_spec(hf_config)
+    fmap = family_map(spec.architecture)
+    on = _switches(hf_config)
+    live = [r for r in fmap.global_rules if r.when is None or r.when in on]
+    names = list(live[0].hf)
+    for i in range(hf_config.num_hidden_layers):
+        for r in fmap.layer_rules:
+            if r.when is None or r.when in on:
+                names.extend(h.format(i=i) for h in r.hf)
+    for r in live[1:]:
+        names.extend(r.hf)
+    return names
