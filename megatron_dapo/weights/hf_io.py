@@ -17,7 +17,9 @@ import torch
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt", ".distcp")
+# Files of a megatron dist checkpoint that sit next to the copied HF metadata.
+_NOT_HF_METADATA = {INDEX, "metadata.json", ".metadata", "common.pt", "megatron_dapo_model.json"}
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -113,7 +115,7 @@ def copy_hf_metadata(hf_dir: str | os.PathLike, target_dir: str | os.PathLike) -
     dst.mkdir(parents=True, exist_ok=True)
     copied = []
     for f in sorted(src.iterdir()):
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != INDEX:
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _NOT_HF_METADATA:
             shutil.copy2(f, dst / f.name)
             copied.append(f.name)
     return copied

@@ -1,0 +1,104 @@
+"""`megatron-dapo convert hf-to-megatron|megatron-to-hf`: checkpoint conversion (also tools/convert_*.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_hf_to_megatron_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
+    p.add_argument("--megatron-dir", required=True, help="output Megatron dist checkpoint directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size to write (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to write (default 1)")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
+    p.add_argument("--dtype", default="auto", help="auto (the HF config's), float32, bfloat16, float16")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_megatron_to_hf_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--megatron-dir", required=True, help="Megatron dist checkpoint (converter or trainer)")
+    p.add_argument("--hf-dir", required=True, help="output HF model directory")
+    p.add_argument(
+        "--hf-config-dir",
+        default=None,
+        help="HF config + tokenizer source (default: the copies in --megatron-dir)",
+    )
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size (default 5)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert checkpoints between HF and Megatron dist-checkpoint formats")
+    directions = p.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+    h2m = directions.add_parser(
+        "hf-to-megatron", help="HF safetensors -> Megatron dist checkpoint (any TP/PP)"
+    )
+    add_hf_to_megatron_args(h2m)
+    h2m.set_defaults(func=run_hf_to_megatron)
+    m2h = directions.add_parser(
+        "megatron-to-hf", help="Megatron dist checkpoint (any layout) -> HF safetensors"
+    )
+    add_megatron_to_hf_args(m2h)
+    m2h.set_defaults(func=run_megatron_to_hf)
+
+
+def _report_errors(fn):
+    def run(args: argparse.Namespace) -> int:
+        from megatron_dapo.actor.spawn import RankFailed
+
+        try:
+            out = fn(args)
+        except (ValueError, FileNotFoundError, FileExistsError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except RankFailed as e:
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            print(f"error: {lines[-1]}\n\n{e}", file=sys.stderr)
+            return 1
+        print(f"wrote {out}")
+        return 0
+
+    return run
+
+
+@_report_errors
+def _hf_to_megatron(args: argparse.Namespace):
+    from megatron_dapo.weights.convert import hf_to_megatron
+
+    return hf_to_megatron(
+        args.hf_dir,
+        args.megatron_dir,
+        tp=args.tp,
+        pp=args.pp,
+        vpp=args.vpp,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+
+
+@_report_errors
+def _megatron_to_hf(args: argparse.Namespace):
+    from megatron_dapo.weights.convert import megatron_to_hf
+
+    return megatron_to_hf(
+        args.megatron_dir,
+        args.hf_dir,
+        hf_config_dir=args.hf_config_dir,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        max_shard_bytes=int(args.max_shard_size_gb * (1 << 30)),
+        progress=not args.no_progress,
+    )
+
+
+def run_hf_to_megatron(args: argparse.Namespace) -> int:
+    return _hf_to_megatron(args)
+
+
+def run_megatron_to_hf(args: argparse.Namespace) -> int:
+    return _megatron_to_hf(args)
