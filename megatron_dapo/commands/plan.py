@@ -1,0 +1,76 @@
+"""`megatron-dapo plan CONFIG [key=value ...]`: memory, fit and time estimate without GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="estimate parameters, per-GPU memory, fit (with fixes) and step time of a recipe",
+        description="Read CONFIG (+ overrides) and the model's config.json (or the built-in Qwen2.5 table for "
+        "hub names) and print per-role memory, whether it fits, and a rollout/train time split.",
+    )
+    p.add_argument("config", help="YAML recipe, e.g. configs/dapo_qwen2.5_32b.yaml")
+    p.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. parallel.pipeline_model_parallel_size=4"
+    )
+    p.add_argument(
+        "--gpu", default="h100", help="h100 (default), h200 or a100: memory, peak FLOPS, bandwidth"
+    )
+    p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in GiB (default: the --gpu's)")
+    p.add_argument("--num-gpus", type=int, default=None, help="total GPUs (default: from the config)")
+    p.add_argument(
+        "--mean-prompt-len", type=float, default=None, help="assumed mean prompt tokens (default 200)"
+    )
+    p.add_argument(
+        "--mean-response-frac", type=float, default=0.25, help="assumed mean response / max (0.25)"
+    )
+    p.add_argument(
+        "--keep-rate", type=float, default=0.5, help="assumed fraction of mixed-reward groups (0.5)"
+    )
+    p.add_argument(
+        "--decode-tok-s-per-gpu", type=float, default=None, help="measured decode tokens/s per GPU"
+    )
+    p.add_argument("--mfu", type=float, default=0.30, help="assumed training MFU (0.30)")
+    p.add_argument("--overhead-gb", type=float, default=5.0, help="assumed per-GPU runtime overhead, GiB (5)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.plan import Assumptions, gpu_for, inputs_from_config, make_plan, resolve_model_shape
+    from megatron_dapo.plan.report import render
+
+    try:
+        cfg = load_config(args.config, list(args.overrides))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    for name in ("keep_rate", "mfu", "mean_response_frac"):
+        value = getattr(args, name)
+        if not 0 < value <= 1:
+            print(f"plan: --{name.replace('_', '-')}={value} must be in (0, 1]", file=sys.stderr)
+            return 2
+    try:
+        shape = resolve_model_shape(cfg.model.path)
+        gpu = gpu_for(args.gpu, args.gpu_mem_gb)
+        assumptions = Assumptions(
+            mean_prompt_len=args.mean_prompt_len,
+            mean_response_frac=args.mean_response_frac,
+            keep_rate=args.keep_rate,
+            decode_tok_s_per_gpu=args.decode_tok_s_per_gpu,
+            mfu=args.mfu,
+            overhead_gib=args.overhead_gb,
+        )
+        plan = make_plan(inputs_from_config(cfg), shape, gpu, assumptions, args.num_gpus)
+    except ValueError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    render(plan, Console(width=160))
+    # Non-zero when something does not fit, so a launch script can refuse a recipe that would OOM.
+    return 0 if plan.fits else 1

@@ -1,0 +1,106 @@
+"""Model shapes for the planner: read from an HF `config.json`, or from a built-in table of the
+Qwen2.5 family so `megatron-dapo plan` works offline when `model.path` is a hub name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a decoder-only transformer that size its parameters and memory."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    head_dim: int
+    qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
+    gated_mlp: bool = True  # SwiGLU: gate + up + down projections.
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _qwen(name, hidden, inter, layers, heads, kv, vocab, tied) -> ModelShape:
+    return ModelShape(name, hidden, inter, layers, heads, kv, vocab, tied, hidden // heads)
+
+
+# From each model's config.json on the hub (Qwen/Qwen2.5-*; the -Instruct and -Math variants of the
+# same size share these shapes).
+QWEN2_5: dict[str, ModelShape] = {
+    s.name: s
+    for s in (
+        _qwen("Qwen2.5-0.5B", 896, 4864, 24, 14, 2, 151936, True),
+        _qwen("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2, 151936, True),
+        _qwen("Qwen2.5-3B", 2048, 11008, 36, 16, 2, 151936, True),
+        _qwen("Qwen2.5-7B", 3584, 18944, 28, 28, 4, 152064, False),
+        _qwen("Qwen2.5-14B", 5120, 13824, 48, 40, 8, 152064, False),
+        _qwen("Qwen2.5-32B", 5120, 27648, 64, 40, 8, 152064, False),
+    )
+}
+
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def shape_from_hf_config(cfg: dict, name: str = "model") -> ModelShape:
+    """A ModelShape from the dict of an HF `config.json` (Qwen2 / Llama style keys)."""
+    missing = [k for k in _REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"{name}: config.json lacks {', '.join(missing)}; is it a decoder-only LM config?")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    model_type = str(cfg.get("model_type", "qwen2"))
+    # Qwen2 always has q/k/v biases; Llama-style configs say so with `attention_bias`.
+    qkv_bias = bool(cfg.get("attention_bias", model_type.startswith("qwen2")))
+    return ModelShape(
+        name=name,
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        vocab_size=int(cfg["vocab_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        qkv_bias=qkv_bias,
+    )
+
+
+def _table_key(path: str) -> str | None:
+    """'Qwen/Qwen2.5-32B-Instruct' or '/ckpt/qwen2.5-7b-math' -> the table's size entry."""
+    base = path.rstrip("/").rsplit("/", 1)[-1].lower()
+    for key in sorted(QWEN2_5, key=len, reverse=True):
+        stem = key.lower()
+        if base == stem or base.startswith(stem + "-"):
+            return key
+    return None
+
+
+def resolve_model_shape(path: str) -> ModelShape:
+    """`path/config.json` when it exists, else the built-in Qwen2.5 entry the name points at."""
+    f = Path(path) / "config.json"
+    if f.is_file():
+        try:
+            return shape_from_hf_config(json.loads(f.read_text()), name=str(path))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model.path: {f} is not valid JSON ({e})") from e
+    key = _table_key(path)
+    if key is None:
+        known = ", ".join(f"Qwen/{k}" for k in QWEN2_5)
+        raise ValueError(
+            f"model.path={path!r}: no config.json there and not a known hub name; point model.path at an "
+            f"HF checkpoint directory or use one of {known}"
+        )
+    return QWEN2_5[key]

@@ -1,0 +1,463 @@
+"""Put the arithmetic together: roles and GPU counts, per-GPU memory of each role, whether it fits
+(with a fix when it does not), tokens per step and the rollout/train time split."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from megatron_dapo.plan.gpus import GPU
+from megatron_dapo.plan.inputs import Assumptions, PlanInputs, as_overrides
+from megatron_dapo.plan.memory import (
+    GIB,
+    EngineMemory,
+    StaticState,
+    activation_bytes,
+    engine_memory,
+    in_flight_microbatches,
+    logits_bytes,
+    static_state_bytes,
+)
+from megatron_dapo.plan.models import ModelShape
+from megatron_dapo.plan.params import count_params, padded_vocab, params_per_gpu
+from megatron_dapo.plan.throughput import (
+    StepTokens,
+    TimeSplit,
+    forward_flops_per_token,
+    step_tokens,
+    time_split,
+)
+
+
+@dataclass(frozen=True)
+class Roles:
+    total_gpus: int
+    actor_gpus: int
+    rollout_gpus: int
+    colocated: bool
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Peak bytes on one actor GPU of a pipeline stage during the train phase."""
+
+    stage: str
+    params: int
+    state: StaticState
+    activations: float
+    activations_other: float  # the same stage with recompute toggled, for comparison
+    logits: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.state.total + self.activations + self.logits + self.overhead
+
+
+@dataclass(frozen=True)
+class Check:
+    role: str
+    ok: bool
+    what: str
+    fix: list[str] | None = None  # config overrides that make it pass
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    gpu: GPU
+    inputs: PlanInputs
+    roles: Roles
+    total_params: int
+    num_microbatches: int
+    stages: list[StageMemory]
+    engine: EngineMemory
+    rollout_phase_bytes: float | None  # colocated: actor resident + engine, during generation
+    tokens: StepTokens
+    times: TimeSplit
+    checks: list[Check]
+    assumptions: list[tuple[str, str, str]]  # (name, value, why)
+
+    @property
+    def fits(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def actor_peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+
+def resolve_assumptions(
+    p: PlanInputs, shape: ModelShape, gpu: GPU, a: Assumptions, total_params: int
+) -> dict:
+    """Fill the defaults that depend on the config (mean lengths, decode rate)."""
+    mean_prompt = a.mean_prompt_len if a.mean_prompt_len is not None else min(200.0, p.max_prompt_length)
+    mean_response = a.mean_response_frac * p.max_response_length
+    # Decode is bound by HBM bandwidth at high concurrency; ~40k tok/s per H100 divided by the model's
+    # size in billions matches published large-batch SGLang figures within ~2x. Measure and pass yours.
+    decode = a.decode_tok_s_per_gpu or 40_000.0 / (total_params / 1e9) * (gpu.hbm_tb_s / 3.35)
+    return {"mean_prompt": mean_prompt, "mean_response": mean_response, "decode": decode}
+
+
+def assign_roles(p: PlanInputs, num_gpus: int | None) -> tuple[Roles, PlanInputs]:
+    """Colocated: actor and engines share every GPU. Disaggregated: trainer.rollout_gpus for the
+    engines, the rest for the actor. `num_gpus` (e.g. --num-gpus) resizes the actor world."""
+    if p.placement == "colocated":
+        total = num_gpus or p.actor_world_size
+        p = replace(p, actor_world_size=total)
+        return Roles(total, total, total, True), p
+    rollout = p.rollout_gpus
+    total = num_gpus or p.actor_world_size + rollout
+    if total <= rollout:
+        raise ValueError(f"{total} GPUs leave none for the actor after trainer.rollout_gpus={rollout}")
+    p = replace(p, actor_world_size=total - rollout)
+    return Roles(total, total - rollout, rollout, False), p
+
+
+def _num_microbatches(p: PlanInputs, mean_seq: float, packing: float) -> int:
+    tokens_per_dp_rank = p.ppo_mini_batch_size * p.n * mean_seq / max(1, p.dp)
+    return max(1, math.ceil(tokens_per_dp_rank / (p.micro_batch_max_tokens * packing)))
+
+
+def actor_stages(
+    p: PlanInputs, shape: ModelShape, a: Assumptions, mean_seq: float
+) -> tuple[list[StageMemory], int]:
+    """Train-phase memory of the first and last pipeline stage (the heaviest two)."""
+    vocab = padded_vocab(shape.vocab_size, p.make_vocab_size_divisible_by, p.tp)
+    micro = _num_microbatches(p, mean_seq, a.packing_efficiency)
+    # A micro-batch is at most the token budget, but never less than one whole sequence.
+    tokens = max(p.micro_batch_max_tokens, p.max_seq_len) / p.cp
+    out = []
+    for st in params_per_gpu(shape, p.tp, p.pp, p.make_vocab_size_divisible_by):
+        stage_index = 0 if st.stage in ("first", "only") else p.pp - 1
+        flight = in_flight_microbatches(stage_index, p.pp, micro, p.vpp)
+        act = [
+            activation_bytes(shape, tokens, st.layers, flight, p.tp, p.sequence_parallel, rc)
+            for rc in (p.recompute, not p.recompute)
+        ]
+        out.append(
+            StageMemory(
+                stage=st.stage if p.pp > 1 else "only",
+                params=st.params,
+                state=static_state_bytes(st.params, p.dtype, p.dp * p.cp, p.use_distributed_optimizer),
+                activations=act[0],
+                activations_other=act[1],
+                logits=logits_bytes(tokens, vocab, p.tp) if st.has_head else 0.0,
+                overhead=a.overhead_gib * GIB,
+            )
+        )
+    return out, micro
+
+
+def _actor_fits(
+    p: PlanInputs, shape: ModelShape, gpu: GPU, a: Assumptions, mean_seq: float, colocated: bool
+) -> bool:
+    stages, _ = actor_stages(p, shape, a, mean_seq)
+    budget = gpu.memory_gib * GIB - (a.paused_engine_gib * GIB if colocated else 0)
+    if any(s.total > budget for s in stages):
+        return False
+    if colocated:
+        resident = max(s.state.total for s in stages)
+        during_rollout = resident + gpu.memory_gib * GIB * p.mem_fraction_static + a.sglang_runtime_gib * GIB
+        return during_rollout <= gpu.memory_gib * GIB
+    return True
+
+
+def valid_tp(shape: ModelShape, limit: int = 8) -> list[int]:
+    """TP sizes that divide the attention and KV heads, within one node (NVLink)."""
+    return [t for t in range(1, limit + 1) if shape.num_heads % t == 0 and shape.num_kv_heads % t == 0]
+
+
+def find_actor_fix(
+    p: PlanInputs, shape: ModelShape, gpu: GPU, a: Assumptions, mean_seq: float, colocated: bool
+) -> dict | None:
+    """The cheapest change of layout/recompute/optimizer/micro-batch budget that fits, or None.
+
+    Cost: model-parallel size tp*pp (more of it means smaller, slower GEMMs and more
+    communication), x1.33 for full recompute (one extra forward), x1.05 for a smaller micro-batch
+    budget (more, shorter micro-batches). The world size and the mini-batch stay as configured.
+    """
+    tps = [t for t in valid_tp(shape) if t >= p.tp]
+    pps = [d for d in range(p.pp, min(shape.num_layers, 16) + 1) if shape.num_layers % d == 0]
+    budgets = sorted({p.micro_batch_max_tokens, max(p.max_seq_len, 1024 * math.ceil(p.max_seq_len / 1024))})
+    budgets = [b for b in budgets if b <= p.micro_batch_max_tokens] or [p.micro_batch_max_tokens]
+    best: tuple[float, int, dict] | None = None
+    for tp in tps:
+        for pp in pps:
+            mp = tp * pp * p.cp
+            if p.actor_world_size % mp or (p.ppo_mini_batch_size * p.n) % (p.actor_world_size // mp):
+                continue
+            for rc in sorted({p.recompute, True}):
+                for mbt in budgets:
+                    change = {
+                        "tp": tp,
+                        "pp": pp,
+                        "recompute": rc,
+                        "micro_batch_max_tokens": mbt,
+                        "use_distributed_optimizer": True,
+                        "sequence_parallel": tp > 1 or p.sequence_parallel,
+                        "vpp": p.vpp if pp > 1 else None,
+                    }
+                    cand = replace(p, **change)
+                    if not _actor_fits(cand, shape, gpu, a, mean_seq, colocated):
+                        continue
+                    diff = {k: v for k, v in change.items() if getattr(p, k) != v}
+                    cost = tp * pp * (1.33 if rc else 1.0) * (1.05 if mbt < p.micro_batch_max_tokens else 1.0)
+                    key = (cost, len(diff), diff)
+                    if best is None or key[:2] < best[:2]:
+                        best = key
+    return best[2] if best else None
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f} GiB"
+
+
+def _layout_checks(p: PlanInputs, shape: ModelShape, roles: Roles) -> list[Check]:
+    out = []
+    if shape.num_heads % p.tp or shape.num_kv_heads % p.tp:
+        tps = ", ".join(map(str, valid_tp(shape, 64)))
+        out.append(
+            Check(
+                "actor",
+                False,
+                f"TP={p.tp} must divide {shape.num_heads} heads and {shape.num_kv_heads} "
+                f"KV heads (valid: {tps})",
+                None,
+            )
+        )
+    if shape.num_layers % (p.pp * (p.vpp or 1)):
+        out.append(
+            Check(
+                "actor",
+                False,
+                f"{shape.num_layers} layers do not split into PP={p.pp} x VPP={p.vpp or 1} equal stages",
+                None,
+            )
+        )
+    mp = p.tp * p.pp * p.cp
+    if roles.actor_gpus % mp:
+        out.append(
+            Check("actor", False, f"{roles.actor_gpus} actor GPUs are not a multiple of TP*PP*CP={mp}", None)
+        )
+    if p.micro_batch_max_tokens < p.max_seq_len:
+        need = 1024 * math.ceil(p.max_seq_len / 1024)
+        out.append(
+            Check(
+                "actor",
+                False,
+                f"micro-batch budget {p.micro_batch_max_tokens} tokens < one full sequence "
+                f"({p.max_prompt_length}+{p.max_response_length}={p.max_seq_len})",
+                [f"actor.micro_batch_max_tokens={need}"],
+            )
+        )
+    return out
+
+
+def _engine_checks(
+    p: PlanInputs,
+    shape: ModelShape,
+    roles: Roles,
+    eng: EngineMemory,
+    gpu: GPU,
+    a: Assumptions,
+    mean_seq: float,
+) -> list[Check]:
+    out = []
+    t = p.engine_tp
+    if shape.num_heads % t or (shape.num_kv_heads % t and t % shape.num_kv_heads):
+        out.append(
+            Check(
+                "rollout",
+                False,
+                f"SGLang TP={t} must divide the {shape.num_heads} heads (and divide or be a "
+                f"multiple of the {shape.num_kv_heads} KV heads)",
+                [f"rollout.tensor_parallel_size={max(d for d in valid_tp(shape) if d <= t)}"],
+            )
+        )
+    engines = roles.rollout_gpus // t
+    if p.num_engines * t != roles.rollout_gpus:
+        out.append(
+            Check(
+                "rollout",
+                False,
+                f"rollout.num_engines={p.num_engines} x TP={t} = {p.num_engines * t} GPUs, "
+                f"but the rollout role has {roles.rollout_gpus}",
+                [f"rollout.num_engines={engines}"],
+            )
+        )
+    if not roles.colocated:
+        used = eng.static_pool + a.sglang_runtime_gib * GIB
+        if used > gpu.memory_gib * GIB:
+            frac = math.floor((gpu.memory_gib - a.sglang_runtime_gib) / gpu.memory_gib * 20) / 20
+            out.append(
+                Check(
+                    "rollout",
+                    False,
+                    f"engine needs {_gib(used)} > {gpu.memory_gib:g} GiB",
+                    [f"rollout.sglang.mem_fraction_static={frac:.2f}"],
+                )
+            )
+    if eng.kv_tokens < p.max_seq_len:
+        bigger = [d for d in valid_tp(shape) if d > t]
+        fix = (
+            [
+                f"rollout.tensor_parallel_size={bigger[0]}",
+                f"rollout.num_engines={roles.rollout_gpus // bigger[0]}",
+            ]
+            if bigger
+            else None
+        )
+        out.append(
+            Check(
+                "rollout",
+                False,
+                f"KV cache holds {eng.kv_tokens} tokens per engine, less than one "
+                f"{p.max_seq_len}-token sequence (weights {_gib(eng.weights)} of a {_gib(eng.static_pool)} pool)",
+                fix,
+            )
+        )
+    else:
+        out.append(
+            Check(
+                "rollout",
+                True,
+                f"KV cache {_gib(eng.kv_room)} = {eng.kv_tokens:,} tokens per engine: "
+                f"~{eng.kv_tokens / mean_seq:.0f} sequences at the mean length, "
+                f"{eng.kv_tokens // p.max_seq_len} at the maximum",
+            )
+        )
+    return out
+
+
+def make_plan(
+    p: PlanInputs, shape: ModelShape, gpu: GPU, a: Assumptions | None = None, num_gpus: int | None = None
+) -> Plan:
+    """The whole plan for config values `p` on `gpu`. Pure: no config files, no network."""
+    a = a or Assumptions()
+    roles, p = assign_roles(p, num_gpus)
+    total_params = count_params(shape).total(shape.num_layers)
+    r = resolve_assumptions(p, shape, gpu, a, total_params)
+    mean_seq = r["mean_prompt"] + r["mean_response"]
+    checks = _layout_checks(p, shape, roles)
+    layout_ok = all(c.ok for c in checks if c.fix is None)
+    stages, micro = actor_stages(p, shape, a, mean_seq) if layout_ok else ([], 0)
+
+    gpu_bytes = gpu.memory_gib * GIB
+    rollout_phase = None
+    if stages:
+        peak = max(stages, key=lambda s: s.total)
+        budget = gpu_bytes - (a.paused_engine_gib * GIB if roles.colocated else 0)
+        train_ok = peak.total <= budget
+        if roles.colocated:
+            resident = max(s.state.total for s in stages)
+            rollout_phase = resident + gpu_bytes * p.mem_fraction_static + a.sglang_runtime_gib * GIB
+        rollout_ok = rollout_phase is None or rollout_phase <= gpu_bytes
+        fix = None
+        if not (train_ok and rollout_ok):
+            change = find_actor_fix(p, shape, gpu, a, mean_seq, roles.colocated)
+            fix = as_overrides(change) if change is not None else None
+        checks.append(
+            Check(
+                "actor",
+                train_ok,
+                f"train phase: {_gib(peak.total)} on the {peak.stage} stage of {gpu.memory_gib:g} GiB",
+                None if train_ok else fix,
+            )
+        )
+        if rollout_phase is not None:
+            room = (gpu_bytes - resident - a.sglang_runtime_gib * GIB) / gpu_bytes
+            alt = (
+                [f"rollout.sglang.mem_fraction_static={math.floor(room * 20) / 20:.2f}"]
+                if room > 0.3
+                else fix
+            )
+            checks.append(
+                Check(
+                    "colocated",
+                    rollout_ok,
+                    f"generation phase: actor state {_gib(resident)} + SGLang "
+                    f"pool {_gib(gpu_bytes * p.mem_fraction_static)} + runtime {a.sglang_runtime_gib:g} GiB "
+                    f"= {_gib(rollout_phase)}",
+                    None if rollout_ok else alt,
+                )
+            )
+
+    eng = engine_memory(shape, total_params, p.engine_tp, gpu_bytes, p.mem_fraction_static)
+    checks += _engine_checks(p, shape, roles, eng, gpu, a, mean_seq)
+
+    tokens = step_tokens(
+        p.train_batch_size,
+        p.n,
+        p.gen_batch_size,
+        p.filter_groups,
+        p.max_num_gen_batches,
+        a.keep_rate,
+        r["mean_prompt"],
+        r["mean_response"],
+    )
+    times = time_split(
+        tokens,
+        forward_flops_per_token(shape, total_params, mean_seq),
+        p.ppo_epochs,
+        p.recompute,
+        roles.rollout_gpus,
+        roles.actor_gpus,
+        r["decode"],
+        gpu.bf16_tflops,
+        a.mfu,
+    )
+    assumptions = [
+        (
+            "mean prompt length",
+            f"{r['mean_prompt']:.0f} tokens",
+            "DAPO-Math prompts with the template are ~100-300",
+        ),
+        (
+            "mean response length",
+            f"{r['mean_response']:.0f} tokens",
+            f"{a.mean_response_frac:g} x max_response_length; the paper's 32B run grows from ~1k to ~5-6k",
+        ),
+        (
+            "mixed-group keep rate",
+            f"{a.keep_rate:g}",
+            "fraction of groups with reward spread (dynamic sampling)",
+        ),
+        (
+            "decode throughput",
+            f"{r['decode']:,.0f} tok/s per GPU",
+            "40k / params[B] x HBM/3.35 TB/s, high concurrency; prefill and the long tail ignored",
+        ),
+        ("training MFU", f"{a.mfu:g}", f"of {gpu.bf16_tflops:g} dense BF16 TFLOPS"),
+        ("actor overhead", f"{a.overhead_gib:g} GiB", "CUDA context, NCCL buffers, allocator fragmentation"),
+        (
+            "SGLang runtime",
+            f"{a.sglang_runtime_gib:g} GiB",
+            "outside the static pool: CUDA graphs, activations",
+        ),
+        ("micro-batch packing", f"{a.packing_efficiency:g}", "filled fraction of the token budget"),
+        ("grads", "fp32", "Megatron reduces bf16 grads in fp32 (main_grad)"),
+    ]
+    if roles.colocated:
+        assumptions.append(
+            (
+                "paused engine",
+                f"{a.paused_engine_gib:g} GiB",
+                "SGLang's footprint while released (memory saver) during training",
+            )
+        )
+    return Plan(
+        shape,
+        gpu,
+        p,
+        roles,
+        total_params,
+        micro,
+        stages,
+        eng,
+        rollout_phase,
+        tokens,
+        times,
+        checks,
+        assumptions,
+    )

@@ -1,0 +1,93 @@
+"""Tokens per DAPO step and a rollout / train time split from stated throughput assumptions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_dapo.plan.models import ModelShape
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    gen_rounds: int
+    generated_prompts: int
+    generated_responses: int
+    decode_tokens: float  # response tokens the engines generate
+    train_sequences: int
+    train_tokens: float  # prompt + response tokens the actor trains on
+
+
+def step_tokens(
+    train_batch: int,
+    n: int,
+    gen_batch: int,
+    filter_groups: bool,
+    max_rounds: int,
+    keep_rate: float,
+    mean_prompt: float,
+    mean_response: float,
+) -> StepTokens:
+    """With dynamic sampling, rounds of `gen_batch` prompts are generated until `train_batch` mixed
+    groups are kept: ceil(train_batch / (gen_batch * keep_rate)) rounds, capped by the budget.
+    Without it, exactly the train batch is generated."""
+    if filter_groups:
+        rounds = max(1, math.ceil(train_batch / (gen_batch * keep_rate)))
+        if max_rounds > 0:
+            rounds = min(rounds, max_rounds)
+        prompts = rounds * gen_batch
+    else:
+        rounds, prompts = 1, train_batch
+    return StepTokens(
+        gen_rounds=rounds,
+        generated_prompts=prompts,
+        generated_responses=prompts * n,
+        decode_tokens=prompts * n * mean_response,
+        train_sequences=train_batch * n,
+        train_tokens=train_batch * n * (mean_prompt + mean_response),
+    )
+
+
+def forward_flops_per_token(m: ModelShape, total_params: int, mean_seq: float) -> float:
+    """2 FLOPs per matmul weight (the embedding lookup is not a matmul unless it is tied to the
+    head) plus causal attention: QK^T and PV over on average mean_seq/2 keys, 2*2*(mean_seq/2)*q
+    per layer. Using the mean length underestimates attention a little (E[s^2] > E[s]^2)."""
+    matmul = total_params - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
+    return 2 * matmul + 2 * m.num_layers * m.q_dim * mean_seq
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    rollout_s: float
+    train_s: float
+    train_flops: float
+
+    @property
+    def step_s(self) -> float:
+        return self.rollout_s + self.train_s
+
+    @property
+    def rollout_fraction(self) -> float:
+        return self.rollout_s / self.step_s if self.step_s else 0.0
+
+
+def time_split(
+    tokens: StepTokens,
+    fwd_flops_per_token: float,
+    ppo_epochs: int,
+    recompute: bool,
+    rollout_gpus: int,
+    actor_gpus: int,
+    decode_tok_s_per_gpu: float,
+    peak_tflops: float,
+    mfu: float,
+) -> TimeSplit:
+    """Rollout: decode tokens / (per-GPU decode rate * rollout GPUs), prefill and the long tail
+    ignored. Train: one forward for the old log-probs, then per epoch forward + backward (3
+    forwards' worth) plus one more forward under full recompute, at `mfu` of peak. The DAPO step is
+    synchronous, so the two add up whether the roles share GPUs or not."""
+    rollout_s = tokens.decode_tokens / (decode_tok_s_per_gpu * rollout_gpus)
+    passes = 1 + ppo_epochs * (3 + (1 if recompute else 0))
+    flops = tokens.train_tokens * fwd_flops_per_token * passes
+    train_s = flops / (actor_gpus * peak_tflops * 1e12 * mfu)
+    return TimeSplit(rollout_s, train_s, flops)
