@@ -1,0 +1,95 @@
+"""Every recipe in configs/ loads and validates; the DAPO recipes carry the paper's settings and fit."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ALL = sorted(CONFIGS.glob("*.yaml"))
+RECIPES = [p for p in ALL if p.name.startswith(("dapo_", "grpo_"))]
+
+
+def test_the_recipes_are_there():
+    names = {p.name for p in ALL}
+    assert {
+        "dapo_qwen2.5_32b.yaml",
+        "dapo_qwen2.5_7b.yaml",
+        "dapo_qwen2.5_1.5b_1node.yaml",
+        "grpo_baseline.yaml",
+    } <= names
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_every_config_loads_and_validates(path):
+    cfg = load_config(path)
+    assert cfg.model.path
+
+
+def test_32b_recipe_is_the_papers_run():
+    c = load_config(CONFIGS / "dapo_qwen2.5_32b.yaml")
+    o, a, r = c.optim, c.algorithm, c.rollout
+    assert (o.lr, o.lr_scheduler, o.lr_warmup_steps, o.weight_decay, o.clip_grad) == (
+        1e-6,
+        "constant",
+        10,
+        0.1,
+        1.0,
+    )
+    assert (c.trainer.train_batch_size, r.n, c.actor.ppo_mini_batch_size) == (512, 16, 32)
+    assert (c.data.max_prompt_length, c.data.max_response_length) == (2048, 20480)
+    assert (a.overlong_buffer.enable, a.overlong_buffer.len, a.overlong_buffer.penalty_factor) == (
+        True,
+        4096,
+        1.0,
+    )
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode) == (
+        0.2,
+        0.28,
+        10.0,
+        "token-mean",
+    )
+    assert (a.filter_groups.enable, a.filter_groups.metric, a.filter_groups.max_num_gen_batches) == (
+        True,
+        "acc",
+        10,
+    )
+    assert (r.gen_batch_size, r.temperature, r.top_p) == (1536, 1.0, 1.0)
+    assert (r.val.n, r.val.temperature, r.val.top_p) == (32, 1.0, 0.7)
+    assert c.parallel.actor_world_size == 128 and r.num_engines * r.tensor_parallel_size == 128
+    assert c.trainer.resume == "auto"
+    assert any("dapo-math-17k" in f for f in c.data.train_files) and any(
+        "aime-2024" in f for f in c.data.val_files
+    )
+
+
+def test_grpo_baseline_turns_off_every_dapo_piece():
+    g = load_config(CONFIGS / "grpo_baseline.yaml")
+    a = g.algorithm
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.2, None)
+    assert a.loss_agg_mode == "seq-mean-token-mean"
+    assert not a.filter_groups.enable and not a.overlong_buffer.enable
+    base = load_config(CONFIGS / "dapo_qwen2.5_7b.yaml")
+    assert (g.model.path, g.trainer.train_batch_size, g.rollout.n) == (
+        base.model.path,
+        base.trainer.train_batch_size,
+        base.rollout.n,
+    )
+
+
+def test_single_node_recipes_use_one_node():
+    for name in ("dapo_qwen2.5_7b.yaml", "dapo_qwen2.5_1.5b_1node.yaml"):
+        c = load_config(CONFIGS / name)
+        assert c.parallel.actor_world_size == 8
+        assert c.rollout.num_engines * c.rollout.tensor_parallel_size == 8
+        assert c.algorithm.overlong_buffer.len < c.data.max_response_length
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipes_fit_per_the_planner(path):
+    from megatron_dapo.plan import gpu_for, inputs_from_config, make_plan, resolve_model_shape
+
+    cfg = load_config(path)
+    plan = make_plan(inputs_from_config(cfg), resolve_model_shape(cfg.model.path), gpu_for("h100"))
+    assert plan.fits, [c for c in plan.checks if not c.ok]
