@@ -16,6 +16,7 @@ import torch
 
 from megatron_dapo.weights.atomic import atomic_directory
 from megatron_dapo.weights.hf_io import CheckpointError, SafetensorsReader
+from megatron_dapo.weights.plan import expected_hf_shapes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,8 +36,12 @@ def _check_hf_dir(hf_dir: str | os.PathLike):
     config = load_hf_config(hf_dir)
     arch_spec(config)
     reader = SafetensorsReader(hf_dir)  # opens index + headers: names missing/corrupt files
-    for f in sorted(set(reader.weight_map.values())):
-        reader._open(f)
+    for name, shape in expected_hf_shapes(config).items():
+        got = reader.shape(name)
+        if got != shape:
+            raise CheckpointError(
+                f"{hf_dir}: tensor {name!r} has shape {got}, but config.json implies {shape}"
+            )
     return config
 
 

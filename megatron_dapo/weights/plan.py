@@ -109,3 +109,37 @@ def expected_hf_names(hf_config: Any) -> list[str]:
     for r in live[1:]:
         names.extend(r.hf)
     return names
+
+
+def expected_hf_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of every HF tensor implied by ``hf_config`` (to reject mismatching checkpoints
+    before any rank starts)."""
+    from megatron_dapo.actor.model import arch_spec
+
+    spec = arch_spec(hf_config)
+    h, hd, v = hf_config.hidden_size, spec.head_dim, hf_config.vocab_size
+    heads = hf_config.num_attention_heads
+    kv = hf_config.num_key_value_heads or heads
+    ffn = hf_config.intermediate_size
+    by_suffix = {
+        "embed_tokens.weight": (v, h),
+        "lm_head.weight": (v, h),
+        "norm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "q_proj.weight": (heads * hd, h),
+        "k_proj.weight": (kv * hd, h),
+        "v_proj.weight": (kv * hd, h),
+        "q_proj.bias": (heads * hd,),
+        "k_proj.bias": (kv * hd,),
+        "v_proj.bias": (kv * hd,),
+        "o_proj.weight": (h, heads * hd),
+        "gate_proj.weight": (ffn, h),
+        "up_proj.weight": (ffn, h),
+        "down_proj.weight": (h, ffn),
+    }
+    out = {}
+    for name in expected_hf_names(hf_config):
+        suffix = ".".join(name.split(".")[-2:])
+        out[name] = by_suffix[suffix]
+    return out
