@@ -1,0 +1,154 @@
+#!/bin/bash
+# Library sourced by the sbatch templates (after they cd to the repo): start a Ray cluster over the
+# Slurm allocation, wait until every GPU has joined, run the trainer with preemption handling.
+# Not meant to be run on its own. Expects GPUS_PER_NODE, RAY_PORT, RAY_DASHBOARD_PORT,
+# RAY_WAIT_TIMEOUT_S and CONFIG to be set by the caller.
+
+# Prints a line with a timestamp to stderr (Slurm's output file keeps stdout and stderr in order).
+log() { echo "[launch $(date +%H:%M:%S)] $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+# Activates $VENV_DIR (default REPO/.venv) when it exists; otherwise the megatron-dapo on PATH is used
+# (e.g. inside the project's container image).
+activate_env() {
+  local venv="${VENV_DIR:-$1/.venv}"
+  if [[ -f "$venv/bin/activate" ]]; then
+    # shellcheck disable=SC1091
+    source "$venv/bin/activate"
+  fi
+  command -v megatron-dapo >/dev/null || die "megatron-dapo is not on PATH; set VENV_DIR or use the container image"
+  command -v ray >/dev/null || die "ray is not on PATH (pip install 'ray[default]')"
+}
+
+# The allocation's hostnames, one per line, head (first) node first.
+job_nodes() { scontrol show hostnames "$SLURM_JOB_NODELIST"; }
+
+# The IP of a node as the other nodes see it (first address of `hostname --ip-address`).
+node_ip() { srun --nodes=1 --ntasks=1 --overlap -w "$1" hostname --ip-address | awk '{print $1}'; }
+
+# GPUs registered with the Ray cluster at $1 (HEAD_IP:PORT), 0 when it does not answer yet.
+ray_gpus() {
+  local line
+  line="$(ray status --address "$1" 2>/dev/null | grep -oE '[0-9.]+/[0-9.]+ GPU' | head -n1)"
+  [[ -z "$line" ]] && { echo 0; return; }
+  line="${line#*/}"
+  echo "${line%%.*}"
+}
+
+# IPs of the Ray nodes that are alive, one per line.
+ray_alive_ips() {
+  ray list nodes --address "$1" --filter "state=ALIVE" --format yaml 2>/dev/null \
+    | sed -n 's/^[ -]*node_ip: *//p' | tr -d "'\""
+}
+
+# start_ray_cluster NODE... : Ray head on the first node, workers on the others, each as a
+# background `srun` step that blocks for the job's lifetime. Sets HEAD_IP and RAY_ADDRESS.
+start_ray_cluster() {
+  local head="$1"
+  shift
+  HEAD_IP="$(node_ip "$head")"
+  [[ -n "$HEAD_IP" ]] || die "could not resolve the IP of head node $head"
+  RAY_ADDRESS="$HEAD_IP:$RAY_PORT"
+  export RAY_ADDRESS HEAD_IP
+  log "Ray head on $head ($RAY_ADDRESS), dashboard :$RAY_DASHBOARD_PORT"
+  srun --nodes=1 --ntasks=1 --overlap --gres="gpu:$GPUS_PER_NODE" -w "$head" \
+    ray start --head --node-ip-address="$HEAD_IP" --port="$RAY_PORT" \
+    --dashboard-host=0.0.0.0 --dashboard-port="$RAY_DASHBOARD_PORT" \
+    --num-gpus="$GPUS_PER_NODE" --block &
+  RAY_PIDS=("$!")
+  # Workers must find the head's GCS listening; a short pause avoids their first-connect retries.
+  sleep "${RAY_HEAD_SETTLE_S:-10}"
+  local node
+  for node in "$@"; do
+    log "Ray worker on $node"
+    srun --nodes=1 --ntasks=1 --overlap --gres="gpu:$GPUS_PER_NODE" -w "$node" \
+      ray start --address="$RAY_ADDRESS" --num-gpus="$GPUS_PER_NODE" --block &
+    RAY_PIDS+=("$!")
+  done
+}
+
+# wait_for_ray EXPECTED_GPUS TIMEOUT_S NODE... : poll `ray status` until EXPECTED_GPUS have joined;
+# on timeout name the nodes that did not.
+wait_for_ray() {
+  local want="$1" timeout="$2"
+  shift 2
+  local start have
+  start="$(date +%s)"
+  while true; do
+    have="$(ray_gpus "$RAY_ADDRESS")"
+    if (( have >= want )); then
+      log "Ray cluster ready: $have/$want GPUs"
+      return 0
+    fi
+    if (( $(date +%s) - start >= timeout )); then
+      local alive missing=() node ip
+      alive="$(ray_alive_ips "$RAY_ADDRESS")"
+      for node in "$@"; do
+        ip="$(node_ip "$node")"
+        grep -qxF "$ip" <<<"$alive" || missing+=("$node ($ip)")
+      done
+      local hint="node(s) that did not join: ${missing[*]}"
+      (( ${#missing[@]} )) || hint="every node joined but with fewer GPUs; check GPUS_PER_NODE and CUDA_VISIBLE_DEVICES"
+      die "Ray cluster not ready after ${timeout}s: $have/$want GPUs. $hint." \
+        "See their Ray logs (/tmp/ray/session_latest/logs) or exclude them (sbatch --exclude=NODE)."
+    fi
+    sleep "${RAY_POLL_S:-5}"
+  done
+}
+
+stop_ray_cluster() {
+  local pid
+  for pid in "${RAY_PIDS[@]}"; do
+    kill "$pid" 2>/dev/null || true
+  done
+}
+
+# run_trainer CMD... : run the trainer in the background so a SIGTERM from Slurm (time limit via
+# --signal=B:TERM@..., or preemption) reaches the trap at once. The trap forwards it: the trainer
+# finishes its step, checkpoints and exits 0; then the job requeues itself and, with
+# trainer.resume=auto, continues from that checkpoint.
+run_trainer() {
+  STOP_REQUESTED=0
+  "$@" &
+  TRAIN_PID=$!
+  trap on_sigterm TERM
+  local rc=0
+  wait "$TRAIN_PID" || rc=$?
+  # `wait` returns early when the trap ran; wait again for the trainer's checkpoint and exit.
+  while (( STOP_REQUESTED )) && kill -0 "$TRAIN_PID" 2>/dev/null; do
+    rc=0
+    wait "$TRAIN_PID" || rc=$?
+  done
+  trap - TERM
+  if (( STOP_REQUESTED )); then
+    if [[ "${REQUEUE_ON_STOP:-1}" == 1 && -n "${SLURM_JOB_ID:-}" ]]; then
+      log "trainer stopped (rc=$rc); requeueing job $SLURM_JOB_ID (it resumes with trainer.resume=auto)"
+      scontrol requeue "$SLURM_JOB_ID"
+    fi
+    return 0
+  fi
+  return "$rc"
+}
+
+on_sigterm() {
+  STOP_REQUESTED=1
+  log "SIGTERM: asking the trainer (pid $TRAIN_PID) to finish the step, checkpoint and stop"
+  kill -TERM "$TRAIN_PID" 2>/dev/null || true
+}
+
+# launch_ray_job [key=value ...] : the whole job: Ray over all nodes, then the trainer on the head
+# (this batch step's node) with the overrides, requeue on SIGTERM.
+launch_ray_job() {
+  activate_env "$PWD"
+  [[ -f "$CONFIG" ]] || die "CONFIG=$CONFIG not found (relative to $PWD)"
+  mapfile -t NODES < <(job_nodes)
+  (( ${#NODES[@]} >= 1 )) || die "no nodes in SLURM_JOB_NODELIST"
+  log "job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}) on ${#NODES[@]} node(s): ${NODES[*]}"
+  megatron-dapo config "$CONFIG" "$@" >/dev/null || die "config $CONFIG does not validate (see above)"
+
+  start_ray_cluster "${NODES[@]}"
+  trap stop_ray_cluster EXIT
+  wait_for_ray $(( ${#NODES[@]} * GPUS_PER_NODE )) "$RAY_WAIT_TIMEOUT_S" "${NODES[@]}"
+
+  run_trainer megatron-dapo train "$CONFIG" trainer.ray_address="$RAY_ADDRESS" trainer.resume=auto "$@"
+}

@@ -1,0 +1,191 @@
+"""Launch scripts: shellcheck (or bash -n), #SBATCH headers, and the sbatch logic run against stub
+`srun` / `scontrol` / `ray` / `megatron-dapo` commands (repo discovery, readiness wait with the
+missing node named, SIGTERM -> checkpoint -> requeue)."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch"
+SCRIPTS = sorted([*LAUNCH.rglob("*.sh"), *LAUNCH.rglob("*.sbatch")])
+SBATCH = sorted(LAUNCH.rglob("*.sbatch"))
+
+
+def test_the_scripts_are_there():
+    names = {p.relative_to(LAUNCH).as_posix() for p in SCRIPTS}
+    assert {
+        "slurm/dapo_qwen2.5_32b.sbatch",
+        "slurm/single_node.sbatch",
+        "torchrun_multinode.sh",
+        "start_sglang_servers.sh",
+        "ray_job_submit.sh",
+    } <= names
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_pass_shellcheck_or_parse(path):
+    if shutil.which("shellcheck"):
+        cmd = ["shellcheck", "-x", str(path.relative_to(REPO))]
+    else:
+        cmd = ["bash", "-n", str(path)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def sbatch_headers(path: Path) -> dict[str, str]:
+    """#SBATCH --key=value lines up to the first command (sbatch stops reading there too)."""
+    out = {}
+    for line in path.read_text().splitlines()[1:]:
+        if line.startswith("#SBATCH"):
+            m = re.match(r"#SBATCH\s+--([\w-]+)(?:[= ](.*))?$", line)
+            assert m, f"{path.name}: cannot parse {line!r}"
+            out[m.group(1)] = (m.group(2) or "").strip()
+        elif line.strip() and not line.startswith("#"):
+            break
+    return out
+
+
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+def test_sbatch_headers_have_what_a_requeueable_gpu_job_needs(path):
+    h = sbatch_headers(path)
+    for key in ("nodes", "ntasks-per-node", "time", "requeue", "signal"):
+        assert key in h, f"{path.name} lacks #SBATCH --{key}"
+    assert "gpus-per-node" in h or "gres" in h
+    assert re.fullmatch(r"B:TERM@\d+", h["signal"])
+    assert re.fullmatch(r"\d+(-\d+)?(:\d\d){0,2}", h["time"])
+
+
+def test_32b_template_asks_for_16_nodes_of_8_gpus():
+    h = sbatch_headers(LAUNCH / "slurm" / "dapo_qwen2.5_32b.sbatch")
+    assert (h["nodes"], h["gpus-per-node"], h["ntasks-per-node"]) == ("16", "8", "1")
+    assert sbatch_headers(LAUNCH / "slurm" / "single_node.sbatch")["nodes"] == "1"
+
+
+STUBS = {
+    "scontrol": """
+echo "scontrol $*" >>"$FAKE_LOG"
+if [[ $1 == show ]]; then for n in $FAKE_NODES; do echo "$n"; done; fi
+""",
+    "srun": """
+echo "srun $*" >>"$FAKE_LOG"
+node=""; prev=""
+for a in "$@"; do [[ $prev == -w ]] && node=$a; prev=$a; done
+case "$*" in
+  *hostname*) echo "10.0.0.${node#n}" ;;
+  *"ray start"*) exec sleep 30 ;;
+esac
+""",
+    "ray": """
+echo "ray $*" >>"$FAKE_LOG"
+case "$1" in
+  status) echo " 0.0/${FAKE_GPUS}.0 GPU" ;;
+  list) for ip in $FAKE_ALIVE; do echo "- node_ip: $ip"; echo "  state: ALIVE"; done ;;
+esac
+""",
+    "megatron-dapo": """
+echo "megatron-dapo $*" >>"$FAKE_LOG"
+if [[ $1 == train && -n ${FAKE_TRAIN_SLEEP:-} ]]; then
+  trap 'echo "trainer: checkpoint saved" >>"$FAKE_LOG"; exit 0' TERM
+  for _ in $(seq 1 200); do sleep 0.1; done
+fi
+""",
+}
+
+
+def _env(tmp_path, **extra):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in STUBS.items():
+        f = bin_dir / name
+        f.write_text("#!/bin/bash\n" + body)
+        f.chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "FAKE_LOG": str(tmp_path / "log"),
+        "SLURM_JOB_ID": "123",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_SUBMIT_DIR": str(REPO / "configs"),  # a subfolder: the script must find the repo above it
+        "VENV_DIR": str(tmp_path / "no-venv"),
+        "RAY_HEAD_SETTLE_S": "0",
+        "RAY_POLL_S": "0.2",
+        "HOME": str(tmp_path),
+    }
+    env.update(extra)
+    return env
+
+
+def _log(tmp_path) -> str:
+    return (tmp_path / "log").read_text()
+
+
+def test_single_node_runs_ray_then_the_trainer_from_the_repo(tmp_path):
+    env = _env(tmp_path, FAKE_NODES="n1", FAKE_GPUS="8", FAKE_ALIVE="10.0.0.1")
+    script = LAUNCH / "slurm" / "single_node.sbatch"
+    r = subprocess.run(
+        ["bash", str(script), "configs/dapo_qwen2.5_7b.yaml", "trainer.total_steps=3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    log = _log(tmp_path)
+    assert "ray start --head --node-ip-address=10.0.0.1 --port=6379" in log
+    assert (
+        "megatron-dapo train configs/dapo_qwen2.5_7b.yaml trainer.ray_address=10.0.0.1:6379 "
+        "trainer.resume=auto trainer.total_steps=3"
+    ) in log
+    assert "Ray cluster ready: 8/8 GPUs" in r.stderr
+    assert "requeue" not in log
+
+
+def test_readiness_wait_names_the_node_that_did_not_join(tmp_path):
+    env = _env(tmp_path, FAKE_NODES="n1 n2", FAKE_GPUS="8", FAKE_ALIVE="10.0.0.1", RAY_WAIT_TIMEOUT_S="1")
+    r = subprocess.run(
+        ["bash", str(LAUNCH / "slurm" / "dapo_qwen2.5_32b.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert "8/16 GPUs" in r.stderr and "did not join: n2 (10.0.0.2)." in r.stderr
+    assert "ray start --address=10.0.0.1:6379" in _log(tmp_path)
+    assert "megatron-dapo train" not in _log(tmp_path)
+
+
+def test_sigterm_checkpoints_then_requeues(tmp_path):
+    env = _env(tmp_path, FAKE_NODES="n1", FAKE_GPUS="8", FAKE_ALIVE="10.0.0.1", FAKE_TRAIN_SLEEP="1")
+    proc = subprocess.Popen(
+        ["bash", str(LAUNCH / "slurm" / "single_node.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 30
+        while "megatron-dapo train" not in (_log(tmp_path) if (tmp_path / "log").exists() else ""):
+            assert time.time() < deadline, "trainer never started"
+            time.sleep(0.1)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    log = _log(tmp_path)
+    assert log.index("trainer: checkpoint saved") < log.index("scontrol requeue 123")
+    assert "configs/dapo_qwen2.5_1.5b_1node.yaml" in log
