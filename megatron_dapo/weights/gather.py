@@ -13,7 +13,7 @@ exact HF names and shapes (vocabulary padding dropped; no ``lm_head.weight`` whe
 ties embeddings).
 
 How: one all-gather of small metadata over the PP group fixes the global order (HF order) and
-owner stage of every tensor; then, per tensor, the owner stage's TP ranks all-gather their shards
+owner stage of every tensor; then, per tensor, the owner stage's TP ranks gather their shards to TP rank 0
 and the owner's TP rank 0 merges them into HF layout and, if it is not the holder's stage, sends
 them to the holder (point-to-point). A bucket is yielded when its bytes reach ``bucket_bytes``,
 so the holder keeps at most one bucket plus one tensor, and other ranks one tensor.
@@ -107,7 +107,11 @@ def _plan(model_chunks: list[Any]) -> tuple[list[_Item], list[Any], Dims]:
 
 
 def _merged_on_owner(item: _Item, binding: Any, dims: Dims) -> list[torch.Tensor] | None:
-    """All TP ranks of the owner stage call this; TP rank 0 gets the HF tensors."""
+    """All TP ranks of the owner stage call this; TP rank 0 gets the HF tensors.
+
+    A gather to TP rank 0 (not an all-gather: only it needs the result) into one buffer, so the
+    dim-0 layouts merge without another copy.
+    """
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -115,11 +119,18 @@ def _merged_on_owner(item: _Item, binding: Any, dims: Dims) -> list[torch.Tensor
     if item.kind == "replicated" or tp == 1:
         shards = [local]
     else:
-        shards = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        group = ps.get_tensor_model_parallel_group()
+        dst = dist.get_global_rank(group, 0)
+        if ps.get_tensor_model_parallel_rank() == 0:
+            flat = torch.empty((tp, *local.shape), dtype=local.dtype, device=local.device)
+            shards = list(flat.unbind(0))
+            dist.gather(local.contiguous(), gather_list=shards, dst=dst, group=group)
+        else:
+            dist.gather(local.contiguous(), gather_list=None, dst=dst, group=group)
+            return None
     if ps.get_tensor_model_parallel_rank() != 0:
         return None
-    return [t.contiguous() for t in MERGERS[item.kind](shards, dims)]
+    return MERGERS[item.kind](shards, dims)
 
 
 def iter_hf_buckets(
@@ -128,6 +139,10 @@ def iter_hf_buckets(
     bucket_bytes: int = 512 << 20,
 ) -> Iterator[dict[str, torch.Tensor] | None]:
     """Yield the model's full HF tensors in buckets of about ``bucket_bytes`` (see module doc).
+
+    Tensors may be views of gather buffers or of the live parameters (no copy where the layout
+    allows): copy them (as ``load_weights`` does) rather than mutate them, and do not keep them
+    across an optimizer step.
 
     ``hf_config`` defaults to the one the chunks were built from. Call on every TP and PP rank.
     """
@@ -148,7 +163,7 @@ def iter_hf_buckets(
             tensors = _merged_on_owner(item, exported[item.local_index], dims)
             if tensors is not None and item.owner_pp != 0:
                 for t in tensors:
-                    dist.send(t, holder_global)
+                    dist.send(t.contiguous(), holder_global)
                 tensors = None
         if holder and item.owner_pp != 0:
             src = _stage_tp0_global_rank(item.owner_pp)

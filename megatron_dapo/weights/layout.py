@@ -5,7 +5,8 @@ tensor-parallel shard, in both directions:
 
 - ``read(source, names, tp, rank, dims)`` -> this rank's shard, reading only the rows/columns of
   the HF tensors it needs (``source.slice(name, dim, start, stop)``).
-- ``merge(shards, dims)`` -> the HF tensors (in the order of ``names``) from all TP shards.
+- ``merge(shards, dims)`` -> the HF tensors (in the order of ``names``) from all TP shards; they
+  may be views of the shards (no copy where the layout allows), so copy before mutating.
 
 Kinds:
   replicated  norms: every TP rank holds the whole tensor.
@@ -110,24 +111,43 @@ def read_gate_up(src: SliceSource, names, tp, rank, dims) -> torch.Tensor:
     return torch.cat([src.slice(gate_name, 0, a, b), src.slice(up_name, 0, a, b)], dim=0)
 
 
+def _cat0(shards: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(shards, 0)``, but a view (no copy) when there is one shard or the shards are
+    consecutive pieces of one buffer (as the TP gather produces them)."""
+    first = shards[0]
+    if len(shards) == 1:
+        return first
+    step = first.numel()
+    adjacent = all(
+        s.is_contiguous()
+        and s.shape == first.shape
+        and s.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and s.storage_offset() == first.storage_offset() + i * step
+        for i, s in enumerate(shards)
+    )
+    if adjacent:
+        return first.as_strided((first.shape[0] * len(shards), *first.shape[1:]), first.stride())
+    return torch.cat(shards, dim=0)
+
+
 def merge_replicated(shards, dims) -> list[torch.Tensor]:
     return [shards[0]]
 
 
 def merge_column(shards, dims) -> list[torch.Tensor]:
-    return [torch.cat(shards, dim=0)]
+    return [_cat0(shards)]
 
 
 def merge_row(shards, dims) -> list[torch.Tensor]:
-    return [torch.cat(shards, dim=1)]
+    return [shards[0] if len(shards) == 1 else torch.cat(shards, dim=1)]
 
 
 def merge_vocab(shards, dims: Dims) -> list[torch.Tensor]:
-    return [torch.cat(shards, dim=0)[: dims.vocab_size]]
+    return [_cat0(shards)[: dims.vocab_size]]
 
 
 def merge_qkv(shards, dims: Dims) -> list[torch.Tensor]:
-    full = torch.cat(shards, dim=0)
+    full = _cat0(shards)
     groups, hd = dims.num_kv_heads, dims.head_dim
     q_per_group = dims.num_heads // groups
     tail = full.shape[1:]
@@ -142,6 +162,8 @@ def merge_qkv(shards, dims: Dims) -> list[torch.Tensor]:
 
 def merge_gate_up(shards, dims) -> list[torch.Tensor]:
     halves = [torch.chunk(s, 2, dim=0) for s in shards]
+    if len(shards) == 1:
+        return list(halves[0])
     return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
 
 
