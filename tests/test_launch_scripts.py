@@ -189,3 +189,60 @@ def test_sigterm_checkpoints_then_requeues(tmp_path):
     log = _log(tmp_path)
     assert log.index("trainer: checkpoint saved") < log.index("scontrol requeue 123")
     assert "configs/dapo_qwen2.5_1.5b_1node.yaml" in log
+
+
+def _stub(bin_dir: Path, name: str, body: str = 'echo "$0 $*" >>"$FAKE_LOG"') -> None:
+    f = bin_dir / name
+    f.write_text(f"#!/bin/bash\n{body}\n")
+    f.chmod(0o755)
+
+
+def test_torchrun_script_passes_the_rendezvous_flags(tmp_path):
+    (tmp_path / "bin").mkdir()
+    _stub(tmp_path / "bin", "torchrun", 'echo "torchrun $*" >>"$FAKE_LOG"')
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
+        "FAKE_LOG": str(tmp_path / "log"),
+        "NNODES": "2",
+        "NPROC_PER_NODE": "4",
+        "MASTER_ADDR": "10.0.0.1",
+        "RDZV_ID": "job7",
+        "VENV_DIR": str(tmp_path / "none"),
+    }
+    r = subprocess.run(
+        ["bash", str(LAUNCH / "torchrun_multinode.sh"), "configs/dapo_qwen2.5_7b.yaml", "a.b=1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+    assert _log(tmp_path).strip() == (
+        "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
+        "--rdzv-id job7 -m megatron_dapo.train configs/dapo_qwen2.5_7b.yaml trainer.resume=auto a.b=1"
+    )
+
+
+def test_ray_job_submit_uploads_the_repo_and_runs_train(tmp_path):
+    (tmp_path / "bin").mkdir()
+    _stub(tmp_path / "bin", "ray", 'echo "ray $*  [cwd=$PWD]" >>"$FAKE_LOG"')
+    env = {
+        "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin",
+        "FAKE_LOG": str(tmp_path / "log"),
+        "RAY_ADDRESS": "http://10.0.0.1:8265",
+        "JOB_ID": "j1",
+    }
+    r = subprocess.run(
+        ["bash", str(LAUNCH / "ray_job_submit.sh"), "configs/dapo_qwen2.5_32b.yaml", "x=1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+    log = _log(tmp_path)
+    assert log.startswith("ray job submit --address http://10.0.0.1:8265 --submission-id j1 --working-dir . ")
+    assert "-- megatron-dapo train configs/dapo_qwen2.5_32b.yaml x=1 trainer.ray_address=auto" in log
+    assert f"[cwd={REPO}]" in log
