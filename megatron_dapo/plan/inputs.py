@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -113,4 +113,3 @@ class Assumptions:
     sglang_runtime_gib: float = 4.0
     paused_engine_gib: float = 1.0
     packing_efficiency: float = 0.9
-    notes: dict[str, str] = field(default_factory=dict)
