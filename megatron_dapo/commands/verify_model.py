@@ -24,6 +24,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--spec",
+        choices=["auto", "te", "local"],
+        default="auto",
+        help="layer spec: Transformer Engine, megatron's local one, or auto (TE when importable on a GPU)",
+    )
     p.set_defaults(func=run)
 
 
@@ -34,7 +40,7 @@ def fixed_batch(vocab_size: int, batch: int, seq_len: int, seed: int):
     return torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
 
 
-def verify_rank(rank, world, hf_dir, megatron_dir, tp, pp, vpp, batch, seq_len, seed):
+def verify_rank(rank, world, hf_dir, megatron_dir, tp, pp, vpp, batch, seq_len, seed, spec="auto"):
     """One rank: Megatron logits, and on the last stage's TP-0 DP-0 rank the diff against HF."""
     import torch
 
@@ -43,7 +49,8 @@ def verify_rank(rank, world, hf_dir, megatron_dir, tp, pp, vpp, batch, seq_len, 
 
     layout = init_parallel(tp=tp, pp=pp, vpp=vpp)
     config = load_hf_config(hf_dir)
-    chunks = build_gpt_model(config, params_dtype=torch.float32, perform_initialization=False)
+    use_te = {"auto": None, "te": True, "local": False}[spec]
+    chunks = build_gpt_model(config, params_dtype=torch.float32, use_te=use_te, perform_initialization=False)
     if megatron_dir:
         from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
 
@@ -81,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             args.batch,
             args.seq_len,
             args.seed,
+            args.spec,
         )
     except RankFailed as e:
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
@@ -89,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     diff = max(d for d in results if d is not None)
     source = args.megatron_dir or args.hf_dir
     print(
-        f"max |logit diff| Megatron(tp={args.tp}, pp={args.pp}, weights={source}) vs HF: {diff:.3e} "
+        f"max |logit diff| Megatron(tp={args.tp}, pp={args.pp}, spec={args.spec}, weights={source}) vs HF: {diff:.3e} "
         f"(atol {args.atol:g})"
     )
     if diff > args.atol:
