@@ -1,0 +1,59 @@
+"""The rollout engine protocol: what the manager and the weight sync need from an inference engine.
+
+Concurrency contract (why there is no separate async API): the manager calls ``generate`` from
+worker threads, several calls per engine in flight up to its concurrency limit, and calls
+``abort`` from its own thread once the batch is full. ``abort`` makes every call that is in
+flight at that moment return promptly, each unfinished request with ``finish_reason="abort"``
+and the tokens it had so far; calls that start after ``abort`` run normally. That is exactly
+what SGLang's ``/abort_request {"abort_all": true}`` does to its open ``/generate`` requests,
+and what the HF engine does between decode steps, so one blocking method plus one abort cover
+both engines without a second (streaming) API to keep in sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+
+
+class EngineError(RuntimeError):
+    """An engine failed a call; the message names the engine and what it was doing."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """An inference engine that samples responses and takes new weights.
+
+    Attributes:
+        name: short unique name used in logs and errors (e.g. ``"sglang-0@10.0.0.1:30000"``).
+    """
+
+    name: str
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Sample one response per request; results in request order. Thread-safe; see module doc."""
+        ...
+
+    def abort(self) -> None:
+        """Make all in-flight ``generate`` calls return now (unfinished requests as "abort")."""
+        ...
+
+    def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """Replace the weights with HF-named tensors streamed as buckets; tag them ``version``."""
+        ...
+
+    def release_memory(self) -> None:
+        """Give device memory back (colocation: the trainer runs next)."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take device memory again after :meth:`release_memory`."""
+        ...
+
+    def health(self) -> bool:
+        """True when the engine can serve requests."""
+        ...

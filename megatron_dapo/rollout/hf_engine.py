@@ -1,0 +1,346 @@
+"""The CPU rollout engine (and small GPU runs): an HF transformers model sampled by our own loop.
+
+Why our own loop and not ``model.generate``: we need (1) the log-probability of each sampled
+token under exactly the distribution SGLang reports, (2) a seed per request, so a response does
+not depend on which other requests share its batch, and (3) abort between decode steps. With
+``generate`` the first needs ``output_scores`` post-processing that differs by logits-processor
+order, the second is impossible (one global generator per call), the third needs a stopping
+criteria hack. The loop is a plain KV-cached decode: prefill the left-padded batch once, then
+feed one token per row per step.
+
+Sampling, per row (the order SGLang's sampler uses): ``z = logits / T``; the returned
+log-prob is ``log_softmax(z)[token]`` over the full vocabulary, i.e. before top-k/top-p
+truncation and renormalisation, which is what SGLang returns in ``output_token_logprobs``
+(unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set, which reports the T=1 distribution;
+renormalised values are a separate opt-in there, ``return_sampling_mask``). The token is then
+drawn from the top-k/top-p-truncated, renormalised distribution by inverse CDF with one uniform
+number from the request's own ``torch.Generator``. T=0 is greedy with the T=1 log-prob, as in
+SGLang. Responses are independent of batch composition up to float rounding of the batched
+forward (a different batch can flip a draw only when a uniform lands within ~1e-7 of a CDF
+step).
+
+CPU/GPU difference: ``release_memory``/``resume_memory`` move the model to host memory and
+back on CUDA and do nothing on CPU (there is no device memory to give back).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+
+logger = logging.getLogger(__name__)
+
+
+class WeightLoadError(EngineError):
+    """A bucket did not fit the model: unknown or missing names, or a shape mismatch."""
+
+
+class HFEngine:
+    """HF transformers engine with batched, seeded, abortable sampling.
+
+    Args:
+        model_path: HF checkpoint directory (ignored when ``model`` is given).
+        model: an already built ``*ForCausalLM`` module (tests, or a driver that shares one).
+        name: engine name for logs and errors.
+        device: "cpu" or a CUDA device.
+        dtype: parameter dtype when loading from ``model_path``.
+        max_batch_size: requests decoded together; larger calls are split.
+        seed: seed of the generator used by requests without their own seed.
+
+    A plain class, so a Ray driver can wrap it as an actor (``ray.remote(HFEngine)``).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        name: str = "hf-0",
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 64,
+        seed: int = 0,
+    ):
+        if model is None:
+            if model_path is None:
+                raise ValueError("HFEngine needs model_path or model")
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.name = name
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.max_batch_size = max_batch_size
+        self.weight_version: int | None = 0
+        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "busy_s": 0.0}
+        cfg = self.model.config
+        self.eos_token_ids = _eos_ids(self.model)
+        pad = getattr(cfg, "pad_token_id", None)
+        self.pad_token_id = (
+            int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
+        )
+        self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self._lock = threading.Lock()
+        self._abort_epoch = 0
+        self._rng = torch.Generator(device="cpu").manual_seed(seed)
+        self._healthy = True
+        # transformers 5.x renamed the KV-cache argument `past_key_values` -> `cache`
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
+
+    # -- generation --------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Sample one response per request, in request order (see the module doc for semantics)."""
+        epoch = self._abort_epoch  # calls waiting for the lock count as in flight
+        results: list[GenerationResult] = []
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                for start in range(0, len(requests), self.max_batch_size):
+                    chunk = list(requests[start : start + self.max_batch_size])
+                    if self._abort_epoch != epoch:
+                        results.extend(self._aborted(r, [], []) for r in chunk)
+                        continue
+                    results.extend(self._generate_batch(chunk, epoch))
+            finally:
+                self.stats["busy_s"] += time.perf_counter() - t0
+        return results
+
+    def abort(self) -> None:
+        """Stop in-flight calls at their next decode step."""
+        self._abort_epoch += 1
+
+    @torch.no_grad()
+    def _generate_batch(self, reqs: list[GenerationRequest], epoch: int) -> list[GenerationResult]:
+        for r in reqs:
+            if not r.prompt_ids:
+                raise ValueError(f"request {r.request_id}: empty prompt_ids")
+            if len(r.prompt_ids) >= self.max_positions:
+                raise ValueError(
+                    f"request {r.request_id}: prompt of {len(r.prompt_ids)} tokens does not fit the model's "
+                    f"max_position_embeddings={self.max_positions}"
+                )
+        n = len(reqs)
+        width = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for b, r in enumerate(reqs):  # left padding: every row's next token sits at column -1
+            ids[b, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[b, width - len(r.prompt_ids) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+        temps = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32, device=self.device)
+        top_ps = torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32, device=self.device)
+        gens = [
+            torch.Generator(device="cpu").manual_seed(int(r.sampling.seed))
+            if r.sampling.seed is not None
+            else None
+            for r in reqs
+        ]
+        stops = [
+            set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(self.eos_token_ids))
+            for r in reqs
+        ]
+        out_ids: list[list[int]] = [[] for _ in reqs]
+        out_lps: list[list[float]] = [[] for _ in reqs]
+        finish: list[str | None] = [None] * n
+
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache = _cache_of(out)
+        logits = out.logits[:, -1, :].float()
+        vocab = logits.shape[-1]
+        top_ks = torch.tensor(
+            [vocab if r.sampling.top_k in (-1, None) else min(r.sampling.top_k, vocab) for r in reqs],
+            device=self.device,
+        )
+        max_new = max(r.sampling.max_new_tokens for r in reqs)
+        for step in range(max_new):
+            if self._abort_epoch != epoch:
+                break
+            tokens, lps = _sample(logits, temps, top_ks, top_ps, gens, self._rng)
+            for b, r in enumerate(reqs):
+                if finish[b] is not None:
+                    continue
+                tok = int(tokens[b])
+                out_ids[b].append(tok)
+                out_lps[b].append(float(lps[b]))
+                if tok in stops[b]:
+                    finish[b] = "stop"
+                elif (
+                    len(out_ids[b]) >= r.sampling.max_new_tokens
+                    or len(r.prompt_ids) + step + 1 >= self.max_positions
+                ):
+                    finish[b] = "length"
+            if all(f is not None for f in finish):
+                break
+            feed = torch.tensor(
+                [out_ids[b][-1] if finish[b] is None else self.pad_token_id for b in range(n)],
+                dtype=torch.long,
+                device=self.device,
+            )
+            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(
+                input_ids=feed[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
+            cache = _cache_of(out)
+            logits = out.logits[:, -1, :].float()
+
+        results = []
+        for b, r in enumerate(reqs):
+            if finish[b] is None:
+                results.append(self._aborted(r, out_ids[b], out_lps[b]))
+                continue
+            self.stats["requests"] += 1
+            self.stats["tokens"] += len(out_ids[b])
+            results.append(
+                GenerationResult(r.request_id, out_ids[b], out_lps[b], finish[b], self.weight_version)
+            )
+        return results
+
+    def _aborted(self, r: GenerationRequest, ids: list[int], lps: list[float]) -> GenerationResult:
+        self.stats["aborted"] += 1
+        return GenerationResult(r.request_id, list(ids), list(lps), "abort", self.weight_version)
+
+    # -- weights -------------------------------------------------------------------------
+
+    def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        """Copy HF-named tensors into the model by name, strictly.
+
+        Every parameter (and persistent buffer) must be given exactly once over all buckets,
+        under its HF name; tied weights (``lm_head.weight`` tied to ``model.embed_tokens.weight``)
+        may be given under either name. An unknown name, a wrong shape or a missing tensor
+        raises :class:`WeightLoadError` naming it; the engine then reports unhealthy until a
+        complete load succeeds, since its weights are a mix of two versions.
+        """
+        with self._lock:
+            self._healthy = False
+            self.weight_version = None
+            targets, canonical = self._weight_targets()
+            covered: set[str] = set()
+            with torch.no_grad():
+                for index, bucket in enumerate(buckets):
+                    for name, tensor in bucket.items():
+                        target = targets.get(name)
+                        if target is None:
+                            raise WeightLoadError(
+                                f"engine {self.name}: bucket {index} has tensor {name!r} that the model does not "
+                                f"have (model names look like {sorted(targets)[:3]}); check the HF name map"
+                            )
+                        if tuple(tensor.shape) != tuple(target.shape):
+                            raise WeightLoadError(
+                                f"engine {self.name}: bucket {index} tensor {name!r} has shape "
+                                f"{tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                            )
+                        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+                        covered.add(canonical[name])
+            missing = sorted(set(canonical.values()) - covered)
+            if missing:
+                raise WeightLoadError(
+                    f"engine {self.name}: weight update v{version} lacks {len(missing)} tensors, e.g. "
+                    f"{missing[:5]}; the sender must send every parameter"
+                )
+            self.weight_version = version
+            self._healthy = True
+
+    def load_from_disk(self, path: str | Path, version: int) -> bool:
+        """Load every ``*.safetensors`` file of an HF checkpoint directory (one bucket per file)."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise WeightLoadError(f"engine {self.name}: no *.safetensors files in {path}")
+        self.load_weights((load_file(str(f)) for f in files), version)
+        return True
+
+    def _weight_targets(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """name -> tensor for every parameter name (tied aliases included), and name -> canonical name."""
+        targets: dict[str, torch.Tensor] = {}
+        canonical: dict[str, str] = {}
+        first_name: dict[int, str] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            targets[name] = p.data
+            canonical[name] = first_name.setdefault(id(p), name)
+        persistent = set(self.model.state_dict(keep_vars=True))
+        for name, buf in self.model.named_buffers():
+            if name in persistent:
+                targets[name] = buf
+                canonical[name] = name
+        return targets, canonical
+
+    # -- memory / health -----------------------------------------------------------------
+
+    def release_memory(self) -> None:
+        """CUDA: move the model to host memory; CPU: nothing to release."""
+        if self.device.type == "cuda":
+            with self._lock:
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """CUDA: move the model back to its device; CPU: nothing to do."""
+        if self.device.type == "cuda":
+            with self._lock:
+                self.model.to(self.device)
+
+    def health(self) -> bool:
+        return self._healthy
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _eos_ids(model) -> list[int]:
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return []
+
+
+def _sample(
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    gens: list[torch.Generator | None],
+    default_gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns (tokens, log-probs under log_softmax(logits / T))."""
+    greedy = temps <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    logp = torch.log_softmax(scaled, dim=-1)
+    probs_sorted, order = torch.sort(logp.exp(), dim=-1, descending=True, stable=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    # SGLang's truncation: drop tokens whose preceding mass already exceeds top_p, and ranks >= top_k
+    drop = ((probs_sorted.cumsum(-1) - probs_sorted) > top_ps[:, None]) | (ranks >= top_ks[:, None])
+    kept = probs_sorted.masked_fill(drop, 0.0)
+    cdf = kept.cumsum(-1)
+    u = torch.stack([torch.rand((), generator=g if g is not None else default_gen) for g in gens]).to(
+        logits.device
+    )
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    last_kept = (~drop).sum(-1) - 1
+    pick = torch.minimum(pick, last_kept)
+    tokens = order.gather(-1, pick[:, None]).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
