@@ -1,0 +1,359 @@
+"""The DAPO actor: pi_old log-probs and the optimizer mini-batch updates of one rollout step.
+
+Every rank of the actor world calls :meth:`Actor.compute_logprobs` / :meth:`Actor.update` with
+the *same* whole rollout-step :class:`ActorBatch`. Each mini-batch is split over the DP ranks
+deterministically (balanced by tokens) and each rank packs its share into micro-batches by the
+token budget, so ranks agree on the plan without exchanging data. The loss normaliser (response
+tokens, or sequences, of the whole optimizer mini-batch) is all-reduced over DP before the
+backward passes; metric sums are all-reduced over the world from the last pipeline stage's first
+TP rank, so every rank returns the same metrics.
+
+Unsupported here: context parallelism (log-probs would need the sequence re-assembled).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.actor import compat
+from megatron_dapo.actor.batch import ActorBatch, BatchError
+from megatron_dapo.actor.micro_batches import (
+    collate,
+    pack_by_token_budget,
+    positions_to_response,
+    split_over_ranks,
+)
+from megatron_dapo.actor.optimizer import (
+    OptimizerSettings,
+    current_lr,
+    guarded_step,
+    set_schedule_hooks,
+    zero_grads,
+)
+from megatron_dapo.actor.parallel import ParallelLayout
+from megatron_dapo.actor.train_step import (
+    STAT_NAMES,
+    LossSettings,
+    backward_micro_batches,
+    finish_stats,
+    score_micro_batches,
+)
+from megatron_dapo.algo import LOSS_AGG_MODES
+
+log = logging.getLogger(__name__)
+
+
+class TrainingDivergedError(RuntimeError):
+    """Too many consecutive optimizer steps were skipped for a non-finite loss or gradient."""
+
+
+@dataclass
+class ActorConfig:
+    """Actor knobs, named as in verl (``ppo_mini_batch_size`` counts prompts, i.e. groups)."""
+
+    ppo_mini_batch_size: int = 32
+    ppo_epochs: int = 1
+    micro_batch_max_tokens: int = 16384
+    shuffle: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = None
+    loss_agg_mode: str = "token-mean"
+    # Divisor of seq-mean-token-sum-norm; None = the rollout step's longest response.
+    loss_norm_len: int | None = None
+    # Truncated importance sampling cap (needs rollout log-probs); None disables TIS.
+    tis_cap: float | None = None
+    max_consecutive_skips: int = 3
+    seed: int = 1
+    temperature: float = 1.0
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.ppo_mini_batch_size < 1:
+            raise ValueError(f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"loss_agg_mode={self.loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.max_consecutive_skips < 1:
+            raise ValueError(f"max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+
+
+@dataclass
+class ActorState:
+    """What the actor itself must checkpoint (the rest is model, optimizer, scheduler, RNG)."""
+
+    steps_done: int = 0
+    updates_done: int = 0
+    consecutive_skips: int = 0
+    skipped_total: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Actor:
+    """Trainer half of DAPO over DDP-wrapped megatron model chunks.
+
+    Args:
+        model_chunks: this rank's DDP-wrapped chunks (:func:`build_actor` makes them), built with
+            ``optimizer.training_config_overrides()``.
+        optimizer / scheduler: megatron-core optimizer and OptimizerParamScheduler over them.
+        layout: this rank's :class:`ParallelLayout`.
+        cfg: :class:`ActorConfig`.
+    """
+
+    def __init__(self, model_chunks, optimizer, scheduler, layout: ParallelLayout, cfg: ActorConfig):
+        from megatron_dapo.weights.model_io import unwrap
+
+        if layout.cp_size > 1:
+            raise ValueError("the actor does not support context parallelism (cp > 1) yet; use cp=1")
+        config = model_chunks[0].config
+        if not (config.calculate_per_token_loss and config.variable_seq_lengths):
+            raise ValueError(
+                "build the model with config_overrides=optimizer.training_config_overrides() "
+                "(calculate_per_token_loss and variable_seq_lengths must be on)"
+            )
+        self.model = model_chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.layout = layout
+        self.cfg = cfg
+        self.state = ActorState()
+        last = unwrap(model_chunks[-1])
+        self.vocab_size = int(getattr(last, "hf_vocab_size", None) or last.vocab_size)
+        # Sequence parallelism splits the sequence over TP: pad lengths to a multiple of TP.
+        self._pad_multiple = layout.tp_size if config.sequence_parallel else 1
+        self._micro_multiple = layout.pp_size if len(model_chunks) > 1 else 1
+        set_schedule_hooks(model_chunks, optimizer)
+
+    # ------------------------------------------------------------------ planning
+    def _my_micro_batches(self, batch: ActorBatch, indices: list[int]) -> list:
+        lengths = batch.seq_lens.tolist()
+        mine = split_over_ranks(lengths, indices, self.layout.dp_size)[self.layout.dp_rank]
+        groups = pack_by_token_budget(lengths, mine, self.cfg.micro_batch_max_tokens, self._micro_multiple)
+        return [collate(batch, g, self.cfg.pad_token_id, self._pad_multiple) for g in groups]
+
+    def _reports(self) -> bool:
+        """The one rank per DP replica whose numbers enter world-wide sums."""
+        return self.layout.is_last_stage and self.layout.tp_rank == 0
+
+    def _world_sum(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(compat.device())
+        if not self._reports():
+            t.zero_()
+        dist.all_reduce(t)
+        return t.cpu()
+
+    # ------------------------------------------------------------------ scoring
+    def compute_logprobs(
+        self, batch: ActorBatch, temperature: float | None = None, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs ``[B, R]`` (float32) of every response token under the current weights, on
+        every rank (zero beyond each response); with ``with_entropy`` also the entropy."""
+        temperature = self.cfg.temperature if temperature is None else temperature
+        micros = self._my_micro_batches(batch, list(range(len(batch))))
+        scored = score_micro_batches(
+            self.model, micros, temperature=temperature, vocab_size=self.vocab_size, with_entropy=with_entropy
+        )
+        out = torch.zeros(2 if with_entropy else 1, len(batch), batch.max_response_len, dtype=torch.float32)
+        for micro, (lp, ent) in zip(micros, scored):
+            positions_to_response(lp, micro, batch, out[0])
+            if with_entropy:
+                positions_to_response(ent, micro, batch, out[1])
+        out = self._world_sum(out)
+        return (out[0], out[1]) if with_entropy else out[0]
+
+    # ------------------------------------------------------------------ training
+    def mini_batches(self, batch: ActorBatch, epoch: int) -> list[list[int]]:
+        """Sample indices of each optimizer mini-batch of ``epoch``: whole groups, shuffled by
+        (seed, step, epoch) when ``shuffle``, ``ppo_mini_batch_size`` groups each."""
+        groups = list(dict.fromkeys(batch.group_index.tolist()))
+        size = self.cfg.ppo_mini_batch_size
+        if len(groups) % size:
+            raise BatchError(
+                f"the batch has {len(groups)} groups, not a multiple of ppo_mini_batch_size={size}; make "
+                "train_batch_size a multiple of ppo_mini_batch_size"
+            )
+        if self.cfg.shuffle:
+            gen = torch.Generator().manual_seed(
+                (self.cfg.seed * 1_000_003 + self.state.steps_done * 1009 + epoch) % (2**63)
+            )
+            groups = [groups[i] for i in torch.randperm(len(groups), generator=gen).tolist()]
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(batch.group_index.tolist()):
+            members.setdefault(g, []).append(i)
+        return [
+            sorted(i for g in groups[k : k + size] for i in members[g]) for k in range(0, len(groups), size)
+        ]
+
+    def _normalisers(self, batch: ActorBatch, indices: list[int]) -> tuple[float, float]:
+        lengths = batch.seq_lens.tolist()
+        mine = split_over_ranks(lengths, indices, self.layout.dp_size)[self.layout.dp_rank]
+        counts = batch.response_mask[mine].sum(dim=1)
+        local = torch.tensor([float(counts.sum()), float((counts > 0).sum())], dtype=torch.float64)
+        local = local.to(compat.device())
+        from megatron.core import parallel_state as ps
+
+        dist.all_reduce(local, group=ps.get_data_parallel_group())
+        return float(local[0]), float(local[1])
+
+    def _update_mini_batch(self, batch: ActorBatch, indices: list[int], norm_len: float) -> tuple:
+        num_tokens, num_seqs = self._normalisers(batch, indices)
+        settings = LossSettings(
+            clip_ratio_low=self.cfg.clip_ratio_low,
+            clip_ratio_high=self.cfg.clip_ratio_high,
+            clip_ratio_c=self.cfg.clip_ratio_c,
+            loss_agg_mode=self.cfg.loss_agg_mode,
+            tis_cap=self.cfg.tis_cap,
+            temperature=self.cfg.temperature,
+            vocab_size=self.vocab_size,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_len=norm_len,
+        )
+        micros = self._my_micro_batches(batch, indices)
+        zero_grads(self.model, self.optimizer)
+        sums = self._world_sum(backward_micro_batches(self.model, micros, settings))
+        loss = float(sums[STAT_NAMES.index("loss")])
+        if num_tokens == 0:
+            self.optimizer.zero_grad()
+            return sums, None, "no response token in the loss"
+        outcome = guarded_step(self.optimizer, self.scheduler, loss)
+        return sums, outcome, outcome.reason
+
+    def update(self, batch: ActorBatch) -> dict[str, Any]:
+        """Run ``ppo_epochs`` x (groups / ``ppo_mini_batch_size``) optimizer updates on ``batch``.
+
+        pi_old is ``batch.old_logprobs`` when given; otherwise recomputed here (forward only)
+        before the first update, except when the step is a single update, where the current
+        policy (detached) is pi_old. Returns the step's metrics (same on every rank): ``loss``
+        (mean over updates of the mini-batch loss), token-weighted ``clipfrac``,
+        ``clipfrac_high``, ``clipfrac_low``, ``clipfrac_lower``, ``ppo_kl``, ``entropy``,
+        ``grad_norm`` (mean; ``grad_norm_max``), ``lr``, ``tokens`` (loss tokens of the step),
+        ``mismatch_abs`` / ``mismatch_k3`` (pi_old vs rollout log-probs, when present),
+        ``tis_mean`` / ``tis_clipfrac`` (with TIS), ``num_updates``, ``skipped_updates`` and
+        ``updates`` (one dict per mini-batch).
+
+        Raises TrainingDivergedError after ``max_consecutive_skips`` non-finite steps in a row.
+        """
+        cfg = self.cfg
+        n_mini = len(self.mini_batches(batch, 0))
+        if batch.old_logprobs is None and (n_mini > 1 or cfg.ppo_epochs > 1):
+            batch = batch.with_old_logprobs(self.compute_logprobs(batch, cfg.temperature))
+        norm_len = float(cfg.loss_norm_len or batch.max_response_len)
+        step_sums = torch.zeros(len(STAT_NAMES), dtype=torch.float64)
+        updates: list[dict[str, Any]] = []
+        mismatch = [STAT_NAMES.index(k) for k in ("mismatch_tokens", "mismatch_abs", "mismatch_k3")]
+        for epoch in range(cfg.ppo_epochs):
+            for indices in self.mini_batches(batch, epoch):
+                sums, outcome, reason = self._update_mini_batch(batch, indices, norm_len)
+                if epoch > 0:
+                    sums[mismatch] = 0.0  # each sample's mismatch counts once per step
+                step_sums += sums
+                record = finish_stats(sums)
+                record.update(
+                    updated=bool(outcome and outcome.updated),
+                    grad_norm=outcome.grad_norm if outcome else 0.0,
+                    lr=current_lr(self.optimizer),
+                )
+                updates.append(record)
+                self._account(outcome, reason)
+        self.state.steps_done += 1
+        return self._summary(step_sums, updates, epochs=cfg.ppo_epochs)
+
+    def _account(self, outcome, reason: str) -> None:
+        if outcome is not None and outcome.updated:
+            self.state.updates_done += 1
+            self.state.consecutive_skips = 0
+            return
+        self.state.skipped_total += 1
+        if outcome is None:  # nothing to learn from (all tokens masked): not a failure
+            log.warning("skipped an optimizer update: %s", reason)
+            return
+        self.state.consecutive_skips += 1
+        log.warning(
+            "skipped optimizer update %d of rollout step %d: %s (%d in a row, limit %d)",
+            self.state.updates_done + self.state.skipped_total,
+            self.state.steps_done,
+            reason,
+            self.state.consecutive_skips,
+            self.cfg.max_consecutive_skips,
+        )
+        if self.state.consecutive_skips >= self.cfg.max_consecutive_skips:
+            raise TrainingDivergedError(
+                f"{self.state.consecutive_skips} consecutive optimizer updates were skipped (last: {reason}); "
+                "training has diverged. Lower the learning rate, check the data/rewards, or resume from an "
+                "earlier checkpoint (max_consecutive_skips sets the limit)"
+            )
+
+    def _summary(self, step_sums: torch.Tensor, updates: list[dict[str, Any]], epochs: int) -> dict[str, Any]:
+        out = finish_stats(step_sums)
+        out["tokens"] = out["tokens"] / epochs
+        out["seqs"] = out["seqs"] / epochs
+        done = [u for u in updates if u["updated"]]
+        out["loss"] = sum(u["loss"] for u in updates) / len(updates)
+        norms = [u["grad_norm"] for u in done]
+        out["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
+        out["grad_norm_max"] = max(norms) if norms else float("nan")
+        out["lr"] = current_lr(self.optimizer)
+        out["num_updates"] = len(done)
+        out["skipped_updates"] = len(updates) - len(done)
+        out["updates"] = updates
+        return out
+
+
+def build_actor(
+    hf_dir,
+    cfg: ActorConfig,
+    optim: OptimizerSettings,
+    *,
+    total_updates: int,
+    params_dtype: torch.dtype = torch.float32,
+    load_weights: bool = True,
+    use_te: bool | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+) -> Actor:
+    """Build the model from the HF checkpoint at ``hf_dir`` (weights loaded unless
+    ``load_weights`` is False, e.g. before a resume), wrap it in DDP, create the optimizer and the
+    schedule over ``total_updates`` optimizer updates, and return the :class:`Actor`.
+
+    Call :func:`megatron_dapo.actor.parallel.init_parallel` first; the layout is taken from it.
+    """
+    from megatron_dapo.actor.model import build_gpt_model
+    from megatron_dapo.actor.optimizer import (
+        build_optimizer,
+        build_scheduler,
+        training_config_overrides,
+        wrap_ddp,
+    )
+    from megatron_dapo.actor.parallel import current_layout
+    from megatron_dapo.weights.load import load_hf_weights
+
+    layout = current_layout()
+    kwargs = dict(model_kwargs or {})
+    overrides = {**kwargs.pop("config_overrides", {}), **training_config_overrides()}
+    # perform_initialization stays on even when HF weights overwrite it: megatron-core 0.16 sets
+    # the tensor-parallel attributes of its linear weights (``tensor_model_parallel``) only inside
+    # the init functions, and without them the grad norm counts TP shards of rank 0 only.
+    chunks = build_gpt_model(
+        hf_dir,
+        params_dtype=params_dtype,
+        use_te=use_te,
+        perform_initialization=True,
+        config_overrides=overrides,
+        **kwargs,
+    )
+    if load_weights:
+        load_hf_weights(chunks, hf_dir)
+    chunks = wrap_ddp(chunks, use_distributed_optimizer=optim.use_distributed_optimizer)
+    optimizer = build_optimizer(chunks, optim)
+    scheduler = build_scheduler(optimizer, optim, total_updates)
+    return Actor(chunks, optimizer, scheduler, layout, cfg)

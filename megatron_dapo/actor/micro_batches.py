@@ -1,0 +1,165 @@
+"""Split an optimizer mini-batch over data-parallel ranks and into micro-batches by a token budget.
+
+Dynamic batch size: a micro-batch holds as many sequences as fit in ``max_tokens`` padded
+tokens (``sequences * longest``), so a few long responses get micro-batches of their own instead
+of blowing the memory of a fixed-size micro-batch. Every function here is deterministic (ties
+broken by sample index), so all ranks that see the same batch compute the same plan without
+talking to each other.
+
+Micro-batches are right-padded. Under causal attention a real token never attends to a later
+position, so right padding changes no real token's output and no attention mask is needed; the
+padding positions are excluded from the loss by the loss mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dapo.actor.batch import ActorBatch, BatchError
+
+
+def _longest_first(lengths: list[int], indices: list[int]) -> list[int]:
+    return sorted(indices, key=lambda i: (-lengths[i], i))
+
+
+def split_over_ranks(lengths: list[int], indices: list[int], num_ranks: int) -> list[list[int]]:
+    """Assign samples to ``num_ranks`` data-parallel ranks, balancing their token counts.
+
+    Longest-processing-time greedy: longest sample first, each to the rank with the fewest tokens
+    so far (lowest rank on ties). Each rank's list keeps ascending sample order.
+    """
+    if len(indices) < num_ranks:
+        raise BatchError(
+            f"a mini-batch of {len(indices)} samples cannot feed {num_ranks} data-parallel ranks; "
+            "use fewer DP ranks or a larger ppo_mini_batch_size"
+        )
+    loads = [0] * num_ranks
+    parts: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in _longest_first(lengths, indices):
+        r = min(range(num_ranks), key=lambda k: (loads[k], k))
+        parts[r].append(i)
+        loads[r] += lengths[i]
+    for r in range(num_ranks):
+        if not parts[r]:
+            raise BatchError(f"data-parallel rank {r} got no sample")  # cannot happen: len >= ranks
+        parts[r].sort()
+    return parts
+
+
+def pack_by_token_budget(
+    lengths: list[int], indices: list[int], max_tokens: int, multiple_of: int = 1
+) -> list[list[int]]:
+    """Group samples into micro-batches whose padded size ``count * longest`` is <= ``max_tokens``.
+
+    First-fit over samples sorted longest first: a micro-batch is closed when the next sample
+    would push ``(count + 1) * longest`` over the budget. With ``multiple_of`` > 1 (megatron's
+    interleaved pipeline needs a multiple of PP micro-batches) the largest micro-batches are
+    halved until the count is a multiple. Raises :class:`BatchError` when one sample alone
+    exceeds the budget.
+    """
+    if max_tokens < 1:
+        raise BatchError(f"micro_batch_max_tokens must be >= 1, got {max_tokens}")
+    order = _longest_first(lengths, indices)
+    if order and lengths[order[0]] > max_tokens:
+        i = order[0]
+        raise BatchError(
+            f"sample {i} has {lengths[i]} tokens, more than micro_batch_max_tokens={max_tokens}; set "
+            "micro_batch_max_tokens >= max_prompt_length + max_response_length"
+        )
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    while len(groups) % multiple_of:
+        biggest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+        if len(groups[biggest]) < 2:
+            raise BatchError(
+                f"{len(indices)} samples cannot form a multiple of {multiple_of} micro-batches "
+                "(the interleaved pipeline schedule needs one); give each DP rank more samples"
+            )
+        g = groups.pop(biggest)
+        half = (len(g) + 1) // 2
+        groups[biggest:biggest] = [g[:half], g[half:]]
+    return groups
+
+
+@dataclass
+class MicroBatch:
+    """One padded micro-batch in token-position layout.
+
+    ``labels[:, t]`` is the token predicted at position ``t`` (``tokens[:, t + 1]``) and
+    ``loss_mask[:, t]`` marks the positions whose prediction is a response token in the loss;
+    ``old_logprobs`` / ``rollout_logprobs`` are aligned to those positions.
+    """
+
+    sample_index: torch.Tensor  # [b] rows of the rollout-step batch
+    tokens: torch.Tensor  # [b, L] int64
+    position_ids: torch.Tensor  # [b, L] int64
+    labels: torch.Tensor  # [b, L] int64
+    loss_mask: torch.Tensor  # [b, L] bool
+    score_mask: torch.Tensor  # [b, L] bool: every response position (for log-prob output)
+    advantages: torch.Tensor  # [b]
+    old_logprobs: torch.Tensor | None  # [b, L]
+    rollout_logprobs: torch.Tensor | None  # [b, L]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+
+def _to_positions(values: torch.Tensor, prompt_len: int, resp_len: int, length: int) -> torch.Tensor:
+    out = torch.zeros(length, dtype=values.dtype)
+    out[prompt_len - 1 : prompt_len - 1 + resp_len] = values[:resp_len]
+    return out
+
+
+def collate(
+    batch: ActorBatch, indices: list[int], pad_id: int = 0, pad_to_multiple_of: int = 1
+) -> MicroBatch:
+    """Right-pad the samples ``indices`` of ``batch`` into a :class:`MicroBatch`."""
+    lens = [int(batch.seq_lens[i]) for i in indices]
+    length = -(-max(lens) // pad_to_multiple_of) * pad_to_multiple_of
+    b = len(indices)
+    tokens = torch.full((b, length), pad_id, dtype=torch.long)
+    labels = torch.full((b, length), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(b, length, dtype=torch.bool)
+    score_mask = torch.zeros(b, length, dtype=torch.bool)
+    old = None if batch.old_logprobs is None else torch.zeros(b, length, dtype=batch.old_logprobs.dtype)
+    rollout = (
+        None if batch.rollout_logprobs is None else torch.zeros(b, length, dtype=batch.rollout_logprobs.dtype)
+    )
+    for row, i in enumerate(indices):
+        ids = batch.input_ids[i]
+        n, p, r = ids.numel(), int(batch.prompt_lens[i]), int(batch.response_lens[i])
+        tokens[row, :n] = ids
+        labels[row, : n - 1] = ids[1:]
+        loss_mask[row] = _to_positions(batch.response_mask[i], p, r, length)
+        score_mask[row, p - 1 : p - 1 + r] = True
+        if old is not None:
+            old[row] = _to_positions(batch.old_logprobs[i], p, r, length)
+        if rollout is not None:
+            rollout[row] = _to_positions(batch.rollout_logprobs[i], p, r, length)
+    return MicroBatch(
+        sample_index=torch.tensor(indices, dtype=torch.long),
+        tokens=tokens,
+        position_ids=torch.arange(length).unsqueeze(0).expand(b, length).contiguous(),
+        labels=labels,
+        loss_mask=loss_mask,
+        score_mask=score_mask,
+        advantages=batch.advantages[torch.tensor(indices, dtype=torch.long)],
+        old_logprobs=old,
+        rollout_logprobs=rollout,
+    )
+
+
+def positions_to_response(
+    values: torch.Tensor, micro: MicroBatch, batch: ActorBatch, out: torch.Tensor
+) -> None:
+    """Write position-layout ``values`` ([b, L]) of ``micro`` into ``out`` ([B, R], response layout)."""
+    for row, i in enumerate(micro.sample_index.tolist()):
+        p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
+        out[i, :r] = values[row, p - 1 : p - 1 + r].to(out.dtype)

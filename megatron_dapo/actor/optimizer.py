@@ -1,0 +1,223 @@
+"""Megatron-core DDP wrapping, optimizer, LR schedule and a guarded optimizer step.
+
+Gradient normalisation (why DDP is configured to *sum*): the actor computes each micro-batch's
+loss already divided by the global normaliser of the optimizer mini-batch (all response tokens,
+or sequences, of every micro-batch on every DP rank). Megatron's defaults would then divide
+twice more: the pipeline schedule divides a 2-value loss by the number of micro-batches
+(``forward_step_calc_loss``), and DDP pre-scales gradients by ``1 / dp_size`` before its
+all-reduce (``gradient_scaling_factor`` in ``DistributedDataParallel``), i.e. it averages over DP.
+With ``calculate_per_token_loss=True`` in the TransformerConfig megatron does neither: the loss
+function returns ``(loss, num_tokens, metrics)`` and is back-propagated as is, and DDP uses a
+scaling factor of 1, so the all-reduce sums. Its remaining per-token step, dividing all grads by
+the token count in ``finalize_model_grads``, is disabled by :func:`finalize_grads_without_token_scaling`
+because our loss is already normalised (and seq-mean modes normalise by sequences, not tokens).
+The resulting gradient is exactly that of the unsplit mini-batch loss.
+
+CPU vs GPU: on CPU the non-distributed optimizer is used (megatron's distributed optimizer
+asserts CUDA tensors); on GPU ``use_distributed_optimizer`` shards the fp32 main params and Adam
+state over DP. bf16 params get fp32 main params in either optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_dapo.actor import compat
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def training_config_overrides() -> dict[str, Any]:
+    """TransformerConfig fields the train step relies on (pass to ``build_gpt_model``)."""
+    # variable_seq_lengths: dynamic micro-batches differ in shape, so pipeline p2p must send
+    # shapes first. TransformerConfig rejects that combination with the default MoE dispatcher
+    # ("allgather") even for dense models; alltoall is the one it accepts (unused without MoE).
+    return {
+        "calculate_per_token_loss": True,
+        "variable_seq_lengths": True,
+        "moe_token_dispatcher_type": "alltoall",
+    }
+
+
+def wrap_ddp(model_chunks: list[Any], *, use_distributed_optimizer: bool = False) -> list[Any]:
+    """Wrap each chunk in megatron-core's DistributedDataParallel (fp32 grad buffers, summed)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = model_chunks[0].config
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "the model config needs calculate_per_token_loss=True so DDP sums gradients; build it with "
+            "build_gpt_model(..., config_overrides=optimizer.training_config_overrides())"
+        )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer and not compat.on_cpu(),
+        average_in_collective=False,
+    )
+    wrapped = []
+    for i, chunk in enumerate(model_chunks):
+        wrapped.append(
+            DistributedDataParallel(
+                config=chunk.config,
+                ddp_config=ddp_config,
+                module=chunk,
+                # Only the first chunk's buckets may be skipped (megatron's training loop does the
+                # same); bucketing is irrelevant without overlap.
+                disable_bucketing=i > 0,
+            )
+        )
+    return wrapped
+
+
+def finalize_grads_without_token_scaling(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """megatron's ``finalize_model_grads`` (DP all-reduce, tied-embedding and TP norm grads) with
+    the per-token division switched off: the loss is already globally normalised."""
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW and LR-schedule settings (verl/megatron names)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_scheduler: str = "constant"
+    # Optimizer updates the cosine decays over (after warmup ends it reaches min_lr here).
+    lr_decay_steps: int | None = None
+    use_distributed_optimizer: bool = True
+
+
+def _cpu_grad_norm_stopgap() -> None:
+    """Stopgap for a CUDA assumption that ``compat.apply_cpu_compat`` does not cover yet: without
+    apex/TE, megatron's grad norm (``get_grad_norm_fp32`` -> ``megatron.core.utils.
+    local_multi_tensor_l2_norm``) returns its result with ``device="cuda"``. The same proxy compat
+    installs for the other modules with CUDA literals is installed into ``megatron.core.utils``.
+    CPU only, idempotent; belongs in compat.py's list of such modules, where it should move."""
+    if not compat.on_cpu():
+        return
+    import megatron.core.utils as mutils
+    import torch
+
+    if not isinstance(mutils.torch, compat._CudaLiteralsOnCpu):
+        mutils.torch = compat._CudaLiteralsOnCpu(torch)
+
+
+def build_optimizer(model_chunks: list[Any], settings: OptimizerSettings) -> Any:
+    """Megatron-core AdamW over the DDP-wrapped chunks (decoupled weight decay, none on biases and
+    norms), with grad clipping; fp32 main params for bf16/fp16 models."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    _cpu_grad_norm_stopgap()
+    model_config = model_chunks[0].config
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=settings.lr,
+        min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2,
+        adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad,
+        bf16=model_config.bf16,
+        fp16=model_config.fp16,
+        params_dtype=model_config.params_dtype,
+        use_distributed_optimizer=settings.use_distributed_optimizer and not compat.on_cpu(),
+        decoupled_weight_decay=True,
+    )
+    return get_megatron_optimizer(config, model_chunks)
+
+
+def build_scheduler(optimizer: Any, settings: OptimizerSettings, total_updates: int) -> Any:
+    """Megatron's OptimizerParamScheduler: linear warmup from 0 over ``lr_warmup_steps`` updates,
+    then constant, or cosine to ``min_lr`` at ``lr_decay_steps`` (default ``total_updates``)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if settings.lr_scheduler not in LR_SCHEDULES:
+        raise ValueError(f"lr_scheduler={settings.lr_scheduler!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    decay_steps = settings.lr_decay_steps or max(total_updates, settings.lr_warmup_steps + 1)
+    if decay_steps <= settings.lr_warmup_steps:
+        raise ValueError(
+            f"lr_decay_steps={decay_steps} must exceed lr_warmup_steps={settings.lr_warmup_steps}"
+        )
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=settings.lr,
+        min_lr=settings.min_lr,
+        lr_warmup_steps=settings.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=settings.lr_scheduler,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    updated: bool
+    grad_norm: float
+    reason: str = ""
+
+
+def guarded_step(optimizer: Any, scheduler: Any, loss: float) -> StepOutcome:
+    """Step the optimizer and scheduler unless the loss or the gradient norm is not finite.
+
+    The grad norm is computed first (megatron's own, over the model-parallel group; DP grads are
+    already reduced), so every rank takes the same decision; a skipped step leaves parameters,
+    optimizer state and schedule untouched. Gradients are zeroed either way.
+    """
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    reason = ""
+    if not math.isfinite(loss):
+        reason = f"non-finite loss {loss}"
+    elif found_inf or not math.isfinite(grad_norm):
+        reason = f"non-finite gradient norm {grad_norm}"
+    if reason:
+        optimizer.zero_grad()
+        return StepOutcome(False, grad_norm, reason)
+    updated, _, _ = optimizer.step()
+    if not updated:
+        optimizer.zero_grad()
+        return StepOutcome(False, grad_norm, "the optimizer found inf/nan in the gradients")
+    scheduler.step(1)
+    return StepOutcome(True, grad_norm)
+
+
+def current_lr(optimizer: Any) -> float:
+    groups = optimizer.param_groups
+    return float(groups[0]["lr"]) if groups else 0.0
+
+
+def zero_grads(model_chunks: list[Any], optimizer: Any) -> None:
+    """Clear DDP grad buffers and optimizer grads before a mini-batch's backward passes."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def set_schedule_hooks(model_chunks: list[Any], optimizer: Any) -> None:
+    """Point megatron's pipeline schedule at this model's DDP sync and our grad finalisation."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model_chunks[0])
+    config.no_sync_func = (
+        [c.no_sync for c in model_chunks] if len(model_chunks) > 1 else model_chunks[0].no_sync
+    )
+    config.grad_sync_func = None
+    config.param_sync_func = None
+    config.finalize_model_grads_func = finalize_grads_without_token_scaling
+    config.grad_scale_func = optimizer.scale_loss

@@ -1,0 +1,229 @@
+"""One pass of micro-batches through megatron's pipeline schedule: scoring or a training backward.
+
+:func:`score_micro_batches` runs the forward-only schedule and returns per-position log-probs
+(and entropy) on the last pipeline stage. :func:`backward_micro_batches` runs forward+backward
+with the DAPO loss of :func:`megatron_dapo.algo.policy_loss`, each micro-batch's loss divided by
+the *global* normaliser of the optimizer mini-batch (see ``actor/optimizer.py`` for how megatron's
+own micro-batch and DP averaging is switched off), and returns the micro-batch metric sums.
+Neither reduces anything across ranks; the caller (``actor/actor.py``) does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_dapo.actor import compat
+from megatron_dapo.actor.logprobs import vocab_parallel_logprobs
+from megatron_dapo.actor.micro_batches import MicroBatch
+from megatron_dapo.algo import policy_loss
+
+# Per-mini-batch metric sums; the token-weighted ones are divided by "tokens" after reduction.
+STAT_NAMES = (
+    "loss",
+    "tokens",
+    "seqs",
+    "clipfrac",
+    "clipfrac_high",
+    "clipfrac_low",
+    "clipfrac_lower",
+    "ppo_kl",
+    "entropy",
+    "mismatch_tokens",
+    "mismatch_abs",
+    "mismatch_k3",
+    "tis_mean",
+    "tis_clipfrac",
+)
+_TOKEN_WEIGHTED = ("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_lower", "ppo_kl", "entropy")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the loss of one mini-batch needs besides the data."""
+
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
+    loss_agg_mode: str
+    tis_cap: float | None
+    temperature: float
+    vocab_size: int
+    num_tokens: float  # global normalisers of the optimizer mini-batch
+    num_seqs: float
+    norm_len: float
+
+
+def _to_device(micro: MicroBatch) -> MicroBatch:
+    dev = compat.device()
+    fields = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in micro.__dict__.items()}
+    return MicroBatch(**fields)
+
+
+def _run_schedule(
+    model_chunks: list[Any], micros: list[MicroBatch], forward_step, forward_only: bool
+) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    multi = len(model_chunks) > 1
+    iters = [iter(micros) for _ in model_chunks] if multi else iter(micros)
+    first = micros[0]
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iters,
+        model=model_chunks if multi else model_chunks[0],
+        num_microbatches=len(micros),
+        # With variable_seq_lengths megatron sends each micro-batch's shape first; these only
+        # seed the first exchange.
+        seq_length=first.tokens.shape[1],
+        micro_batch_size=first.tokens.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+
+
+def score_micro_batches(
+    model_chunks: list[Any],
+    micros: list[MicroBatch],
+    *,
+    temperature: float,
+    vocab_size: int,
+    with_entropy: bool = False,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Forward-only log-probs and entropy ``[b, L]`` per micro-batch (CPU tensors), in order, on
+    the last pipeline stage; an empty list elsewhere."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    tp_group = _tp_group()
+
+    def forward_step(data_iterator, model):
+        micro = _to_device(next(data_iterator))
+        output = model(micro.tokens, micro.position_ids, None)
+
+        def collect(logits):
+            lp, ent = vocab_parallel_logprobs(
+                logits,
+                micro.labels,
+                vocab_size=vocab_size,
+                temperature=temperature,
+                tp_group=tp_group,
+                with_entropy=with_entropy,
+            )
+            out.append((lp.float().cpu(), ent.float().cpu()))
+            zero = logits.sum() * 0
+            return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}
+
+        return output, collect
+
+    for chunk in model_chunks:
+        chunk.eval()
+    with torch.no_grad():
+        _run_schedule(model_chunks, micros, forward_step, forward_only=True)
+    return out
+
+
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x.double(), torch.zeros((), dtype=torch.float64, device=x.device)).sum()
+
+
+def micro_batch_loss(
+    logprobs: torch.Tensor, entropy: torch.Tensor, micro: MicroBatch, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DAPO loss of one micro-batch (already divided by the global normaliser) and its metric
+    sums in :data:`STAT_NAMES` order (float64). With no ``old_logprobs`` the current policy,
+    detached, is pi_old (ratio exactly 1)."""
+    mask = micro.loss_mask
+    old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+    use_tis = settings.tis_cap is not None and micro.rollout_logprobs is not None
+    loss, m = policy_loss(
+        logprobs,
+        old,
+        micro.advantages,
+        mask,
+        clip_ratio_low=settings.clip_ratio_low,
+        clip_ratio_high=settings.clip_ratio_high,
+        clip_ratio_c=settings.clip_ratio_c,
+        loss_agg_mode=settings.loss_agg_mode,
+        num_tokens=settings.num_tokens,
+        num_seqs=settings.num_seqs,
+        norm_len=settings.norm_len,
+        rollout_logprobs=micro.rollout_logprobs if use_tis else None,
+        tis_cap=settings.tis_cap if use_tis else None,
+    )
+    n = m["num_tokens"].double()
+    stats = dict.fromkeys(STAT_NAMES, torch.zeros((), dtype=torch.float64, device=mask.device))
+    stats["loss"] = loss.detach().double()
+    stats["tokens"] = n
+    stats["seqs"] = m["num_seqs"].double()
+    for key in ("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_lower", "ppo_kl"):
+        stats[key] = m[key].double() * n
+    stats["entropy"] = _masked_sum(entropy.detach(), mask)
+    if use_tis:
+        stats["tis_mean"] = m["tis_mean"].double() * n
+        stats["tis_clipfrac"] = m["tis_clipfrac"].double() * n
+    if micro.rollout_logprobs is not None:
+        # Train/inference mismatch on the loss tokens: samples come from the engine (q), so the
+        # k3 estimator of KL(q || pi_old) is exp(d) - 1 - d with d = log pi_old - log q.
+        d = old.detach().double() - micro.rollout_logprobs.double()
+        stats["mismatch_tokens"] = n
+        stats["mismatch_abs"] = _masked_sum(d.abs(), mask)
+        stats["mismatch_k3"] = _masked_sum(torch.expm1(d) - d, mask)
+    return loss, torch.stack([stats[k] for k in STAT_NAMES])
+
+
+def backward_micro_batches(
+    model_chunks: list[Any], micros: list[MicroBatch], settings: LossSettings
+) -> torch.Tensor:
+    """Forward+backward of every micro-batch through the pipeline schedule; gradients land in the
+    DDP buffers (DP-summed by megatron's finalize step). Returns this rank's metric sums (zeros
+    off the last pipeline stage), float64 ``[len(STAT_NAMES)]`` on the CPU."""
+    tp_group = _tp_group()
+    totals = torch.zeros(len(STAT_NAMES), dtype=torch.float64)
+
+    def forward_step(data_iterator, model):
+        micro = _to_device(next(data_iterator))
+        output = model(micro.tokens, micro.position_ids, None)
+
+        def loss_func(logits):
+            nonlocal totals
+            lp, ent = vocab_parallel_logprobs(
+                logits,
+                micro.labels,
+                vocab_size=settings.vocab_size,
+                temperature=settings.temperature,
+                tp_group=tp_group,
+            )
+            loss, stats = micro_batch_loss(lp, ent, micro, settings)
+            totals = totals + stats.cpu()
+            # Three values with calculate_per_token_loss: megatron back-propagates `loss` as is.
+            return loss, stats.new_tensor(int(stats[1]), dtype=torch.int), {}
+
+        return output, loss_func
+
+    for chunk in model_chunks:
+        chunk.train()
+    _run_schedule(model_chunks, micros, forward_step, forward_only=False)
+    return totals
+
+
+def finish_stats(sums: torch.Tensor) -> dict[str, float]:
+    """Turn reduced metric sums into means: token-weighted ones over the loss tokens, the
+    mismatch over the tokens that had rollout log-probs."""
+    s = dict(zip(STAT_NAMES, sums.tolist()))
+    tokens = max(s["tokens"], 1.0)
+    out = {"loss": s["loss"], "tokens": s["tokens"], "seqs": s["seqs"]}
+    for key in _TOKEN_WEIGHTED:
+        out[key] = s[key] / tokens
+    if s["tis_mean"]:
+        out["tis_mean"] = s["tis_mean"] / tokens
+        out["tis_clipfrac"] = s["tis_clipfrac"] / tokens
+    if s["mismatch_tokens"]:
+        out["mismatch_abs"] = s["mismatch_abs"] / s["mismatch_tokens"]
+        out["mismatch_k3"] = s["mismatch_k3"] / s["mismatch_tokens"]
+    return out
