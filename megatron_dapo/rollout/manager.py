@@ -1,0 +1,621 @@
+"""The rollout manager: a dataset cursor in, a full DAPO train batch of mixed groups out.
+
+One ``collect`` call is one rollout step:
+1. draw a round of prompts (``gen_batch_size``, or an adaptive size from the observed keep rate
+   when ``over_sample`` is on), one group of ``n`` requests per prompt;
+2. send groups to the engines, least-outstanding first, within each engine's concurrency limit;
+3. as each group comes back, decode and score it on a scoring thread (off the engines' critical
+   path), add the overlong penalty, and keep it if its metric has spread (``mixed_group_mask``);
+4. refill with new rounds until ``train_batch_size`` groups are kept or ``max_num_gen_batches``
+   rounds are spent (verl's ValueError, or a partial batch when allowed);
+5. once full, abort what is still generating; surplus groups are discarded.
+
+Failures: a call that raises or exceeds ``request_timeout_s`` is retried (up to ``max_retries``
+times) on another engine when one exists; an engine whose ``health()`` turns False is marked down
+and its work re-issued elsewhere; with no engine left the step fails with a clear error. Every
+prompt drawn ends in exactly one bucket (batch, filtered by reason, surplus, aborted), and the
+sum is asserted.
+
+Determinism: each request's seed is a function of (seed, weight_version, the group's draw
+position in the step, sample index), so a response does not depend on the engine that ran it
+or on retries. Which groups fill the batch is by draw order among the groups finished when the
+batch fills; with one engine and ``groups_per_call`` >= a round, that is fully deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dapo.algo import mixed_group_mask, overlong_penalty
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.types import (
+    GenerationRequest,
+    GenerationResult,
+    RolloutBatch,
+    RolloutSample,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+FILTER_METRICS = ("acc", "score", "seq_final_reward")
+_POLL_S = 0.5
+
+
+class NoEngineAliveError(EngineError):
+    """Every rollout engine is down; the step cannot finish."""
+
+
+@dataclass
+class RolloutManagerConfig:
+    """Knobs of one rollout step (verl names where verl has them). Sizes count prompts (groups).
+
+    ``max_concurrency_per_engine`` counts requests; an engine runs up to
+    ``max(1, max_concurrency_per_engine // (n * groups_per_call))`` calls at once, each call
+    carrying ``groups_per_call`` groups (1 suits SGLang, which batches across calls; the HF
+    engine batches within a call, so give it more). ``over_sample``: after the first round of
+    a run, a round draws ``ceil(1.1 * needed / keep_rate)`` prompts, clamped to
+    ``[needed, max_over_sample_factor * needed]``, instead of ``gen_batch_size``.
+    """
+
+    n: int = 16
+    gen_batch_size: int = 1536
+    train_batch_size: int = 512
+    max_num_gen_batches: int = 10
+    filter_groups_enable: bool = True
+    filter_metric: str = "acc"
+    allow_partial_batch: bool = False
+    overlong_buffer_enable: bool = True
+    overlong_buffer_len: int = 4096
+    overlong_penalty_factor: float = 1.0
+    max_response_length: int = 20480
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int = 1
+    over_sample: bool = True
+    max_over_sample_factor: float = 3.0
+    max_concurrency_per_engine: int = 1024
+    groups_per_call: int = 1
+    request_timeout_s: float = 1800.0
+    max_retries: int = 2
+    abort_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        for name in ("n", "gen_batch_size", "train_batch_size", "max_response_length", "groups_per_call"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rollout manager: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_gen_batches < 0:
+            raise ValueError(
+                f"max_num_gen_batches must be >= 0 (0 = unlimited), got {self.max_num_gen_batches}"
+            )
+        if self.filter_metric not in FILTER_METRICS:
+            raise ValueError(f"filter_metric must be one of {FILTER_METRICS}, got {self.filter_metric!r}")
+        if self.max_over_sample_factor < 1:
+            raise ValueError(f"max_over_sample_factor must be >= 1, got {self.max_over_sample_factor}")
+        if self.max_retries < 0 or self.request_timeout_s <= 0:
+            raise ValueError("max_retries must be >= 0 and request_timeout_s > 0")
+        if self.overlong_buffer_enable and not 0 < self.overlong_buffer_len <= self.max_response_length:
+            raise ValueError(
+                f"overlong_buffer_len={self.overlong_buffer_len} must be in (0, max_response_length="
+                f"{self.max_response_length}]"
+            )
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RolloutManagerConfig:
+        """Build from the run's ``DAPOConfig`` (see ``megatron_dapo.config.schema``)."""
+        ro, alg = cfg.rollout, cfg.algorithm
+        return cls(
+            n=ro.n,
+            gen_batch_size=ro.gen_batch_size,
+            train_batch_size=cfg.trainer.train_batch_size,
+            max_num_gen_batches=alg.filter_groups.max_num_gen_batches,
+            filter_groups_enable=alg.filter_groups.enable,
+            filter_metric=alg.filter_groups.metric,
+            allow_partial_batch=alg.allow_partial_batch,
+            overlong_buffer_enable=alg.overlong_buffer.enable,
+            overlong_buffer_len=alg.overlong_buffer.len,
+            overlong_penalty_factor=alg.overlong_buffer.penalty_factor,
+            max_response_length=cfg.data.max_response_length,
+            temperature=ro.temperature,
+            top_p=ro.top_p,
+            top_k=ro.top_k,
+            seed=cfg.trainer.seed,
+            over_sample=ro.over_sample,
+            max_over_sample_factor=ro.max_over_sample_factor,
+            max_concurrency_per_engine=ro.max_concurrency_per_engine,
+            request_timeout_s=ro.request_timeout_s,
+            max_retries=ro.max_retries,
+        )
+
+
+@dataclass
+class _Group:
+    serial: int  # draw position in this step
+    prompt: Any
+    samples: list[RolloutSample] | None = None
+
+
+@dataclass
+class _Unit:
+    """One engine call: ``groups_per_call`` groups, ``n`` requests each."""
+
+    groups: list[_Group]
+    requests: list[GenerationRequest]
+    attempts: int = 0
+    avoid: str | None = None
+
+
+@dataclass
+class _Call:
+    unit: _Unit
+    engine: Any
+    start: float
+
+
+class _Ledger:
+    """Where every drawn prompt went, and the timing of engine calls."""
+
+    def __init__(self, engine_names: list[str]):
+        self.drawn = 0
+        self.rounds = 0
+        self.kept: list[_Group] = []
+        self.filtered = {"all_correct": 0, "all_wrong": 0, "other": 0}
+        self.surplus = 0
+        self.aborted = 0
+        self.scored_groups = 0
+        self.retries = 0
+        self.tokens = 0
+        self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in engine_names}
+
+    def check(self, in_batch: int) -> None:
+        total = in_batch + sum(self.filtered.values()) + self.surplus + self.aborted
+        assert total == self.drawn, (
+            f"rollout accounting broken: drawn {self.drawn} != batch {in_batch} + filtered {self.filtered} "
+            f"+ surplus {self.surplus} + aborted {self.aborted}"
+        )
+
+
+class RolloutManager:
+    """Collects DAPO train batches from a set of engines.
+
+    Args:
+        engines: objects following :class:`~megatron_dapo.rollout.engine.RolloutEngine`.
+        scorer: a :class:`~megatron_dapo.rewards.scorer.Scorer` (``score_many``).
+        cfg: :class:`RolloutManagerConfig`.
+        tokenizer: decodes response ids to text for the reward (``decode(ids, skip_special_tokens=True)``).
+    """
+
+    def __init__(self, engines: list[Any], scorer: Any, cfg: RolloutManagerConfig, tokenizer: Any):
+        if not engines:
+            raise ValueError("RolloutManager needs at least one engine")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        self.engines = list(engines)
+        self.scorer = scorer
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.down: dict[str, str] = {}  # engine name -> why it was marked down
+        self._keep_rate: float | None = None  # last observed, drives over-sampling
+        self._zombies: dict[Future, _Call] = {}  # timed-out calls whose threads have not returned
+
+    # -- public ---------------------------------------------------------------------------
+
+    def collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
+        """One rollout step: a batch of ``train_batch_size`` mixed groups (see the module doc)."""
+        cfg = self.cfg
+        ledger = _Ledger([e.name for e in self.engines])
+        t0 = time.perf_counter()
+        while len(ledger.kept) < cfg.train_batch_size:
+            if cfg.max_num_gen_batches and ledger.rounds >= cfg.max_num_gen_batches:
+                if cfg.allow_partial_batch and ledger.kept:
+                    logger.warning(
+                        "rollout: %d generation rounds spent with %d/%d groups kept; training on a partial batch",
+                        ledger.rounds,
+                        len(ledger.kept),
+                        cfg.train_batch_size,
+                    )
+                    break
+                ledger.check(len(ledger.kept))
+                raise ValueError(
+                    f"num_gen_batches={ledger.rounds} >= max_num_gen_batches={cfg.max_num_gen_batches} with only "
+                    f"{len(ledger.kept)}/{cfg.train_batch_size} mixed groups (filtered: {ledger.filtered}). Generated "
+                    "too many. Please check if your data are too difficult. You could also try set "
+                    "max_num_gen_batches=0 to enable endless trials (or allow_partial_batch=true)."
+                )
+            size = self._round_size(cfg.train_batch_size - len(ledger.kept))
+            prompts = dataset.next_batch(size)
+            groups = [_Group(ledger.drawn + i, p) for i, p in enumerate(prompts)]
+            ledger.drawn += len(groups)
+            ledger.rounds += 1
+            self._run_round(groups, weight_version, ledger)
+        wall = time.perf_counter() - t0
+
+        if ledger.scored_groups:
+            self._keep_rate = max(len(ledger.kept), 1) / ledger.scored_groups
+        ledger.kept.sort(key=lambda g: g.serial)
+        batch_groups = ledger.kept[: cfg.train_batch_size]
+        ledger.surplus += len(ledger.kept) - len(batch_groups)
+        samples = []
+        for gid, group in enumerate(batch_groups):
+            for s in group.samples:
+                s.group_id = gid
+                samples.append(s)
+        ledger.check(len(batch_groups))
+        return RolloutBatch(samples, self._metrics(samples, ledger, wall))
+
+    # -- rounds -----------------------------------------------------------------------------
+
+    def _round_size(self, needed: int) -> int:
+        cfg = self.cfg
+        if not cfg.over_sample or self._keep_rate is None:
+            return cfg.gen_batch_size
+        want = math.ceil(1.1 * needed / max(self._keep_rate, 1e-6))
+        return int(min(max(want, needed), math.ceil(cfg.max_over_sample_factor * needed)))
+
+    def _units(self, groups: list[_Group], version: int) -> deque[_Unit]:
+        cfg = self.cfg
+        units: deque[_Unit] = deque()
+        for start in range(0, len(groups), cfg.groups_per_call):
+            chunk = groups[start : start + cfg.groups_per_call]
+            requests = [
+                GenerationRequest(
+                    request_id=f"v{version}-g{g.serial}-s{j}",
+                    prompt_ids=list(g.prompt.prompt_ids),
+                    sampling=SamplingParams(
+                        temperature=cfg.temperature,
+                        top_p=cfg.top_p,
+                        top_k=cfg.top_k,
+                        max_new_tokens=cfg.max_response_length,
+                        stop_token_ids=list(cfg.stop_token_ids),
+                        seed=_request_seed(cfg.seed, version, g.serial, j),
+                    ),
+                )
+                for g in chunk
+                for j in range(cfg.n)
+            ]
+            units.append(_Unit(chunk, requests))
+        return units
+
+    def _run_round(self, groups: list[_Group], version: int, ledger: _Ledger) -> None:
+        """Generate and score ``groups`` until all are done or the batch is full."""
+        cfg = self.cfg
+        queue = self._units(groups, version)
+        calls: dict[Future, _Call] = {}
+        scoring: dict[Future, list[_Group]] = {}
+        gen_pool = ThreadPoolExecutor(
+            max_workers=min(self._slots * len(self.engines), 512), thread_name_prefix="rollout"
+        )
+        score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        try:
+            while queue or calls or scoring:
+                if len(ledger.kept) >= cfg.train_batch_size:
+                    self._stop(queue, calls, scoring, ledger)
+                    return
+                self._dispatch(queue, calls, gen_pool)
+                if queue and all(e.name in self.down for e in self.engines):
+                    raise NoEngineAliveError(self._down_message())
+                pending = list(calls) + list(scoring) + list(self._zombies)
+                done, _ = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    if fut in scoring:
+                        self._classify(scoring.pop(fut), fut.result(), ledger)
+                    elif fut in calls:
+                        call = calls.pop(fut)
+                        self._record_interval(call, ledger)
+                        self._finish_call(call, fut, queue, scoring, score_pool, ledger)
+                    elif fut in self._zombies:  # a timed-out call came back late: its result is dropped
+                        self._record_interval(self._zombies.pop(fut), ledger)
+                self._expire(calls, queue, ledger)
+        finally:
+            gen_pool.shutdown(wait=False, cancel_futures=True)
+            score_pool.shutdown(wait=True)
+
+    @property
+    def _slots(self) -> int:
+        return max(1, self.cfg.max_concurrency_per_engine // (self.cfg.n * self.cfg.groups_per_call))
+
+    def _dispatch(self, queue: deque[_Unit], calls: dict[Future, _Call], pool: ThreadPoolExecutor) -> None:
+        """Start queued units on engines with free slots, least outstanding calls first."""
+        while queue:
+            alive = [e for e in self.engines if e.name not in self.down]
+            load = {e.name: 0 for e in alive}
+            for c in [*calls.values(), *self._zombies.values()]:  # a stuck call still holds its slot
+                if c.engine.name in load:
+                    load[c.engine.name] += 1
+            free = [e for e in alive if load[e.name] < self._slots]
+            if not free:
+                return
+            unit = queue.popleft()
+            # a retried unit avoids the engine that failed it when another one has room
+            free.sort(key=lambda e: (e.name == unit.avoid, load[e.name]))
+            engine = free[0]
+            calls[pool.submit(engine.generate, unit.requests)] = _Call(unit, engine, time.perf_counter())
+
+    def _finish_call(self, call: _Call, fut: Future, queue, scoring, score_pool, ledger: _Ledger) -> None:
+        """Hand a finished call's results to scoring, or retry it."""
+        unit, engine = call.unit, call.engine
+        error = fut.exception()
+        results: list[GenerationResult] = [] if error is not None else fut.result()
+        if error is None:
+            error = _check_results(unit, results)
+        if error is None:
+            ledger.tokens += sum(len(r.output_ids) for r in results)
+            by_id = {r.request_id: r for r in results}
+            scoring[score_pool.submit(self._score_unit, unit, by_id)] = unit.groups
+            return
+        self._retry(unit, engine, error, queue, ledger)
+
+    def _retry(self, unit: _Unit, engine: Any, error: BaseException | str, queue, ledger: _Ledger) -> None:
+        groups = [g.serial for g in unit.groups]
+        if not _healthy(engine):
+            self.down[engine.name] = str(error)
+            logger.error("rollout: engine %s is down (%s); re-issuing groups %s", engine.name, error, groups)
+        else:
+            unit.attempts += 1
+            if unit.attempts > self.cfg.max_retries:
+                raise EngineError(
+                    f"rollout: groups {groups} failed {unit.attempts} times (max_retries={self.cfg.max_retries}); "
+                    f"last failure on engine {engine.name}: {error}"
+                )
+            ledger.retries += 1
+            logger.warning("rollout: engine %s failed groups %s (%s); retrying", engine.name, groups, error)
+        unit.avoid = engine.name
+        queue.appendleft(unit)
+
+    def _expire(self, calls: dict[Future, _Call], queue: deque[_Unit], ledger: _Ledger) -> None:
+        now = time.perf_counter()
+        for fut, call in list(calls.items()):
+            if now - call.start > self.cfg.request_timeout_s:
+                del calls[fut]
+                self._zombies[fut] = call  # its thread may still return; the result is dropped
+                call.engine.abort()
+                self._retry(
+                    call.unit,
+                    call.engine,
+                    f"call timed out after {self.cfg.request_timeout_s:g}s (rollout.request_timeout_s)",
+                    queue,
+                    ledger,
+                )
+
+    def _stop(self, queue: deque[_Unit], calls: dict[Future, _Call], scoring, ledger: _Ledger) -> None:
+        """The batch is full: abort the tail, settle every outstanding group into a bucket."""
+        for unit in queue:
+            ledger.aborted += len(unit.groups)
+        queue.clear()
+        live = {c.engine.name: c.engine for c in calls.values()}
+        for engine in live.values():
+            try:
+                engine.abort()
+            except Exception as e:  # an engine that cannot abort still must not lose the batch
+                logger.warning("rollout: abort on engine %s failed: %s", engine.name, e)
+        done, not_done = wait(list(calls) + list(scoring), timeout=self.cfg.abort_timeout_s)
+        for fut, call in list(calls.items()):
+            if fut in done:
+                self._record_interval(call, ledger)
+            complete = (
+                fut in done and fut.exception() is None and _check_results(call.unit, fut.result()) is None
+            )
+            if complete:
+                ledger.surplus += len(call.unit.groups)
+            else:
+                ledger.aborted += len(call.unit.groups)
+        if any(f in not_done for f in calls):
+            logger.warning("rollout: %d engine calls did not return within abort_timeout_s", len(not_done))
+        calls.clear()
+        for fut, groups in list(scoring.items()):
+            if fut in done:
+                self._classify(groups, fut.result(), ledger)
+            else:
+                ledger.aborted += len(groups)
+        scoring.clear()
+
+    # -- scoring ------------------------------------------------------------------------------
+
+    def _score_unit(self, unit: _Unit, by_id: dict[str, GenerationResult]) -> list[list[RolloutSample]]:
+        cfg = self.cfg
+        per_group: list[list[tuple[GenerationResult, str]]] = []
+        items = []
+        for gi, g in enumerate(unit.groups):
+            rows = []
+            for j in range(cfg.n):
+                res = by_id[unit.requests[gi * cfg.n + j].request_id]
+                text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+                rows.append((res, text))
+                items.append((g.prompt.data_source, text, g.prompt.ground_truth, g.prompt.extra_info))
+            per_group.append(rows)
+        rewards = self.scorer.score_many(items)
+        lengths = torch.tensor(
+            [len(r.output_ids) for rows in per_group for r, _ in rows], dtype=torch.float64
+        )
+        if cfg.overlong_buffer_enable:
+            penalties = overlong_penalty(
+                lengths, cfg.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+            ).tolist()
+        else:
+            penalties = [0.0] * len(lengths)
+        out, k = [], 0
+        for g, rows in zip(unit.groups, per_group):
+            samples = []
+            for res, text in rows:
+                rw, pen = rewards[k], float(penalties[k])
+                k += 1
+                samples.append(
+                    RolloutSample(
+                        group_id=g.serial,
+                        prompt=g.prompt,
+                        response_ids=res.output_ids,
+                        rollout_logprobs=res.logprobs,
+                        response_text=text,
+                        finish_reason=res.finish_reason,
+                        score=float(rw.score),
+                        acc=bool(rw.acc),
+                        pred=rw.pred,
+                        overlong_penalty=pen,
+                        final_reward=float(rw.score) + pen,
+                        weight_version=res.weight_version,
+                        truncated=res.finish_reason == "length",
+                        reward_error=rw.error,
+                    )
+                )
+            out.append(samples)
+        return out
+
+    def _classify(self, groups: list[_Group], scored: list[list[RolloutSample]], ledger: _Ledger) -> None:
+        for g, samples in zip(groups, scored):
+            g.samples = samples
+            ledger.scored_groups += 1
+            if not self.cfg.filter_groups_enable or bool(self._keep_mask(samples).all()):
+                ledger.kept.append(g)
+            elif all(s.acc for s in samples):
+                ledger.filtered["all_correct"] += 1
+            elif not any(s.acc for s in samples):
+                ledger.filtered["all_wrong"] += 1
+            else:
+                ledger.filtered["other"] += 1
+
+    def _keep_mask(self, samples: list[RolloutSample]) -> torch.Tensor:
+        metric = self.cfg.filter_metric
+        values = [
+            float(s.acc) if metric == "acc" else s.score if metric == "score" else s.final_reward
+            for s in samples
+        ]
+        return mixed_group_mask(torch.tensor(values, dtype=torch.float64), [0] * len(samples))
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _record_interval(self, call: _Call, ledger: _Ledger) -> None:
+        ledger.intervals[call.engine.name].append((call.start, time.perf_counter()))
+
+    def _down_message(self) -> str:
+        why = "; ".join(f"{name}: {reason}" for name, reason in self.down.items())
+        return f"rollout: all {len(self.engines)} engines are down ({why}); restart them or check their logs"
+
+    def _metrics(self, samples: list[RolloutSample], ledger: _Ledger, wall: float) -> dict[str, float]:
+        cfg = self.cfg
+        lengths = [s.response_length for s in samples]
+        all_intervals = [iv for ivs in ledger.intervals.values() for iv in ivs]
+        gen_time = _union_length(all_intervals)
+        busy = [_union_length(ivs) / wall if wall > 0 else 0.0 for ivs in ledger.intervals.values()]
+        m = {
+            "rollout/gen_rounds": ledger.rounds,
+            "rollout/prompts_drawn": ledger.drawn,
+            "rollout/groups_in_batch": len(samples) // cfg.n,
+            "rollout/keep_rate": len(ledger.kept) / ledger.scored_groups if ledger.scored_groups else 0.0,
+            "rollout/filtered_all_correct": ledger.filtered["all_correct"],
+            "rollout/filtered_all_wrong": ledger.filtered["all_wrong"],
+            "rollout/filtered_other": ledger.filtered["other"],
+            "rollout/zero_spread_fraction": (
+                sum(ledger.filtered.values()) / ledger.scored_groups if ledger.scored_groups else 0.0
+            ),
+            "rollout/surplus": ledger.surplus,
+            "rollout/aborted": ledger.aborted,
+            "rollout/retries": ledger.retries,
+            "rollout/engines_down": len(self.down),
+            "rollout/partial_batch": float(len(samples) < cfg.train_batch_size * cfg.n),
+            "rollout/time_s": wall,
+            "rollout/gen_time_s": gen_time,
+            "rollout/wait_time_s": max(wall - gen_time, 0.0),
+            "rollout/engine_busy_fraction": sum(busy) / len(busy),
+            "rollout/tokens_per_s": ledger.tokens / gen_time if gen_time > 0 else 0.0,
+        }
+        if samples:
+            n = len(samples)
+            m.update(
+                {
+                    "rollout/response_length/mean": sum(lengths) / n,
+                    "rollout/response_length/max": max(lengths),
+                    "rollout/response_length/min": min(lengths),
+                    # verl: share of responses that used the whole budget
+                    "rollout/response_length/clip_ratio": sum(x >= cfg.max_response_length for x in lengths)
+                    / n,
+                    "rollout/truncation_rate": sum(s.truncated for s in samples) / n,
+                    "rollout/reward/mean": sum(s.final_reward for s in samples) / n,
+                    "rollout/score/mean": sum(s.score for s in samples) / n,
+                    "rollout/acc/mean": sum(s.acc for s in samples) / n,
+                    "rollout/overlong_penalty/mean": sum(s.overlong_penalty for s in samples) / n,
+                    "rollout/reward_errors": sum(s.reward_error is not None for s in samples),
+                }
+            )
+        return m
+
+
+def dump_rollouts(batch: RolloutBatch, path: str | Path) -> Path:
+    """Write one JSON line per sample (prompt, response, reward, acc, length, ...) to ``path``.
+
+    The driver calls it with ``run_dir / "rollouts" / f"step_{step}.jsonl"``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for s in batch.samples:
+            row = {
+                "group_id": s.group_id,
+                "prompt_index": s.prompt.index,
+                "data_source": s.prompt.data_source,
+                "prompt": s.prompt.prompt_text,
+                "response": s.response_text,
+                "ground_truth": s.prompt.ground_truth,
+                "pred": s.pred,
+                "score": s.score,
+                "acc": s.acc,
+                "overlong_penalty": s.overlong_penalty,
+                "reward": s.final_reward,
+                "length": s.response_length,
+                "finish_reason": s.finish_reason,
+                "weight_version": s.weight_version,
+            }
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def _request_seed(seed: int, version: int, serial: int, sample: int) -> int:
+    """A 31-bit seed per (run seed, weight version, group draw position, sample index)."""
+    x = 0
+    for part in (seed, version, serial, sample):
+        x = (x * 1_000_003 + int(part)) % (2**61 - 1)
+    return x % (2**31 - 1)
+
+
+def _check_results(unit: _Unit, results: Any) -> str | None:
+    """None if ``results`` answer every request of ``unit`` completely; else what is wrong."""
+    if not isinstance(results, list) or len(results) != len(unit.requests):
+        got = len(results) if isinstance(results, list) else type(results).__name__
+        return f"engine returned {got} results for {len(unit.requests)} requests"
+    ids = {r.request_id for r in results}
+    missing = [q.request_id for q in unit.requests if q.request_id not in ids]
+    if missing:
+        return f"engine results lack request ids {missing[:3]}"
+    aborted = [r.request_id for r in results if r.finish_reason == "abort"]
+    if aborted:
+        return f"engine aborted {len(aborted)} requests (e.g. {aborted[0]}) although the batch was not full"
+    return None
+
+
+def _healthy(engine: Any) -> bool:
+    try:
+        return bool(engine.health())
+    except Exception:
+        return False
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total

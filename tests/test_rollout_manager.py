@@ -1,0 +1,310 @@
+"""RolloutManager against a scripted engine and scorer: refill, budget, abort, failures, accounting.
+
+The scripted engine answers prompt ``p`` by its class (``prompt_ids[0]``): 0 = mixed (half the
+samples right), 1 = all right, 2 = all wrong. The tokenizer decodes token 1 as "right"; the
+scorer gives +1 / -1 for right / wrong. Expected batches and counts are worked out by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from megatron_dapo.data.types import PromptSample
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.manager import (
+    NoEngineAliveError,
+    RolloutManager,
+    RolloutManagerConfig,
+    dump_rollouts,
+)
+from megatron_dapo.rollout.types import GenerationResult
+
+MIXED, RIGHT, WRONG = 0, 1, 2
+
+
+class Dataset:
+    def __init__(self, classes):
+        self.classes = classes
+        self.cursor = 0
+
+    def next_batch(self, n):
+        out = []
+        for _ in range(n):
+            i = self.cursor
+            out.append(
+                PromptSample(
+                    i, "scripted", [], f"prompt {i}", [self.classes[i % len(self.classes)], 7, i], "right", {}
+                )
+            )
+            self.cursor += 1
+        return out
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "right" if ids and ids[0] == 1 else "wrong"
+
+
+class Result:
+    def __init__(self, score, acc, pred):
+        self.score, self.acc, self.pred, self.error = score, acc, pred, None
+
+
+class Scorer:
+    def __init__(self):
+        self.calls = 0
+
+    def score_many(self, items):
+        self.calls += 1
+        return [Result(1.0 if text == "right" else -1.0, text == "right", text) for _, text, _, _ in items]
+
+
+class ScriptedEngine:
+    """Answers by prompt class; can be slow, fail, die, or hang; honours abort like SGLang does."""
+
+    def __init__(self, name, length=3, slow_prompts=(), fail_calls=(), die_at_call=None, hang_calls=()):
+        self.name = name
+        self.length = length
+        self.slow_prompts = set(slow_prompts)
+        self.fail_calls = set(fail_calls)
+        self.die_at_call = die_at_call
+        self.hang_calls = set(hang_calls)
+        self.calls = 0
+        self.aborts = 0
+        self.seeds = {}
+        self.served = []
+        self._epoch = 0
+        self._alive = True
+        self._lock = threading.Lock()
+
+    def generate(self, requests):
+        epoch = self._epoch
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if not self._alive:
+            raise ConnectionError(f"{self.name} is gone")
+        if self.die_at_call is not None and call >= self.die_at_call:
+            self._alive = False
+            raise ConnectionError(f"{self.name} died")
+        if call in self.fail_calls:
+            raise RuntimeError(f"{self.name}: transient failure on call {call}")
+        if call in self.hang_calls:
+            time.sleep(1.0)  # ignores abort, like a wedged server
+        prompt_idx = requests[0].prompt_ids[2]
+        if prompt_idx in self.slow_prompts:
+            deadline = time.monotonic() + 10
+            while self._epoch == epoch and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self._epoch != epoch:
+                return [GenerationResult(r.request_id, [], [], "abort", 0) for r in requests]
+        out = []
+        for j, r in enumerate(requests):
+            self.seeds[r.request_id] = r.sampling.seed
+            cls = r.prompt_ids[0]
+            right = cls == RIGHT or (cls == MIXED and j % 2 == 0)
+            ids = [1 if right else 2] + [5] * (self.length - 1)
+            out.append(GenerationResult(r.request_id, ids, [-0.5] * len(ids), "stop", 3))
+        self.served.append(prompt_idx)
+        return out
+
+    def abort(self):
+        self.aborts += 1
+        self._epoch += 1
+
+    def health(self):
+        return self._alive
+
+
+def cfg(**kw):
+    base = dict(
+        n=4,
+        gen_batch_size=4,
+        train_batch_size=4,
+        max_num_gen_batches=10,
+        over_sample=False,
+        max_response_length=8,
+        overlong_buffer_len=4,
+        max_concurrency_per_engine=64,
+        request_timeout_s=30.0,
+    )
+    base.update(kw)
+    return RolloutManagerConfig(**base)
+
+
+def accounted(m):
+    return (
+        m["rollout/groups_in_batch"]
+        + m["rollout/filtered_all_correct"]
+        + m["rollout/filtered_all_wrong"]
+        + m["rollout/filtered_other"]
+        + m["rollout/surplus"]
+        + m["rollout/aborted"]
+    )
+
+
+def test_refill_across_rounds_keeps_only_mixed_groups_in_draw_order():
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(), Tokenizer())
+    batch = mgr.collect(Dataset([MIXED, RIGHT, WRONG]), weight_version=3)
+    m = batch.metrics
+    # rounds of 4 prompts; mixed prompts are 0, 3 | 6 | 9 -> 3 rounds
+    assert m["rollout/gen_rounds"] == 3
+    assert m["rollout/prompts_drawn"] == 12
+    assert [s.prompt.index for s in batch.samples[::4]] == [0, 3, 6, 9]
+    assert batch.group_index == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert m["rollout/filtered_all_correct"] == 4  # prompts 1, 4, 7, 10
+    assert m["rollout/filtered_all_wrong"] == 4  # prompts 2, 5, 8, 11
+    assert m["rollout/keep_rate"] == pytest.approx(4 / 12)
+    assert accounted(m) == 12
+    assert m["rollout/acc/mean"] == 0.5
+    # length 3 <= 8 - 4: no overlong penalty, reward is the +-1 score
+    assert sorted({s.final_reward for s in batch.samples}) == [-1.0, 1.0]
+    assert all(s.weight_version == 3 for s in batch.samples)
+
+
+def test_overlong_penalty_is_added_to_the_score():
+    # length 6 with L_max 8, buffer 4: penalty -(6 - 4) / 4 * 0.5 = -0.25
+    mgr = RolloutManager(
+        [ScriptedEngine("e0", length=6)], Scorer(), cfg(overlong_penalty_factor=0.5), Tokenizer()
+    )
+    batch = mgr.collect(Dataset([MIXED]), 0)
+    assert {s.overlong_penalty for s in batch.samples} == {-0.25}
+    assert sorted({s.final_reward for s in batch.samples}) == [-1.25, 0.75]
+    assert batch.metrics["rollout/response_length/mean"] == 6
+
+
+def test_filter_on_seq_final_reward_and_disabled_filter():
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(filter_groups_enable=False), Tokenizer())
+    batch = mgr.collect(Dataset([RIGHT, WRONG]), 0)
+    assert batch.metrics["rollout/gen_rounds"] == 1 and len(batch) == 16
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(filter_metric="seq_final_reward"), Tokenizer())
+    assert mgr.collect(Dataset([WRONG, MIXED]), 0).metrics["rollout/filtered_all_wrong"] == 4
+
+
+def test_budget_exhaustion_raises_with_verl_advice():
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(max_num_gen_batches=2), Tokenizer())
+    with pytest.raises(ValueError, match=r"max_num_gen_batches=0") as e:
+        mgr.collect(Dataset([WRONG]), 0)
+    assert "num_gen_batches=2" in str(e.value) and "too difficult" in str(e.value)
+
+
+def test_budget_exhaustion_partial_batch_when_allowed():
+    classes = [MIXED] + [WRONG] * 7  # one mixed prompt in the first 8 drawn
+    mgr = RolloutManager(
+        [ScriptedEngine("e0")], Scorer(), cfg(max_num_gen_batches=2, allow_partial_batch=True), Tokenizer()
+    )
+    batch = mgr.collect(Dataset(classes), 0)
+    m = batch.metrics
+    assert batch.num_groups == 1 and m["rollout/partial_batch"] == 1.0
+    assert m["rollout/gen_rounds"] == 2 and accounted(m) == 8 and m["rollout/filtered_all_wrong"] == 7
+
+
+def test_abort_once_full_counts_in_flight_and_queued_groups():
+    # 12 prompts in one round; prompts 0, 1 come back at once, the rest block until aborted.
+    # 4 calls per engine (64 // (4 * 4)): 2 slow in flight + 8 never dispatched = 10 aborted.
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 12))
+    mgr = RolloutManager(
+        [engine],
+        Scorer(),
+        cfg(gen_batch_size=12, train_batch_size=2, max_concurrency_per_engine=16),
+        Tokenizer(),
+    )
+    t0 = time.monotonic()
+    batch = mgr.collect(Dataset([MIXED]), 0)
+    assert time.monotonic() - t0 < 5  # the tail was aborted, not waited for
+    m = batch.metrics
+    assert batch.num_groups == 2 and engine.aborts >= 1
+    assert m["rollout/aborted"] == 10 and m["rollout/surplus"] == 0
+    assert accounted(m) == 12
+
+
+def test_engine_death_mid_step_loses_nothing():
+    dying = ScriptedEngine("dying", die_at_call=2)
+    healthy = ScriptedEngine("healthy")
+    mgr = RolloutManager(
+        [dying, healthy],
+        Scorer(),
+        cfg(gen_batch_size=8, train_batch_size=8, max_concurrency_per_engine=4),
+        Tokenizer(),
+    )
+    batch = mgr.collect(Dataset([MIXED]), 0)
+    m = batch.metrics
+    assert batch.num_groups == 8 and m["rollout/engines_down"] == 1 and "dying" in mgr.down
+    assert sorted(dying.served + healthy.served) == list(range(8))  # every prompt served exactly once
+    assert accounted(m) == 8 and m["rollout/aborted"] == 0
+    assert [s.prompt.index for s in batch.samples[::4]] == list(range(8))
+
+
+def test_all_engines_dead_is_a_clear_error():
+    engines = [ScriptedEngine("a", die_at_call=1), ScriptedEngine("b", die_at_call=1)]
+    mgr = RolloutManager(engines, Scorer(), cfg(), Tokenizer())
+    with pytest.raises(NoEngineAliveError, match=r"all 2 engines are down .*a: .*died"):
+        mgr.collect(Dataset([MIXED]), 0)
+
+
+def test_transient_failure_is_retried_on_another_engine_and_bounded():
+    flaky, other = ScriptedEngine("flaky", fail_calls={1}), ScriptedEngine("other")
+    mgr = RolloutManager([flaky, other], Scorer(), cfg(max_concurrency_per_engine=4), Tokenizer())
+    batch = mgr.collect(Dataset([MIXED]), 0)
+    assert batch.num_groups == 4 and batch.metrics["rollout/retries"] == 1
+    always = ScriptedEngine("always", fail_calls=set(range(1, 100)))
+    mgr = RolloutManager([always], Scorer(), cfg(max_retries=2), Tokenizer())
+    with pytest.raises(EngineError, match=r"failed 3 times \(max_retries=2\).*always"):
+        mgr.collect(Dataset([MIXED]), 0)
+
+
+def test_timed_out_call_is_reissued_elsewhere():
+    wedged, other = ScriptedEngine("wedged", hang_calls={1}), ScriptedEngine("other")
+    mgr = RolloutManager(
+        [wedged, other], Scorer(), cfg(request_timeout_s=0.3, max_concurrency_per_engine=4), Tokenizer()
+    )
+    batch = mgr.collect(Dataset([MIXED]), 0)
+    assert batch.num_groups == 4 and batch.metrics["rollout/retries"] >= 1
+    assert wedged.aborts >= 1
+
+
+def test_request_seeds_depend_on_draw_position_not_engine():
+    one = ScriptedEngine("one")
+    RolloutManager([one], Scorer(), cfg(), Tokenizer()).collect(Dataset([MIXED]), 5)
+    a, b = ScriptedEngine("a"), ScriptedEngine("b")
+    RolloutManager([a, b], Scorer(), cfg(max_concurrency_per_engine=4), Tokenizer()).collect(
+        Dataset([MIXED]), 5
+    )
+    assert one.seeds == {**a.seeds, **b.seeds}
+    assert len(set(one.seeds.values())) == 16  # distinct per sample
+    other = ScriptedEngine("other")
+    RolloutManager([other], Scorer(), cfg(), Tokenizer()).collect(Dataset([MIXED]), 6)
+    assert set(other.seeds.values()).isdisjoint(one.seeds.values())  # a new weight version re-seeds
+
+
+def test_over_sampling_sizes_the_next_step_from_the_keep_rate():
+    mgr = RolloutManager(
+        [ScriptedEngine("e0")], Scorer(), cfg(over_sample=True, max_over_sample_factor=3.0), Tokenizer()
+    )
+    data = Dataset([MIXED, RIGHT, WRONG])
+    first = mgr.collect(data, 0).metrics
+    assert first["rollout/gen_rounds"] == 3  # no estimate yet: rounds of gen_batch_size=4
+    second = mgr.collect(data, 1).metrics
+    # keep rate 1/3 -> ceil(1.1 * 4 * 3) = 14, capped at 3 * 4 = 12 prompts: one round fills the batch
+    assert second["rollout/gen_rounds"] == 1 and second["rollout/prompts_drawn"] == 12
+    assert second["rollout/surplus"] == 0 and accounted(second) == 12
+
+
+def test_dump_rollouts_writes_one_line_per_sample(tmp_path):
+    batch = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(), Tokenizer()).collect(Dataset([MIXED]), 0)
+    path = dump_rollouts(batch, tmp_path / "rollouts" / "step_1.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 16
+    assert rows[0]["response"] == "right" and rows[0]["reward"] == 1.0 and rows[0]["acc"] is True
+    assert rows[1]["length"] == 3 and rows[1]["prompt"] == "prompt 0"
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="filter_metric"):
+        RolloutManagerConfig(filter_metric="reward")
+    with pytest.raises(ValueError, match="overlong_buffer_len"):
+        RolloutManagerConfig(max_response_length=100, overlong_buffer_len=200)
