@@ -1,0 +1,178 @@
+"""HF engine on a tiny random Qwen2: seeded determinism, log-probs vs an independent forward pass,
+stop tokens / max_new_tokens / finish reasons, abort, and weight loading from HF-named buckets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import tiny_hf_config
+
+from megatron_dapo.rollout.hf_engine import HFEngine, WeightLoadError
+from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+torch.set_num_threads(1)
+
+
+def tiny_model(seed=0, tie=False):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        tiny_hf_config(vocab=128, hidden=32, heads=4, kv_heads=2, tie_word_embeddings=tie),
+        dtype=torch.float32,
+    )
+    with torch.no_grad():  # larger weights than the init default, so the distribution is far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    return model.eval()
+
+
+def requests(n=4, **sampling):
+    params = dict(temperature=0.9, max_new_tokens=10)
+    params.update(sampling)
+    return [
+        GenerationRequest(f"r{i}", [5 + i] * (2 + 3 * i), SamplingParams(seed=100 + i, **params))
+        for i in range(n)
+    ]
+
+
+def reference_logprobs(model, prompt, output, temperature):
+    """log_softmax(logits / T) of each output token from one unpadded full-sequence forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def test_deterministic_under_seed_and_independent_of_batch(model):
+    engine = HFEngine(model=model)
+    reqs = requests()
+    first = engine.generate(reqs)
+    again = engine.generate(reqs)
+    assert [r.output_ids for r in first] == [r.output_ids for r in again]
+    alone = engine.generate([reqs[2]])[0]  # same seed, no batch mates, no left padding
+    assert alone.output_ids == first[2].output_ids
+    reseeded = engine.generate(
+        [GenerationRequest("x", reqs[2].prompt_ids, SamplingParams(0.9, max_new_tokens=10, seed=7))]
+    )
+    assert reseeded[0].output_ids != first[2].output_ids
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.8, 20), (1.3, 1.0, 5)])
+def test_logprobs_match_a_separate_forward_at_the_sampling_temperature(model, temperature, top_p, top_k):
+    engine = HFEngine(model=model)
+    reqs = requests(temperature=temperature, top_p=top_p, top_k=top_k)
+    for req, res in zip(reqs, engine.generate(reqs)):
+        ref = reference_logprobs(model, req.prompt_ids, res.output_ids, temperature)
+        # SGLang semantics: the full-vocabulary temperature-scaled distribution, not the truncated one
+        torch.testing.assert_close(torch.tensor(res.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_top_k_one_and_greedy_pick_the_argmax(model):
+    engine = HFEngine(model=model)
+    greedy = engine.generate(requests(temperature=0.0))
+    top1 = engine.generate(requests(top_k=1))
+    for req, g, t in zip(requests(), greedy, top1):
+        with torch.no_grad():
+            seq = req.prompt_ids + g.output_ids
+            logits = model(torch.tensor([seq])).logits[0, len(req.prompt_ids) - 1 : -1]
+        assert g.output_ids == logits.argmax(-1).tolist()
+        assert t.output_ids == g.output_ids
+
+
+def test_stop_tokens_max_new_tokens_and_finish_reasons(model):
+    engine = HFEngine(model=model)
+    free = engine.generate(requests(max_new_tokens=10))
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 10 for r in free)
+    # stop on the 4th token that request 0 sampled: same seed, same prefix, so it stops there
+    stop_tok = free[0].output_ids[3]
+    first_hit = free[0].output_ids.index(stop_tok)
+    stopped = engine.generate(requests(max_new_tokens=10, stop_token_ids=[stop_tok]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.output_ids == free[0].output_ids[: first_hit + 1]  # the stop token is kept
+    short = engine.generate(requests(max_new_tokens=3))
+    assert all(len(r.output_ids) == 3 and r.finish_reason == "length" for r in short)
+    # the model's EOS id stops a request unless ignore_eos
+    model.generation_config.eos_token_id = stop_tok
+    try:
+        eos_engine = HFEngine(model=model)
+        assert eos_engine.generate(requests(max_new_tokens=10))[0].finish_reason == "stop"
+        assert eos_engine.generate(requests(max_new_tokens=10, ignore_eos=True))[0].finish_reason == "length"
+    finally:
+        model.generation_config.eos_token_id = None
+
+
+def test_abort_returns_partial_responses(model):
+    engine = HFEngine(model=model)
+    reqs = [GenerationRequest("long", [3, 4, 5], SamplingParams(max_new_tokens=100, seed=1))]
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", engine.generate(reqs)))
+    t.start()
+    time.sleep(0.05)
+    engine.abort()
+    t.join(timeout=30)
+    res = out["r"][0]
+    assert res.finish_reason == "abort" and len(res.output_ids) < 100
+    assert engine.generate(requests(1, max_new_tokens=2))[0].finish_reason == "length"  # later calls run
+
+
+def _buckets(state, size=5):
+    items = list(state.items())
+    return [dict(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_bucket_loading_equals_load_state_dict(tie):
+    target = tiny_model(seed=1, tie=tie)
+    engine = HFEngine(model=tiny_model(seed=0, tie=tie))
+    before = engine.generate(requests())
+    state = {k: v.clone() for k, v in target.state_dict().items()}
+    engine.load_weights(_buckets(state), version=7)
+    reference = tiny_model(seed=0, tie=tie)
+    reference.load_state_dict(state)
+    expected = HFEngine(model=reference).generate(requests())
+    got = engine.generate(requests())
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    assert [r.logprobs for r in got] == [r.logprobs for r in expected]
+    assert [r.output_ids for r in got] != [r.output_ids for r in before]
+    assert got[0].weight_version == 7 and engine.health()
+    if tie:  # the tied head may come without lm_head.weight
+        state.pop("lm_head.weight", None)
+        engine.load_weights(_buckets(state), version=8)
+
+
+def test_bucket_loading_is_strict_and_names_the_tensor():
+    engine = HFEngine(model=tiny_model())
+    state = {k: v.clone() for k, v in tiny_model(seed=1).state_dict().items()}
+    with pytest.raises(WeightLoadError, match=r"'model.layers.0.bogus'"):
+        engine.load_weights([{"model.layers.0.bogus": torch.zeros(1)}], 1)
+    assert not engine.health()  # a half-applied update is not served
+    bad = dict(state)
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(WeightLoadError, match=r"model.norm.weight.*\(3,\).*\(32,\)"):
+        engine.load_weights([bad], 1)
+    partial = dict(state)
+    partial.pop("model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(WeightLoadError, match=r"lacks 1 tensors.*model.layers.1.mlp.up_proj.weight"):
+        engine.load_weights([partial], 1)
+    engine.load_weights([state], 2)
+    assert engine.health() and engine.weight_version == 2
+
+
+def test_load_from_disk_and_from_path(tiny_hf_checkpoint):
+    path = tiny_hf_checkpoint(vocab=128, hidden=32, heads=4, kv_heads=2, max_shard_size="20KB")
+    from_path = HFEngine(path)
+    engine = HFEngine(model=tiny_model(seed=3))
+    engine.load_from_disk(path, version=4)
+    assert [r.output_ids for r in engine.generate(requests())] == [
+        r.output_ids for r in from_path.generate(requests())
+    ]
