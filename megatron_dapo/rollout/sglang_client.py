@@ -1,0 +1,437 @@
+"""Async HTTP client for one SGLang server's native API, and the engine built on it.
+
+Payloads follow SGLang's request types field for field (``GenerateReqInput``,
+``SamplingParams``, ``AbortReq``, ``UpdateWeightFromDiskReqInput``,
+``InitWeightsUpdateGroupReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+``UpdateWeightsFromTensorReqInput``, ``Release/ResumeMemoryOccupationReqInput``,
+``Pause/ContinueGenerationReqInput`` in ``sglang/srt/managers/io_struct.py``); the fields and the
+commit they were read at are in ``tests/fixtures/sglang/``, and the tests check every payload
+built here against them. The ``payload_*`` functions are pure so that check needs no server.
+
+Failure handling: connection errors, dropped connections and 5xx answers are retried
+(``max_retries``, exponential back-off); 4xx answers, malformed JSON and exhausted retries raise
+:class:`SGLangError` naming the engine and the endpoint. A ``/generate`` that times out reading
+is not retried here (the server may still be working on it); the manager decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class SGLangError(EngineError):
+    """A call to an SGLang server failed; names the engine and the endpoint."""
+
+
+# -- payloads (pure) -----------------------------------------------------------------------
+
+
+def payload_generate(req: GenerationRequest) -> dict:
+    """``GenerateReqInput`` for one tokenised prompt, asking for the sampled tokens' log-probs."""
+    s = req.sampling
+    sampling = {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "max_new_tokens": s.max_new_tokens,
+        "ignore_eos": s.ignore_eos,
+        # keep special tokens and the stop token in the output, as the trainer sees them
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if s.stop_token_ids:
+        sampling["stop_token_ids"] = list(s.stop_token_ids)
+    if s.seed is not None:
+        sampling["sampling_seed"] = int(s.seed)
+    return {
+        "rid": req.request_id,
+        "input_ids": list(req.prompt_ids),
+        "sampling_params": sampling,
+        "return_logprob": True,
+    }
+
+
+def payload_abort(rid: str | None = None) -> dict:
+    """``AbortReq``: one request by id, or everything."""
+    return {"rid": rid, "abort_all": False} if rid else {"abort_all": True}
+
+
+def payload_update_from_disk(model_path: str, version: int, flush_cache: bool = True) -> dict:
+    return {"model_path": str(model_path), "weight_version": str(version), "flush_cache": flush_cache}
+
+
+def payload_init_group(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
+) -> dict:
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def bucket_metadata(bucket: dict[str, torch.Tensor]) -> tuple[list[str], list[str], list[list[int]]]:
+    """Names, dtype names (``"bfloat16"``, as ``getattr(torch, name)`` reads them) and shapes."""
+    names = list(bucket)
+    dtypes = [str(t.dtype).removeprefix("torch.") for t in bucket.values()]
+    shapes = [list(t.shape) for t in bucket.values()]
+    return names, dtypes, shapes
+
+
+def payload_update_from_distributed(
+    bucket: dict[str, torch.Tensor], version: int, group_name: str, flush_cache: bool = True
+) -> dict:
+    names, dtypes, shapes = bucket_metadata(bucket)
+    return {
+        "names": names,
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "weight_version": str(version),
+    }
+
+
+def payload_update_from_tensor(
+    serialized_per_tp_rank: list[str], version: int, load_format: str | None = None, flush_cache: bool = True
+) -> dict:
+    payload = {
+        "serialized_named_tensors": list(serialized_per_tp_rank),
+        "flush_cache": flush_cache,
+        "weight_version": str(version),
+    }
+    if load_format is not None:
+        payload["load_format"] = load_format
+    return payload
+
+
+def payload_memory(tags: Sequence[str] | None) -> dict:
+    """``Release/ResumeMemoryOccupationReqInput``; None means every region."""
+    if tags is None:
+        return {}
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad:
+        raise ValueError(f"memory tags must be among {MEMORY_TAGS}, got {bad}")
+    return {"tags": list(tags)}
+
+
+def payload_pause(mode: str = "abort") -> dict:
+    if mode not in ("abort", "retract", "in_place"):
+        raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+    return {"mode": mode}
+
+
+def parse_generate_reply(reply: Any, req: GenerationRequest, engine: str) -> GenerationResult:
+    """A ``/generate`` reply -> :class:`GenerationResult` (tokens from ``output_token_logprobs``)."""
+    where = f"sglang engine {engine}: /generate reply for {req.request_id}"
+    try:
+        meta = reply["meta_info"]
+        reason = meta["finish_reason"]
+        kind = reason["type"] if isinstance(reason, dict) else reason
+        items = meta["output_token_logprobs"]
+        logprobs = [float(item[0]) for item in items]
+        ids = [int(item[1]) for item in items]
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise SGLangError(
+            f"{where} lacks meta_info.finish_reason/output_token_logprobs ({e!r}): {str(reply)[:200]}"
+        ) from e
+    if kind not in ("stop", "length", "abort"):
+        raise SGLangError(f"{where}: unknown finish_reason {reason!r}")
+    version = meta.get("weight_version")
+    try:
+        version = int(version) if version is not None else None
+    except (TypeError, ValueError):
+        version = None
+    return GenerationResult(req.request_id, ids, logprobs, kind, version)
+
+
+# -- the client --------------------------------------------------------------------------------
+
+
+class SGLangClient:
+    """Async client of one server. Create and use it inside one event loop.
+
+    Args:
+        base_url: ``http://host:port``.
+        name: engine name for errors (default: the URL).
+        api_key: sent as ``Authorization: Bearer`` (the server's ``--api-key``).
+        timeout_s: read timeout of one call (``/generate`` can take minutes).
+        max_retries: retries after the first attempt on connection errors and 5xx.
+        backoff_s: first retry delay, doubled each time.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 1800.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.name = name or self.base_url
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self.in_flight = 0
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def call(
+        self,
+        method: str,
+        endpoint: str,
+        payload: dict | None = None,
+        *,
+        expect_json: bool = True,
+        retry_read_timeout: bool = True,
+    ) -> Any:
+        """One request with retries; the decoded JSON (or text when ``expect_json`` is False)."""
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                r = await self._http.request(method, endpoint, json=payload)
+            except httpx.ReadTimeout as e:
+                if not retry_read_timeout:
+                    raise SGLangError(
+                        f"sglang engine {self.name}: {method} {endpoint} timed out reading: {e}"
+                    ) from e
+                last = f"read timeout ({e})"
+                continue
+            except httpx.TransportError as e:  # refused, reset, dropped mid-reply
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            if r.status_code >= 400:
+                raise SGLangError(
+                    f"sglang engine {self.name}: {method} {endpoint} -> HTTP {r.status_code}: {r.text[:300]}"
+                )
+            if not expect_json:
+                return r.text
+            try:
+                return r.json()
+            except (json.JSONDecodeError, ValueError) as e:
+                raise SGLangError(
+                    f"sglang engine {self.name}: {method} {endpoint} answered malformed JSON ({e}): {r.text[:200]!r}"
+                ) from e
+        raise SGLangError(
+            f"sglang engine {self.name}: {method} {endpoint} failed after {self.max_retries + 1} attempts; last: {last}"
+        )
+
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        self.in_flight += 1
+        try:
+            reply = await self.call("POST", "/generate", payload_generate(req), retry_read_timeout=False)
+        finally:
+            self.in_flight -= 1
+        return parse_generate_reply(reply, req, self.name)
+
+    async def abort_all(self, max_rounds: int = 20, settle_s: float = 0.25) -> int:
+        """Abort everything, repeated until this client has no ``/generate`` open; returns the rounds used.
+
+        One ``abort_all`` can miss requests that reach the scheduler just after it, so it is
+        re-sent while any of our requests is still open.
+        """
+        for rounds in range(1, max_rounds + 1):
+            await self.call("POST", "/abort_request", payload_abort(), expect_json=False)
+            deadline = time.monotonic() + settle_s
+            while self.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if not self.in_flight:
+                return rounds
+        raise SGLangError(
+            f"sglang engine {self.name}: {self.in_flight} requests still open after {max_rounds} aborts"
+        )
+
+    async def flush_cache(self) -> None:
+        await self.call("POST", "/flush_cache", expect_json=False)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self.call("POST", "/pause_generation", payload_pause(mode))
+
+    async def continue_generation(self) -> None:
+        await self.call("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, version: int) -> dict:
+        return self._checked(
+            await self.call(
+                "POST", "/update_weights_from_disk", payload_update_from_disk(model_path, version)
+            ),
+            "/update_weights_from_disk",
+        )
+
+    async def init_weights_update_group(self, **kwargs) -> dict:
+        return self._checked(
+            await self.call("POST", "/init_weights_update_group", payload_init_group(**kwargs)),
+            "/init_weights_update_group",
+        )
+
+    async def update_weights_from_distributed(
+        self, bucket: dict[str, torch.Tensor], version: int, group_name: str
+    ) -> dict:
+        payload = payload_update_from_distributed(bucket, version, group_name)
+        return self._checked(
+            await self.call("POST", "/update_weights_from_distributed", payload, retry_read_timeout=False),
+            "/update_weights_from_distributed",
+        )
+
+    async def update_weights_from_tensor(
+        self, serialized: list[str], version: int, load_format: str | None = None
+    ) -> dict:
+        payload = payload_update_from_tensor(serialized, version, load_format)
+        return self._checked(
+            await self.call("POST", "/update_weights_from_tensor", payload), "/update_weights_from_tensor"
+        )
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.call("POST", "/release_memory_occupation", payload_memory(tags), expect_json=False)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.call("POST", "/resume_memory_occupation", payload_memory(tags), expect_json=False)
+
+    async def health(self) -> bool:
+        """``GET /health`` answers 200 (one attempt, short timeout)."""
+        try:
+            r = await self._http.get("/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    async def get_server_info(self) -> dict:
+        return await self.call("GET", "/get_server_info")
+
+    def _checked(self, reply: Any, endpoint: str) -> dict:
+        if not isinstance(reply, dict) or not reply.get("success", False):
+            raise SGLangError(f"sglang engine {self.name}: {endpoint} did not succeed: {str(reply)[:300]}")
+        return reply
+
+
+class _LoopThread:
+    """A private asyncio loop in a daemon thread, so sync callers (threads) can run coroutines."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"sglang-loop-{name}", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+
+
+class SGLangEngine:
+    """A :class:`~megatron_dapo.rollout.engine.RolloutEngine` backed by one SGLang server.
+
+    Args:
+        base_url: the server URL.
+        name: engine name.
+        server: the supervised process, when this side launched it (``health`` checks it is alive).
+        tp_size: the server's TP size (one CUDA-IPC payload per TP rank).
+        client_kwargs: passed to :class:`SGLangClient`.
+
+    ``load_weights`` uses CUDA IPC (``/update_weights_from_tensor``): colocated, GPU only. The
+    disaggregated NCCL path is :func:`~megatron_dapo.rollout.sglang_weight_sync.push_weights_distributed`.
+    """
+
+    def __init__(
+        self, base_url: str, *, name: str | None = None, server=None, tp_size: int = 1, **client_kwargs
+    ):
+        self.name = name or base_url
+        self.server = server
+        self.tp_size = tp_size
+        self._loop = _LoopThread(self.name)
+        self.client: SGLangClient = self._loop.run(self._make_client(base_url, client_kwargs))
+        self._abort_epoch = 0
+        self.weight_version: int | None = None
+
+    async def _make_client(self, base_url, kwargs) -> SGLangClient:
+        return SGLangClient(base_url, name=self.name, **kwargs)
+
+    def submit(self, coro):
+        """Start a client coroutine on this engine's loop; a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a client coroutine on this engine's loop (e.g. ``engine.run(engine.client.flush_cache())``)."""
+        return self._loop.run(coro, timeout)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        epoch = self._abort_epoch
+
+        async def one(req: GenerationRequest) -> GenerationResult:
+            if self._abort_epoch != epoch:  # aborted before it was sent: never reaches the server
+                return GenerationResult(req.request_id, [], [], "abort", self.weight_version)
+            return await self.client.generate(req)
+
+        async def all_of() -> list[GenerationResult]:
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+
+        return self._loop.run(all_of())
+
+    def abort(self) -> None:
+        self._abort_epoch += 1
+        self._loop.run(self.client.abort_all())
+
+    def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        from megatron_dapo.rollout.sglang_weight_sync import push_weights_ipc
+
+        push_weights_ipc(self, buckets, version)
+        self.weight_version = version
+
+    def load_from_disk(self, path: str, version: int) -> bool:
+        self._loop.run(self.client.update_weights_from_disk(path, version))
+        self.weight_version = version
+        return True
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._loop.run(self.client.release_memory_occupation(tags))
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        self._loop.run(self.client.resume_memory_occupation(tags))
+
+    def health(self) -> bool:
+        if self.server is not None and not self.server.alive():
+            return False
+        return bool(self._loop.run(self.client.health(), timeout=30))
+
+    def close(self) -> None:
+        self._loop.run(self.client.close())
+        self._loop.stop()

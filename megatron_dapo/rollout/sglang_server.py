@@ -1,0 +1,175 @@
+"""Launching and supervising one SGLang server process (``python -m sglang.launch_server``).
+
+Nothing here imports sglang: the server is a child process, started with the flags that
+``sglang.srt.server_args`` defines (``--model-path``, ``--tp-size``, ``--host``, ``--port``,
+``--mem-fraction-static``, ``--dtype``, ``--api-key``, ``--enable-memory-saver``,
+``--skip-server-warmup``), and waited on by polling ``GET /health_generate`` (the endpoint
+that runs one real decode step) until it answers 200.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from megatron_dapo.rollout.engine import EngineError
+
+
+class SGLangStartupError(EngineError):
+    """The server exited or did not become healthy in time; the message carries its log tail."""
+
+
+@dataclass
+class SGLangServerConfig:
+    """One SGLang server.
+
+    Attributes:
+        model_path: HF checkpoint directory to serve.
+        tp_size: tensor-parallel GPUs of this server.
+        base_gpu_id: first GPU index it uses (``--base-gpu-id``); None leaves SGLang's default.
+        enable_memory_saver: needed for ``release/resume_memory_occupation`` (colocation).
+        dtype: ``auto``, ``bfloat16``, ``float16`` ...
+        extra_args: appended verbatim (e.g. ``["--context-length", "32768"]``).
+        startup_timeout_s: how long to wait for ``/health_generate``.
+        log_file: where stdout/stderr go (default: ``sglang_<port>.log`` in the cwd).
+        env: extra environment variables for the server process.
+    """
+
+    model_path: str
+    tp_size: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000
+    mem_fraction_static: float = 0.7
+    api_key: str | None = None
+    enable_memory_saver: bool = False
+    dtype: str = "auto"
+    base_gpu_id: int | None = None
+    skip_server_warmup: bool = True
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 900.0
+    log_file: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> list[str]:
+    """The ``python -m sglang.launch_server ...`` argv for ``cfg``."""
+    cmd = [python or sys.executable, "-m", "sglang.launch_server"]
+    cmd += ["--model-path", str(cfg.model_path), "--tp-size", str(cfg.tp_size)]
+    cmd += ["--host", cfg.host, "--port", str(cfg.port)]
+    cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", cfg.dtype]
+    if cfg.base_gpu_id is not None:
+        cmd += ["--base-gpu-id", str(cfg.base_gpu_id)]
+    if cfg.api_key:
+        cmd += ["--api-key", cfg.api_key]
+    if cfg.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if cfg.skip_server_warmup:
+        cmd.append("--skip-server-warmup")
+    return cmd + list(cfg.extra_args)
+
+
+class SGLangServer:
+    """A supervised server process. ``start()`` launches it, ``wait_healthy()`` blocks until it serves.
+
+    Args:
+        cfg: the server's config.
+        command: argv to run instead of :func:`build_launch_command` (tests use a stand-in server).
+        poll_s: interval between health polls.
+    """
+
+    def __init__(self, cfg: SGLangServerConfig, command: list[str] | None = None, poll_s: float = 1.0):
+        self.cfg = cfg
+        self.command = command or build_launch_command(cfg)
+        self.poll_s = poll_s
+        self.log_path = Path(cfg.log_file or f"sglang_{cfg.port}.log")
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def name(self) -> str:
+        return f"sglang@{self.cfg.host}:{self.cfg.port}"
+
+    def start(self) -> SGLangServer:
+        if self.proc is not None and self.proc.poll() is None:
+            raise SGLangStartupError(f"{self.name} is already running (pid {self.proc.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        env = {**os.environ, **self.cfg.env}
+        # own process group: stop() must also end the scheduler/detokenizer children
+        self.proc = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Poll ``/health_generate`` until 200; raise with the log tail if the server dies or times out."""
+        timeout_s = self.cfg.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        last = "no answer yet"
+        with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), headers=headers) as http:
+            while True:
+                if not self.alive():
+                    code = self.proc.returncode if self.proc is not None else None
+                    raise SGLangStartupError(
+                        f"{self.name} exited with code {code} during start-up; last log lines of "
+                        f"{self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    r = http.get(self.cfg.url + "/health_generate")
+                    if r.status_code == 200:
+                        return
+                    last = f"HTTP {r.status_code}"
+                except httpx.HTTPError as e:
+                    last = f"{type(e).__name__}: {e}"
+                if time.monotonic() >= deadline:
+                    raise SGLangStartupError(
+                        f"{self.name} not healthy after {timeout_s:g}s (rollout.sglang.startup_timeout_s; last "
+                        f"/health_generate: {last}); last log lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(self.poll_s)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with self.log_path.open("rb") as f:
+                tail = deque(f, maxlen=lines)
+        except OSError:
+            return "(no log)"
+        return b"".join(tail).decode(errors="replace").rstrip()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL after ``grace_s``."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

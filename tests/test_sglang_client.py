@@ -1,0 +1,316 @@
+"""SGLang client: payloads against SGLang's own request definitions (contract fixtures read from its
+source), retry and error handling against a local HTTP server that fails on purpose, abort."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections import defaultdict, deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.rollout.sglang_client import (
+    SGLangEngine,
+    SGLangError,
+    parse_generate_reply,
+    payload_generate,
+)
+from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
+from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+IO = json.loads((FIXTURES / "io_struct.json").read_text())
+ROUTES = json.loads((FIXTURES / "http_routes.json").read_text())
+
+
+class FakeSGLang:
+    """127.0.0.1 stand-in for an SGLang server; ``script[path]`` queues misbehaviours for that path."""
+
+    def __init__(self):
+        self.log: list[tuple[str, str, dict | None, dict]] = []
+        self.script: dict[str, deque] = defaultdict(deque)
+        self.aborted = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _handle(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                body = json.loads(raw) if raw else None
+                path = self.path.split("?")[0]
+                fake.log.append((self.command, path, body, dict(self.headers)))
+                action = fake.script[path].popleft() if fake.script[path] else ("default",)
+                if action[0] == "drop":  # close the socket without an answer
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if action[0] == "sleep":
+                    time.sleep(action[1])
+                if action[0] == "status":
+                    return self._send(action[1], action[2])
+                if action[0] == "badjson":
+                    return self._send(200, "{not json", raw=True)
+                if action[0] == "block_until_abort":
+                    fake.aborted.wait(10)
+                    return self._send(200, fake.reply(body, aborted=True))
+                self._send(200, fake.default(path, body))
+
+            def _send(self, code, payload, raw=False):
+                data = payload.encode() if raw or isinstance(payload, str) else json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = _handle
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def reply(body, aborted=False):
+        first = body["input_ids"][-1] + 1
+        items = [[-0.5, first, None]] if aborted else [[-0.5, first, None], [-1.25, 2, None]]
+        reason = {"type": "abort", "message": "aborted"} if aborted else {"type": "stop", "matched": 2}
+        return {
+            "text": "",
+            "meta_info": {
+                "id": body["rid"],
+                "finish_reason": reason,
+                "weight_version": "4",
+                "output_token_logprobs": items,
+            },
+        }
+
+    def default(self, path, body):
+        if path == "/generate":
+            return self.reply(body)
+        if path == "/abort_request":
+            self.aborted.set()
+            return ""
+        if path.startswith(("/update_weights", "/init_weights")):
+            return {"success": True, "message": "ok"}
+        if path == "/get_server_info":
+            return {"version": "fake", "tp_size": 1}
+        return {"status": "ok"}
+
+    def paths(self):
+        return [p for _, p, _, _ in self.log]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = FakeSGLang()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def engine_factory():
+    made = []
+
+    def make(url, **kw):
+        kw.setdefault("backoff_s", 0.01)
+        e = SGLangEngine(url, name="sg-test", **kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def req(i=0, **sampling):
+    return GenerationRequest(f"rq{i}", [3, 4, 5 + i], SamplingParams(seed=11, **sampling))
+
+
+def check_against_contract(method: str, path: str, body):
+    route = ROUTES["routes"].get(path)
+    assert route is not None, f"{path} is not an SGLang route"
+    assert method in route["methods"], f"{method} {path} not allowed ({route['methods']})"
+    if route["body"] is None or body is None:
+        return
+    spec = IO["requests"][route["body"]]
+    extra = set(body) - set(spec["fields"])
+    assert not extra, f"{path}: fields {extra} are not in {route['body']}"
+    assert set(spec["required"]) <= set(body), f"{path}: lacks required {set(spec['required']) - set(body)}"
+    if "one_of_required" in spec:
+        assert sum(k in body for k in spec["one_of_required"]) == 1
+    for key, allowed in spec.get("enums", {}).items():
+        values = body.get(key)
+        values = values if isinstance(values, list) else [values] if values is not None else []
+        assert set(values) <= set(allowed), f"{path}: {key}={values} not in {allowed}"
+    if path == "/generate":
+        extra = set(body["sampling_params"]) - set(IO["sampling_params"]["fields"])
+        assert not extra, f"sampling_params fields {extra} are not SGLang SamplingParams fields"
+
+
+def test_every_payload_the_client_sends_matches_sglang(server, engine_factory):
+    e = engine_factory(server.url, api_key="sekret")
+    c = e.client
+    e.generate([req(0, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[2]), req(1)])
+    e.abort()
+    e.run(c.flush_cache())
+    e.run(c.pause_generation("retract"))
+    e.run(c.continue_generation())
+    e.load_from_disk("/ckpt/step_3", 3)
+    e.run(
+        c.init_weights_update_group(
+            master_address="10.0.0.1", master_port=29555, rank_offset=1, world_size=3, group_name="dapo_sync"
+        )
+    )
+    bucket = {"model.norm.weight": torch.ones(4, dtype=torch.bfloat16), "lm_head.weight": torch.zeros(8, 4)}
+    e.run(c.update_weights_from_distributed(bucket, 3, "dapo_sync"))
+    e.run(c.update_weights_from_tensor(serialize_bucket_for_ipc(bucket, 2), 3))
+    e.release_memory(["kv_cache", "weights"])
+    e.resume_memory(["weights"])
+    e.resume_memory()
+    assert e.run(c.get_server_info())["version"] == "fake"
+    assert e.health()
+    sent = {p for _, p, _, _ in server.log}
+    assert {
+        "/generate",
+        "/abort_request",
+        "/flush_cache",
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/get_server_info",
+        "/health",
+    } <= sent
+    for method, path, body, headers in server.log:
+        check_against_contract(method, path, body)
+        assert headers.get("Authorization") == "Bearer sekret"
+    by_path = {p: b for _, p, b, _ in server.log}
+    assert by_path["/update_weights_from_distributed"]["dtypes"] == ["bfloat16", "float32"]
+    assert by_path["/update_weights_from_distributed"]["shapes"] == [[4], [8, 4]]
+    assert by_path["/update_weights_from_distributed"]["weight_version"] == "3"
+    assert len(by_path["/update_weights_from_tensor"]["serialized_named_tensors"]) == 2  # one per TP rank
+    assert by_path["/init_weights_update_group"]["rank_offset"] == 1
+
+
+def test_generate_payload_and_reply_parsing():
+    p = payload_generate(req(0, temperature=0.5, max_new_tokens=9))
+    assert p["input_ids"] == [3, 4, 5] and p["return_logprob"] is True and p["rid"] == "rq0"
+    assert p["sampling_params"]["sampling_seed"] == 11 and p["sampling_params"]["max_new_tokens"] == 9
+    example = ROUTES["generate_reply_example"]["reply"]
+    res = parse_generate_reply(example, req(), "sg")
+    assert res.output_ids == [11, 2] and res.logprobs == [-0.5, -1.25]
+    assert res.finish_reason == "stop" and res.weight_version == 4
+    length = {
+        "meta_info": {
+            "finish_reason": {"type": "length", "length": 1},
+            "output_token_logprobs": [[-1.0, 7, None]],
+        }
+    }
+    assert parse_generate_reply(length, req(), "sg").finish_reason == "length"
+    with pytest.raises(SGLangError, match=r"sg: /generate reply for rq0 lacks"):
+        parse_generate_reply({"text": "hi"}, req(), "sg")
+
+
+def test_5xx_and_dropped_connections_are_retried(server, engine_factory):
+    e = engine_factory(server.url, max_retries=3)
+    server.script["/generate"].extend([("status", 500, "boom"), ("drop",), ("status", 503, "busy")])
+    res = e.generate([req()])[0]
+    assert res.output_ids == [6, 2] and res.finish_reason == "stop"
+    assert server.paths().count("/generate") == 4
+
+
+def test_persistent_500_names_engine_and_endpoint(server, engine_factory):
+    e = engine_factory(server.url, max_retries=2)
+    server.script["/flush_cache"].extend([("status", 500, "scheduler died")] * 5)
+    with pytest.raises(
+        SGLangError, match=r"sg-test: POST /flush_cache failed after 3 attempts; last: HTTP 500"
+    ):
+        e.run(e.client.flush_cache())
+
+
+def test_malformed_json_and_4xx_fail_at_once(server, engine_factory):
+    e = engine_factory(server.url, max_retries=3)
+    server.script["/generate"].append(("badjson",))
+    with pytest.raises(SGLangError, match=r"sg-test: POST /generate answered malformed JSON"):
+        e.generate([req()])
+    server.script["/update_weights_from_disk"].append(
+        ("status", 400, {"success": False, "message": "no such path"})
+    )
+    with pytest.raises(
+        SGLangError, match=r"sg-test: POST /update_weights_from_disk -> HTTP 400.*no such path"
+    ):
+        e.load_from_disk("/nope", 1)
+    assert server.paths().count("/generate") == 1 and server.paths().count("/update_weights_from_disk") == 1
+    server.script["/update_weights_from_tensor"].append(
+        ("status", 200, {"success": False, "message": "shape"})
+    )
+    with pytest.raises(SGLangError, match=r"update_weights_from_tensor did not succeed.*shape"):
+        e.run(e.client.update_weights_from_tensor(["x"], 1))
+
+
+def test_generate_read_timeout_is_not_retried(server, engine_factory):
+    e = engine_factory(server.url, timeout_s=0.3, max_retries=3)
+    server.script["/generate"].append(("sleep", 1.0))
+    with pytest.raises(SGLangError, match=r"sg-test: POST /generate timed out reading"):
+        e.generate([req()])
+    assert server.paths().count("/generate") == 1
+
+
+def test_unreachable_server_is_unhealthy_and_errors(engine_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    e = engine_factory(f"http://127.0.0.1:{port}", max_retries=1, connect_timeout_s=0.5)
+    assert e.health() is False
+    with pytest.raises(SGLangError, match=r"failed after 2 attempts; last: ConnectError"):
+        e.generate([req()])
+
+
+def test_abort_returns_open_requests_as_aborted(server, engine_factory):
+    e = engine_factory(server.url)
+    server.script["/generate"].extend([("block_until_abort",)] * 2)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", e.generate([req(0), req(1)])))
+    t.start()
+    deadline = time.monotonic() + 5
+    while e.client.in_flight < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    e.abort()
+    t.join(timeout=10)
+    assert [r.finish_reason for r in out["r"]] == ["abort", "abort"]
+    assert [r.output_ids for r in out["r"]] == [[6], [7]]  # the partial tokens come back
+    assert e.client.in_flight == 0 and "/abort_request" in server.paths()
+    body = next(b for _, p, b, _ in server.log if p == "/abort_request")
+    assert body == {"abort_all": True}
+
+
+def test_ipc_payload_round_trips_through_forking_pickler():
+    import base64
+    from multiprocessing.reduction import ForkingPickler
+
+    bucket = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.bias": torch.ones(2, dtype=torch.bfloat16)}
+    payloads = serialize_bucket_for_ipc(bucket, tp_size=2)
+    assert len(payloads) == 2 and payloads[0] == payloads[1]
+    named = ForkingPickler.loads(base64.b64decode(payloads[0]))
+    assert [n for n, _ in named] == ["a.weight", "b.bias"]
+    for (_, t), ref in zip(named, bucket.values()):
+        assert t.dtype == ref.dtype and torch.equal(t, ref)
