@@ -308,3 +308,23 @@ def test_config_validation_names_the_field():
         RolloutManagerConfig(filter_metric="reward")
     with pytest.raises(ValueError, match="overlong_buffer_len"):
         RolloutManagerConfig(max_response_length=100, overlong_buffer_len=200)
+
+
+def test_manager_with_the_hf_engine_end_to_end(tiny_hf_checkpoint):
+    """Real HF engine + real tokenizer: groups of n, rollout log-probs kept, lengths within budget."""
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.rollout.hf_engine import HFEngine
+
+    path = tiny_hf_checkpoint(vocab=128, hidden=32, heads=4, kv_heads=2)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    engine = HFEngine(path, max_batch_size=32)
+    conf = cfg(n=4, gen_batch_size=3, train_batch_size=3, filter_groups_enable=False, groups_per_call=3)
+    batch = RolloutManager([engine], Scorer(), conf, tok).collect(Dataset([MIXED]), 0)
+    assert len(batch) == 12 and batch.group_index == [0] * 4 + [1] * 4 + [2] * 4
+    for s in batch.samples:
+        assert 1 <= s.response_length <= 8 and len(s.rollout_logprobs) == s.response_length
+        assert s.response_text == tok.decode(s.response_ids, skip_special_tokens=True)
+    assert (
+        batch.metrics["rollout/tokens_per_s"] > 0 and 0 < batch.metrics["rollout/engine_busy_fraction"] <= 1
+    )

@@ -1,0 +1,110 @@
+"""SGLang server supervision with stand-in server processes (no sglang, no GPU): launch flags,
+readiness polling, crash and timeout errors carrying the log tail, process-group stop."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.rollout.sglang_server import (
+    SGLangServer,
+    SGLangServerConfig,
+    SGLangStartupError,
+    build_launch_command,
+)
+
+FLAGS = json.loads((Path(__file__).parent / "fixtures" / "sglang" / "server_args.json").read_text())
+
+STANDIN = textwrap.dedent(
+    """
+    import sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    port, unhealthy = int(sys.argv[1]), int(sys.argv[2])
+    print("loading weights ...", flush=True)
+    seen = [0]
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+        def do_GET(self):
+            seen[0] += 1
+            ok = self.path == "/health_generate" and 0 <= unhealthy < seen[0]
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+    HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+def standin(tmp_path, unhealthy_polls):
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    port = free_port()
+    cfg = SGLangServerConfig(model_path="/m", port=port, log_file=str(tmp_path / "server.log"))
+    return SGLangServer(
+        cfg, command=[sys.executable, str(script), str(port), str(unhealthy_polls)], poll_s=0.1
+    )
+
+
+def test_launch_command_uses_only_sglang_flags():
+    cfg = SGLangServerConfig(
+        model_path="/ckpt",
+        tp_size=2,
+        port=31000,
+        api_key="k",
+        enable_memory_saver=True,
+        dtype="bfloat16",
+        base_gpu_id=4,
+        extra_args=["--context-length", "4096"],
+    )
+    cmd = build_launch_command(cfg, python="python")
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    assert cmd[-2:] == ["--context-length", "4096"]
+    args = cmd[3:-2]
+    flags = [a for a in args if a.startswith("--")]
+    assert set(flags) <= set(FLAGS["value_flags"]) | set(FLAGS["switches"])
+    pairs = {a: args[i + 1] for i, a in enumerate(args) if a in FLAGS["value_flags"]}
+    assert pairs == {
+        "--model-path": "/ckpt",
+        "--tp-size": "2",
+        "--host": "127.0.0.1",
+        "--port": "31000",
+        "--mem-fraction-static": "0.7",
+        "--dtype": "bfloat16",
+        "--api-key": "k",
+        "--base-gpu-id": "4",
+    }
+    assert "--enable-memory-saver" in args and "--skip-server-warmup" in args
+
+
+def test_waits_until_health_generate_answers(tmp_path):
+    with standin(tmp_path, unhealthy_polls=3) as server:
+        server.wait_healthy(timeout_s=30)
+        assert server.alive()
+        proc = server.proc
+    assert proc.poll() is not None  # stopped with its process group
+
+
+def test_crash_during_startup_reports_exit_code_and_log_tail(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "print('RuntimeError: CUDA out of memory while loading', flush=True)\nraise SystemExit(3)\n"
+    )
+    cfg = SGLangServerConfig(model_path="/m", port=free_port(), log_file=str(tmp_path / "crash.log"))
+    server = SGLangServer(cfg, command=[sys.executable, str(script)], poll_s=0.1)
+    with server, pytest.raises(SGLangStartupError, match=r"(?s)exited with code 3.*CUDA out of memory"):
+        server.wait_healthy(timeout_s=30)
+
+
+def test_never_healthy_times_out_with_log_tail(tmp_path):
+    server = standin(tmp_path, unhealthy_polls=-1)
+    with (
+        server,
+        pytest.raises(SGLangStartupError, match=r"(?s)not healthy after 1.5s.*HTTP 503.*loading weights"),
+    ):
+        server.wait_healthy(timeout_s=1.5)
