@@ -1,6 +1,8 @@
 """prepare_demo_assets with a tiny warm start: loadable files, caching, and rebuild on change."""
 
 import io
+import json
+from dataclasses import replace
 
 import pyarrow.parquet as pq
 import torch
@@ -47,3 +49,22 @@ def test_assets_are_loadable_and_cached(tmp_path):
 
     rebuilt = prepare_demo_assets(out, seed=0, sft_steps=2, eval_problems=8, console=_quiet())
     assert not rebuilt.reused and rebuilt.sft_steps == 2
+
+
+def test_warm_start_stops_at_the_probe_target_and_records_the_protocol(tmp_path):
+    torch.set_num_threads(1)
+    # Any accuracy reaches 0.0, so the first check (step 2) stops the warm start.
+    recipe = replace(
+        DEMO_RECIPE, sft_stop_accuracy=0.0, sft_min_steps=2, sft_check_every=1, sft_probe_problems=8
+    )
+    assets = prepare_demo_assets(
+        tmp_path, seed=0, sft_steps=5, recipe=recipe, eval_problems=4, console=_quiet()
+    )
+    assert assets.sft_steps == 2
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["sft_steps"] == 2 and 0.0 <= manifest["sft_probe_accuracy"] <= 1.0
+    assert manifest["key"]["eval"] == [DEMO_RECIPE.val_k, 1.0, 0.7]
+    again = prepare_demo_assets(
+        tmp_path, seed=0, sft_steps=5, recipe=recipe, eval_problems=4, console=_quiet()
+    )
+    assert again.reused and again.sft_steps == 2

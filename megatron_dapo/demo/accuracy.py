@@ -16,6 +16,7 @@ class Accuracy:
     num_problems: int
     samples_per_problem: int
     temperature: float
+    top_p: float
 
 
 def generate_responses(
@@ -26,10 +27,18 @@ def generate_responses(
     n: int,
     temperature: float,
     max_new_tokens: int,
+    top_p: float = 1.0,
     batch_size: int = 256,
 ) -> list[list[int]]:
-    """``n`` sampled responses (token ids, EOS included when produced) per question, question-major."""
+    """``n`` sampled responses (token ids, EOS included when produced) per question, question-major.
+
+    ``temperature`` 0 means greedy; otherwise tokens are sampled at ``temperature`` from the
+    nucleus of mass ``top_p`` (1.0: the full distribution).
+    """
     import torch
+
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
     from megatron_dapo.demo.sft import prompt_ids
 
@@ -50,7 +59,7 @@ def generate_responses(
                 max_new_tokens=max_new_tokens,
                 do_sample=temperature > 0,
                 temperature=temperature if temperature > 0 else None,
-                top_p=1.0,
+                top_p=top_p if temperature > 0 else None,
                 top_k=0,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
@@ -72,10 +81,15 @@ def sampled_accuracy(
     *,
     k: int = 4,
     temperature: float = 1.0,
+    top_p: float = 0.7,
     max_new_tokens: int = 32,
     seed: int = 0,
 ) -> Accuracy:
-    """avg@k with the math_dapo rule; sampling seeded by ``seed`` so repeated calls agree."""
+    """avg@k with the math_dapo rule; sampling seeded by ``seed`` so repeated calls agree.
+
+    The defaults are the project's evaluation protocol (the DAPO paper's AIME one): k samples per
+    problem at temperature 1.0 with top_p 0.7.
+    """
     import torch
 
     torch.manual_seed(seed)
@@ -86,6 +100,7 @@ def sampled_accuracy(
         n=k,
         temperature=temperature,
         max_new_tokens=max_new_tokens,
+        top_p=top_p,
     )
     truths = [str(p.answer) for p in problems for _ in range(k)]
     correct = [
@@ -97,4 +112,5 @@ def sampled_accuracy(
         num_problems=len(problems),
         samples_per_problem=k,
         temperature=temperature,
+        top_p=top_p,
     )

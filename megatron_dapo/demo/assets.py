@@ -10,7 +10,7 @@ from pathlib import Path
 from megatron_dapo.demo.recipe import DEMO_RECIPE, DemoRecipe
 
 # Bump when the task, tokenizer, model or warm start change, so cached assets are rebuilt.
-ASSETS_VERSION = 1
+ASSETS_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -25,7 +25,7 @@ class DemoAssets:
     initial_accuracy: float
     initial_accuracy_k: int
     seed: int
-    sft_steps: int
+    sft_steps: int  # steps actually run (the warm start may stop early at its probe target)
     sft_seconds: float
     reused: bool
 
@@ -34,10 +34,17 @@ def _cache_key(recipe: DemoRecipe, seed: int, sft_steps: int) -> dict:
     return {
         "version": ASSETS_VERSION,
         "seed": seed,
-        "sft_steps": sft_steps,
+        "sft_max_steps": sft_steps,
+        "sft": [
+            recipe.sft_stop_accuracy,
+            recipe.sft_min_steps,
+            recipe.sft_check_every,
+            recipe.sft_probe_problems,
+        ],
         "model": asdict(recipe.model),
         "num_train": recipe.num_train,
         "num_val": recipe.num_val,
+        "eval": [recipe.val_k, recipe.val_temperature, recipe.val_top_p],
     }
 
 
@@ -70,7 +77,7 @@ def _assets_from(root: Path, data: dict, reused: bool) -> DemoAssets:
         initial_accuracy=data["initial_accuracy"],
         initial_accuracy_k=data["initial_accuracy_k"],
         seed=data["key"]["seed"],
-        sft_steps=data["key"]["sft_steps"],
+        sft_steps=data["sft_steps"],
         sft_seconds=data["sft_seconds"],
         reused=reused,
     )
@@ -88,11 +95,17 @@ def prepare_demo_assets(
 ) -> DemoAssets:
     """Write train/val parquet, tokenizer and a warm-started Qwen2 checkpoint under ``out_dir``.
 
-    Reuses an existing directory when its manifest records the same seed, SFT steps, model shape
-    and asset version (``force=True`` rebuilds). ``sft_steps`` overrides the recipe's warm-start
-    length (tests use a few steps); ``eval_problems`` limits the held-out problems used to measure
-    the initial accuracy (default: all of val). Progress goes to a rich ``console``.
+    The warm start runs until a probe of ``recipe.sft_probe_problems`` training problems,
+    scored like the held-out check, reaches ``recipe.sft_stop_accuracy`` (at most ``sft_steps``
+    steps). The initial held-out accuracy uses the evaluation protocol (avg@``val_k`` at
+    ``val_temperature`` / ``val_top_p``). Reuses an existing directory when its manifest records
+    the same seed, SFT settings, model shape, protocol and asset version (``force=True``
+    rebuilds). ``sft_steps`` overrides the recipe's most warm-start steps (tests use a few);
+    ``eval_problems`` limits the held-out problems used to measure the initial accuracy (default:
+    all of val). Progress goes to a rich ``console``.
     """
+    import random
+
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -111,7 +124,7 @@ def prepare_demo_assets(
         cached = _load_cached(root, key)
         if cached is not None:
             console.print(
-                f"[green]demo assets[/] reused from {root} (seed {seed}, {steps} SFT steps, "
+                f"[green]demo assets[/] reused from {root} (seed {seed}, {cached.sft_steps} SFT steps, "
                 f"initial held-out accuracy {cached.initial_accuracy:.1%})"
             )
             return cached
@@ -133,7 +146,29 @@ def prepare_demo_assets(
         f"{n_params / 1e3:.0f}k parameters, vocab {recipe.model.vocab_size}"
     )
 
-    cfg = SFTConfig(steps=steps, batch_size=recipe.sft_batch_size, lr=recipe.sft_lr, seed=seed)
+    cfg = SFTConfig(
+        steps=steps,
+        batch_size=recipe.sft_batch_size,
+        lr=recipe.sft_lr,
+        seed=seed,
+        stop_accuracy=recipe.sft_stop_accuracy,
+        check_every=recipe.sft_check_every,
+        min_steps=recipe.sft_min_steps,
+    )
+    probe_set = random.Random(seed).sample(train, min(recipe.sft_probe_problems, len(train)))
+
+    def probe(m) -> float:
+        return sampled_accuracy(
+            m,
+            tokenizer,
+            probe_set,
+            k=1,
+            temperature=recipe.val_temperature,
+            top_p=recipe.val_top_p,
+            max_new_tokens=recipe.max_response_length,
+            seed=seed,
+        ).mean
+
     with Progress(
         TextColumn("[bold]warm start (SFT)[/]"),
         BarColumn(),
@@ -144,7 +179,12 @@ def prepare_demo_assets(
     ) as bar:
         task = bar.add_task("sft", total=steps, loss=float("nan"))
         result = supervised_warm_start(
-            model, tokenizer, train, cfg, on_step=lambda s, loss: bar.update(task, completed=s, loss=loss)
+            model,
+            tokenizer,
+            train,
+            cfg,
+            on_step=lambda s, loss: bar.update(task, completed=s, loss=loss),
+            probe=probe,
         )
 
     probe = val if eval_problems is None else val[:eval_problems]
@@ -154,7 +194,8 @@ def prepare_demo_assets(
             tokenizer,
             probe,
             k=recipe.val_k,
-            temperature=recipe.temperature,
+            temperature=recipe.val_temperature,
+            top_p=recipe.val_top_p,
             max_new_tokens=recipe.max_response_length,
             seed=seed,
         )
@@ -163,13 +204,16 @@ def prepare_demo_assets(
         "key": key,
         "initial_accuracy": acc.mean,
         "initial_accuracy_k": acc.samples_per_problem,
+        "sft_steps": result.steps,
+        "sft_probe_accuracy": result.probe_accuracy,
         "sft_seconds": round(result.seconds, 2),
         "sft_final_loss": result.final_loss,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     (root / MANIFEST).write_text(json.dumps(data, indent=2))
     console.print(
-        f"[green]warm start done[/] in {result.seconds:.1f}s (loss {result.final_loss:.3f}); held-out "
-        f"avg@{acc.samples_per_problem} at T={recipe.temperature}: {acc.mean:.1%} on {acc.num_problems} problems"
+        f"[green]warm start done[/] in {result.steps} steps, {result.seconds:.1f}s (loss {result.final_loss:.3f}); "
+        f"held-out avg@{acc.samples_per_problem} at T={acc.temperature}, top_p={acc.top_p}: {acc.mean:.1%} "
+        f"on {acc.num_problems} problems"
     )
     return _assets_from(root, data, reused=False)

@@ -38,7 +38,11 @@ class DemoRecipe:
     num_val: int = 200
     # Warm start: long enough to learn the format and some arithmetic, short enough to leave
     # RL room (about 40% avg@4 at T=1.0 on seed 0).
-    sft_steps: int = 450
+    sft_steps: int = 900  # at most; it stops when the probe reaches sft_stop_accuracy
+    sft_stop_accuracy: float = 0.45
+    sft_min_steps: int = 250
+    sft_check_every: int = 25
+    sft_probe_problems: int = 200  # training problems, scored like the held-out check (k=1)
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     # DAPO
@@ -63,7 +67,10 @@ class DemoRecipe:
     top_p: float = 1.0
     steps: int = 60
     val_every: int = 10
+    # Evaluation protocol (the DAPO paper's AIME one): avg@val_k sampled at val_temperature / val_top_p.
     val_k: int = 4
+    val_temperature: float = 1.0
+    val_top_p: float = 0.7
 
 
 DEMO_RECIPE = DemoRecipe()

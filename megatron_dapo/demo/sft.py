@@ -17,7 +17,13 @@ from megatron_dapo.demo.task import Problem
 
 @dataclass(frozen=True)
 class SFTConfig:
-    """Warm-start schedule: linear warm-up then constant learning rate."""
+    """Warm-start schedule: linear warm-up then constant learning rate.
+
+    ``steps`` is the most steps run. With ``stop_accuracy`` set, a probe (see
+    ``supervised_warm_start``) is scored every ``check_every`` steps from ``min_steps`` on and
+    training stops at the first check that reaches it: how many steps a tiny model needs to
+    pick up the arithmetic varies a lot with the seed, a target accuracy does not.
+    """
 
     steps: int = 150
     batch_size: int = 64
@@ -25,13 +31,19 @@ class SFTConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.0
     seed: int = 0
+    stop_accuracy: float | None = None
+    check_every: int = 25
+    min_steps: int = 0
 
 
 @dataclass(frozen=True)
 class SFTResult:
+    """Steps actually run, the last loss, wall time, and the last probe accuracy (None: no probe)."""
+
     steps: int
     final_loss: float
     seconds: float
+    probe_accuracy: float | None = None
 
 
 def encode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
@@ -71,16 +83,24 @@ def supervised_warm_start(
     problems: list[Problem],
     config: SFTConfig,
     on_step: Callable[[int, float], None] | None = None,
+    probe: Callable[[object], float] | None = None,
 ) -> SFTResult:
-    """Train ``model`` in place on the worked solutions of ``problems`` for ``config.steps`` steps.
+    """Train ``model`` in place on the worked solutions of ``problems`` for up to ``config.steps`` steps.
 
     Deterministic for a given seed on a given machine: batches come from ``random.Random(seed)``
     and torch is seeded. ``on_step(step, loss)`` is called after every optimizer step.
+    ``probe(model) -> accuracy`` (model in eval mode) is what ``config.stop_accuracy`` is
+    checked against; it should score problems the same way the demo's held-out check does.
     """
     import torch
 
     if config.steps < 0 or config.batch_size <= 0:
         raise ValueError(f"SFTConfig needs steps >= 0 and batch_size > 0, got {config}")
+    if config.stop_accuracy is not None and (probe is None or config.check_every <= 0):
+        raise ValueError(
+            "SFTConfig.stop_accuracy needs a probe function and check_every > 0; "
+            f"got probe={probe!r}, check_every={config.check_every}"
+        )
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
     examples = [encode_example(tokenizer, p) for p in problems]
@@ -88,6 +108,8 @@ def supervised_warm_start(
     model.train()
     start = time.perf_counter()
     loss_value = float("nan")
+    probe_accuracy = None
+    step = 0
     for step in range(1, config.steps + 1):
         scale = min(1.0, step / max(1, config.warmup_steps))
         for group in opt.param_groups:
@@ -101,5 +123,13 @@ def supervised_warm_start(
         loss_value = loss.item()
         if on_step is not None:
             on_step(step, loss_value)
+        if config.stop_accuracy is not None and step >= config.min_steps and step % config.check_every == 0:
+            model.eval()
+            probe_accuracy = probe(model)
+            model.train()
+            if probe_accuracy >= config.stop_accuracy:
+                break
     model.eval()
-    return SFTResult(steps=config.steps, final_loss=loss_value, seconds=time.perf_counter() - start)
+    return SFTResult(
+        steps=step, final_loss=loss_value, seconds=time.perf_counter() - start, probe_accuracy=probe_accuracy
+    )
