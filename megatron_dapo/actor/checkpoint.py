@@ -1,0 +1,311 @@
+"""Training checkpoints: model + optimizer + schedule + RNG + trainer state, resumable anywhere.
+
+Layout under a checkpoint root::
+
+    root/step_00000010/      one megatron-core dist checkpoint (torch_dist) holding
+                             "model" (or "model0".. with virtual pipeline; the converter reads
+                             these, see weights/dist_ckpt.py), "optimizer"
+                             (optimizer.sharded_state_dict), "rng" (one ShardedObject per rank),
+                             and the common entries "scheduler" and "trainer";
+                             plus config.json/tokenizer files and megatron_dapo_model.json;
+        megatron_dapo_manifest.json   every file's size and CRC-32, written last
+    root/latest              text: the directory name of the newest complete checkpoint
+
+A save writes ``root/.step_XXXXXXXX.tmp`` and renames it when every rank has finished and the
+manifest is written, so a crash leaves either the previous state or a complete new checkpoint;
+then ``latest`` is replaced atomically and all but the newest ``keep_last`` are deleted.
+
+Loading checks the manifest first (missing file, wrong size, and with ``verify_checksums`` a CRC
+mismatch), naming the file. ``resume="auto"`` starts from ``latest`` and falls back to older
+checkpoints that verify. The model always reshards into the current TP/PP layout; the
+optimizer state reshards where megatron-core supports it (the non-distributed optimizer does),
+otherwise a :class:`CheckpointError` says so. RNG states are per rank and are restored only into
+the layout they were saved from (a resharded run is reseeded, with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.weights.hf_io import CheckpointError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "megatron_dapo_manifest.json"
+LATEST = "latest"
+_PREFIX = "step_"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+# ---------------------------------------------------------------- files (pure, rank-local)
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_manifest(ckpt_dir: Path) -> None:
+    """Record every file under ``ckpt_dir`` (size, CRC-32) in the manifest, written last."""
+    files = {}
+    for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[str(path.relative_to(ckpt_dir))] = {"size": path.stat().st_size, "crc32": _crc32(path)}
+    tmp = ckpt_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": files}, indent=1) + "\n")
+    os.replace(tmp, ckpt_dir / MANIFEST)
+
+
+def verify_checkpoint(ckpt_dir: str | os.PathLike, verify_checksums: bool = True) -> None:
+    """Raise CheckpointError naming the first missing, truncated or corrupt file of ``ckpt_dir``."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest = ckpt_dir / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(
+            f"{ckpt_dir} is incomplete: no {MANIFEST} (the save was interrupted, or it is not a "
+            "megatron-dapo training checkpoint)"
+        )
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{manifest} is unreadable ({e}); the checkpoint is corrupt") from e
+    for rel, info in files.items():
+        path = ckpt_dir / rel
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        size = path.stat().st_size
+        if size != info["size"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or altered: {size} bytes, expected {info['size']}"
+            )
+        if verify_checksums and _crc32(path) != info["crc32"]:
+            raise CheckpointError(f"checkpoint file {path} is corrupt (CRC-32 mismatch)")
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete-looking step directories under ``root``, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[5:].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[len(_PREFIX) :]), reverse=True)
+
+
+def find_resume_checkpoint(
+    root: str | os.PathLike, resume: str = "auto", verify_checksums: bool = True
+) -> Path | None:
+    """The checkpoint to resume from.
+
+    ``resume``: "never" -> None; "auto" -> the one ``latest`` names, or, when it fails to
+    verify, the newest older one that does (each rejection is logged); None when there is none;
+    anything else is a checkpoint directory (or a root with ``latest``) that must verify.
+    """
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if (path / LATEST).is_file():
+            path = path / (path / LATEST).read_text().strip()
+        if not path.is_dir():
+            raise CheckpointError(f"resume checkpoint {path} does not exist")
+        verify_checkpoint(path, verify_checksums)
+        return path
+    root = Path(root)
+    candidates = list_checkpoints(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        candidates = [named] + [c for c in candidates if c != named and _step_of(c) < _step_of(named)]
+    for path in candidates:
+        try:
+            verify_checkpoint(path, verify_checksums)
+            return path
+        except CheckpointError as e:
+            log.warning("resume: skipping checkpoint %s: %s", path, e)
+    return None
+
+
+def _step_of(path: Path) -> int:
+    tail = path.name[len(_PREFIX) :]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    for old in list_checkpoints(root)[keep_last:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- RNG
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states: python, numpy, torch CPU, CUDA (if any), megatron's tracker."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded(data: Any) -> Any:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("rng_state", data, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+# ---------------------------------------------------------------- save / load (collective)
+def _layout_key(actor) -> dict[str, int]:
+    lay = actor.layout
+    return {"world": lay.world_size, "tp": lay.tp_size, "pp": lay.pp_size, "vpp": len(actor.model)}
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    actor,
+    *,
+    trainer_state: dict[str, Any] | None = None,
+    hf_dir: str | os.PathLike | None = None,
+    keep_last: int = 3,
+) -> Path:
+    """Save everything needed to resume after rollout step ``step``; returns the directory.
+
+    Collective: every actor rank calls it. ``trainer_state`` is the driver's JSON-able state
+    (data cursor, metrics line count, ...), returned by :func:`load_checkpoint`.
+    """
+    from megatron_dapo.weights.dist_ckpt import model_sharded_state_dict, save_model_checkpoint
+
+    root = Path(root).absolute()
+    final = root / step_dir_name(step)
+    tmp = root / f".{final.name}.tmp"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    model_sd = model_sharded_state_dict(actor.model)
+    extra = {
+        "optimizer": actor.optimizer.sharded_state_dict(model_sd),
+        "scheduler": actor.scheduler.state_dict(),
+        "rng": _rng_sharded(rng_state()),
+        "trainer": {
+            "step": step,
+            "actor_state": asdict(actor.state),
+            "trainer_state": dict(trainer_state or {}),
+            "layout": _layout_key(actor),
+        },
+    }
+    save_model_checkpoint(actor.model, tmp, hf_dir=hf_dir, extra=extra)
+    if dist.get_rank() == 0:
+        write_manifest(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / (LATEST + ".tmp")
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, root / LATEST)
+        _prune(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _agreed(value: Any) -> Any:
+    """Rank 0's value on every rank (file checks must not diverge between ranks)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def load_checkpoint(
+    actor,
+    root: str | os.PathLike,
+    resume: str = "auto",
+    *,
+    verify_checksums: bool = True,
+    load_optimizer: bool = True,
+) -> dict[str, Any] | None:
+    """Restore ``actor`` (model, optimizer, scheduler, RNG, actor state) from the checkpoint
+    :func:`find_resume_checkpoint` picks; returns the saved trainer record
+    (``{"step", "trainer_state", "path", ...}``) or None when there is nothing to resume.
+    Collective."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dapo.actor.actor import ActorState
+    from megatron_dapo.weights.dist_ckpt import model_keys, model_sharded_state_dict
+    from megatron_dapo.weights.model_io import unwrap
+
+    found = None
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            found = find_resume_checkpoint(root, resume, verify_checksums)
+        except CheckpointError as e:
+            error = str(e)
+    found, error = _agreed((None if found is None else str(found), error))
+    if error:
+        raise CheckpointError(error)
+    if found is None:
+        return None
+    common = torch.load(Path(found) / "common.pt", weights_only=False)
+    record = common["trainer"]
+    same_layout = record["layout"] == _layout_key(actor)
+
+    model_sd = model_sharded_state_dict(actor.model)
+    request: dict[str, Any] = dict(model_sd)
+    if load_optimizer:
+        request["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=True)
+    if same_layout:
+        request["rng"] = _rng_sharded(None)
+    try:
+        loaded = dist_checkpointing.load(request, found)
+    except Exception as e:
+        hint = ""
+        if not same_layout and load_optimizer:
+            hint = (
+                f" (saved with layout {record['layout']}, loading into {_layout_key(actor)}: megatron-core "
+                "may not reshard this optimizer's state; resume with the saved layout or load_optimizer=False)"
+            )
+        raise CheckpointError(f"cannot load checkpoint {found}: {e}{hint}") from e
+    for key, chunk in zip(model_keys(len(actor.model)), actor.model):
+        unwrap(chunk).load_state_dict(loaded[key])
+    if load_optimizer:
+        actor.optimizer.load_state_dict(loaded["optimizer"])
+        actor.scheduler.load_state_dict(common["scheduler"])
+    if same_layout:
+        set_rng_state(loaded["rng"])
+    else:
+        log.warning(
+            "checkpoint %s was saved with layout %s; RNG states are not restored into %s",
+            found,
+            record["layout"],
+            _layout_key(actor),
+        )
+    actor.state = ActorState(**record["actor_state"])
+    return {**record, "path": found}
