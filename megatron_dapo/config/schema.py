@@ -98,6 +98,9 @@ class RolloutConfig:
     num_engines: int = 1
     tensor_parallel_size: int = 1
     max_concurrency_per_engine: int = 1024
+    # Prompt groups per engine call: SGLang batches across calls itself (1 is right); the HF
+    # engine batches only within a call, so give it several groups.
+    groups_per_call: int = 1
     request_timeout_s: float = 1800.0
     max_retries: int = 2
     dump_rollouts: bool = False

@@ -48,6 +48,7 @@ POSITIVE_INTS = (
     "rollout.num_engines",
     "rollout.tensor_parallel_size",
     "rollout.max_concurrency_per_engine",
+    "rollout.groups_per_call",
     "rollout.val.n",
     "actor.ppo_mini_batch_size",
     "actor.ppo_epochs",

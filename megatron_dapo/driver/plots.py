@@ -19,7 +19,7 @@ FIGURES: dict[str, tuple[str, list[tuple[str, str]]]] = {
     "clip_ratio.png": ("Truncated responses", [("rollout/response_length/clip_ratio", "clip ratio")]),
     "entropy.png": (
         "Entropy and mean token probability",
-        [("actor/entropy", "entropy"), ("actor/mean_token_prob", "mean token prob")],
+        [("actor/entropy", "entropy"), ("rollout/mean_token_prob", "mean token prob")],
     ),
     "clipfrac.png": (
         "PPO clip fractions",

@@ -135,6 +135,7 @@ class RolloutManagerConfig:
             over_sample=ro.over_sample,
             max_over_sample_factor=ro.max_over_sample_factor,
             max_concurrency_per_engine=ro.max_concurrency_per_engine,
+            groups_per_call=ro.groups_per_call,
             request_timeout_s=ro.request_timeout_s,
             max_retries=ro.max_retries,
         )
@@ -212,6 +213,13 @@ class RolloutManager:
         self._zombies: dict[Future, _Call] = {}  # timed-out calls whose threads have not returned
 
     # -- public ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to draw the same round sizes (the over-sampling keep rate)."""
+        return {"keep_rate": self._keep_rate}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._keep_rate = state.get("keep_rate")
 
     def collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         """One rollout step: a batch of ``train_batch_size`` mixed groups (see the module doc)."""

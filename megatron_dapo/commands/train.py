@@ -1,0 +1,36 @@
+"""`megatron-dapo train CONFIG [key=value ...]`: run DAPO (Ray driver)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="run DAPO training (Ray driver: actor ranks + rollout engines)",
+        description="Run DAPO as configured. Under torchrun use `python -m megatron_dapo.train`.",
+    )
+    p.add_argument("config", help="YAML recipe, e.g. configs/dapo_qwen2.5_7b.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=10")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.data.types import DataError
+    from megatron_dapo.driver.launch import load_for_cli, run_train
+
+    try:
+        cfg = load_for_cli(args.config, list(args.overrides))
+        summary = run_train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: summary.get(k) for k in ("run_dir", "step", "stopped_by", "hf_export")}, indent=2))
+    return 0

@@ -1,0 +1,219 @@
+"""One training rank: the Megatron actor plus what the driver asks of it between steps.
+
+The same class serves as a Ray actor (`RayRankGroup`) and as the local object of a torchrun rank
+(`SPMDRankGroup`); the driver calls every method on every rank at once. Only the bucket holder of
+global rank 0 talks to the engines during weight sync; the other ranks take part in the gather.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def actor_config_from(cfg: dict) -> Any:
+    from megatron_dapo.actor.actor import ActorConfig
+
+    alg, act = cfg["algorithm"], cfg["actor"]
+    return ActorConfig(
+        ppo_mini_batch_size=act["ppo_mini_batch_size"],
+        ppo_epochs=act["ppo_epochs"],
+        micro_batch_max_tokens=act["micro_batch_max_tokens"],
+        shuffle=act["shuffle"],
+        clip_ratio_low=alg["clip_ratio_low"],
+        clip_ratio_high=alg["clip_ratio_high"],
+        clip_ratio_c=alg["clip_ratio_c"],
+        loss_agg_mode=alg["loss_agg_mode"],
+        tis_cap=alg["tis"]["cap"] if alg["tis"]["enable"] else None,
+        max_consecutive_skips=act["max_consecutive_skips"],
+        seed=cfg["trainer"]["seed"],
+        temperature=cfg["rollout"]["temperature"],
+    )
+
+
+def optimizer_settings_from(cfg: dict) -> Any:
+    from megatron_dapo.actor.optimizer import OptimizerSettings
+
+    o = cfg["optim"]
+    return OptimizerSettings(
+        lr=o["lr"],
+        min_lr=o["min_lr"],
+        weight_decay=o["weight_decay"],
+        adam_beta1=o["adam_beta1"],
+        adam_beta2=o["adam_beta2"],
+        adam_eps=o["adam_eps"],
+        clip_grad=o["clip_grad"],
+        lr_warmup_steps=o["lr_warmup_steps"],
+        lr_scheduler=o["lr_scheduler"],
+        use_distributed_optimizer=cfg["parallel"]["use_distributed_optimizer"],
+    )
+
+
+def total_updates(cfg: dict) -> int:
+    per_step = cfg["trainer"]["train_batch_size"] // cfg["actor"]["ppo_mini_batch_size"]
+    return cfg["trainer"]["total_steps"] * per_step * cfg["actor"]["ppo_epochs"]
+
+
+class ActorWorker:
+    """A Megatron training rank. `cfg` is the resolved config as a plain dict."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.actor = None
+
+    # ---------------------------------------------------------------- set-up
+    def setup(self, threads: int | None = None) -> dict[str, Any]:
+        from megatron_dapo.actor import compat
+        from megatron_dapo.actor.actor import build_actor
+        from megatron_dapo.actor.parallel import init_parallel
+
+        if threads:
+            torch.set_num_threads(threads)
+        cfg = self.cfg
+        par = cfg["parallel"]
+        layout = init_parallel(
+            tp=par["tensor_model_parallel_size"],
+            pp=par["pipeline_model_parallel_size"],
+            vpp=par["virtual_pipeline_model_parallel_size"],
+            cp=par["context_parallel_size"],
+            seed=cfg["trainer"]["seed"],
+        )
+        dtype = cfg["model"]["dtype"]
+        if compat.on_cpu() and dtype != "fp32":
+            # CPU kernels for bf16 matmuls are slow and the CPU path is for correctness: fp32.
+            dtype = "fp32"
+        impl = cfg["model"]["transformer_impl"]
+        use_te = {"auto": None, "transformer_engine": True, "local": False}[impl]
+        model_kwargs: dict[str, Any] = {
+            "make_vocab_size_divisible_by": cfg["model"]["make_vocab_size_divisible_by"]
+        }
+        if cfg["model"]["fp8"]:
+            model_kwargs.update(fp8=cfg["model"]["fp8"], fp8_recipe=cfg["model"]["fp8_recipe"])
+        if cfg["model"]["recompute"]:
+            model_kwargs["recompute"] = True
+        if par["sequence_parallel"]:
+            model_kwargs["sequence_parallel"] = True
+        start_from = cfg["model"]["megatron_path"]
+        self.actor = build_actor(
+            cfg["model"]["path"],
+            actor_config_from(cfg),
+            optimizer_settings_from(cfg),
+            total_updates=total_updates(cfg),
+            params_dtype=_DTYPES[dtype],
+            load_weights=start_from is None,
+            use_te=use_te,
+            model_kwargs=model_kwargs,
+        )
+        if start_from:
+            from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
+
+            load_model_checkpoint(self.actor.model, start_from)
+        self.layout = layout
+        return {
+            "rank": layout.rank,
+            "tp": layout.tp_size,
+            "pp": layout.pp_size,
+            "dp": layout.dp_size,
+            "device": str(compat.device()),
+            "pid": os.getpid(),
+        }
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, batch) -> dict[str, Any]:
+        metrics = self.actor.update(batch)
+        metrics.pop("updates", None)
+        return metrics
+
+    def compute_logprobs(self, batch, temperature: float | None = None) -> torch.Tensor:
+        return self.actor.compute_logprobs(batch, temperature)
+
+    # ---------------------------------------------------------------- weight sync
+    def attach_transport(self, transport) -> None:
+        """Give global rank 0 the engines' transport (the other ranks never send)."""
+        self.transport = transport
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Every rank iterates the gather; global rank 0 (a bucket holder) feeds its transport."""
+        import torch.distributed as dist
+
+        from megatron_dapo.driver.weight_transport import SyncStats, bucket_nbytes
+        from megatron_dapo.weights.gather import iter_hf_buckets
+
+        sender = getattr(self, "transport", None) if dist.get_rank() == 0 else None
+        stats = SyncStats()
+        start = time.perf_counter()
+        if sender is not None:
+            sender.begin(version)
+        bucket_bytes = int(self.cfg["trainer"]["weight_sync"]["bucket_mb"]) << 20
+        for index, bucket in enumerate(iter_hf_buckets(self.actor.model, bucket_bytes=bucket_bytes)):
+            if sender is not None and bucket is not None:
+                sender.send(index, bucket)
+                stats.buckets += 1
+                stats.tensors += len(bucket)
+                stats.bytes += bucket_nbytes(bucket)
+        if sender is not None:
+            sender.finish()
+        dist.barrier()
+        stats.seconds = time.perf_counter() - start
+        return stats.metrics()
+
+    def gather_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        import torch.distributed as dist
+
+        from megatron_dapo.weights.gather import gather_hf_state_dict
+
+        sd = gather_hf_state_dict(self.actor.model)
+        return sd if dist.get_rank() == 0 else None
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, root: str, step: int, trainer_state: dict, keep_last: int) -> str:
+        from megatron_dapo.actor.checkpoint import save_checkpoint
+
+        path = save_checkpoint(
+            root,
+            step,
+            self.actor,
+            trainer_state=trainer_state,
+            hf_dir=self.cfg["model"]["path"],
+            keep_last=keep_last,
+        )
+        return str(path)
+
+    def load_checkpoint(self, root: str, resume: str = "auto") -> dict | None:
+        """The saved trainer state (None when there is nothing to resume)."""
+        from megatron_dapo.actor.checkpoint import load_checkpoint
+
+        record = load_checkpoint(self.actor, root, resume)
+        return None if record is None else record["trainer_state"]
+
+    def export_hf(self, out_dir: str) -> str | None:
+        """Write the current weights as an HF checkpoint at `out_dir` (atomically, from rank 0)."""
+        import tempfile
+
+        import torch.distributed as dist
+
+        from megatron_dapo.weights.atomic import atomic_directory
+        from megatron_dapo.weights.save_hf import save_hf_checkpoint
+
+        hf_meta = self.cfg["model"]["path"]
+        if dist.get_rank() == 0:
+            with atomic_directory(out_dir, overwrite=True) as tmp:
+                save_hf_checkpoint(self.actor.model, tmp, hf_metadata_dir=hf_meta)
+            result = str(out_dir)
+        else:
+            # other DP replicas' holders also receive the buckets: keep their copy out of the way
+            with tempfile.TemporaryDirectory(prefix="megatron_dapo_export_") as tmp:
+                save_hf_checkpoint(self.actor.model, tmp, hf_metadata_dir=hf_meta)
+            result = None
+        dist.barrier()
+        return result
+
+    def shutdown(self) -> None:
+        from megatron_dapo.actor.parallel import destroy_parallel
+
+        destroy_parallel()

@@ -1,0 +1,89 @@
+"""Rollout samples -> the actor's batch: DAPO advantages, masks and rollout log-probs.
+
+Advantages are computed from the final rewards (score + overlong penalty) of each group, as
+verl does for DAPO; with `algorithm.overlong_filter` truncated responses are masked out of the
+loss (they still count in the group statistics, which is what DAPO's overlong filtering means).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_dapo.actor.batch import ActorBatch
+from megatron_dapo.algo import group_advantages
+
+
+def build_actor_batch(
+    samples: Sequence,
+    *,
+    norm_adv_by_std: bool = True,
+    overlong_filter: bool = False,
+    groups_multiple: int = 1,
+) -> tuple[ActorBatch, dict[str, float]]:
+    """`samples`: RolloutSample-like objects (group_id, prompt.prompt_ids, response_ids,
+    rollout_logprobs, final_reward, truncated). Returns the batch and advantage metrics.
+
+    A partial batch (`algorithm.allow_partial_batch`) is cut to a whole number of optimizer
+    mini-batches (`groups_multiple` groups each), dropping its last groups; the number dropped is
+    reported as `train/partial_groups_dropped`.
+    """
+    if not samples:
+        raise ValueError("no rollout samples to train on")
+    order = list(dict.fromkeys(s.group_id for s in samples))
+    usable = len(order) // groups_multiple * groups_multiple
+    if usable == 0:
+        raise ValueError(
+            f"the rollout step kept {len(order)} groups, fewer than one optimizer mini-batch "
+            f"(actor.ppo_mini_batch_size={groups_multiple}); raise algorithm.filter_groups.max_num_gen_batches "
+            "or lower actor.ppo_mini_batch_size"
+        )
+    keep_groups = set(order[:usable])
+    dropped = len(order) - usable
+    samples = [s for s in samples if s.group_id in keep_groups]
+    # group ids may be any integers; make them dense so the actor can form mini-batches
+    dense: dict[int, int] = {}
+    group_index = torch.tensor([dense.setdefault(s.group_id, len(dense)) for s in samples], dtype=torch.int64)
+    rewards = torch.tensor([float(s.final_reward) for s in samples], dtype=torch.float32)
+    advantages = group_advantages(rewards, group_index, norm_by_std=norm_adv_by_std)
+
+    prompt_lens = torch.tensor([len(s.prompt.prompt_ids) for s in samples], dtype=torch.int64)
+    response_lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)
+    if (response_lens < 1).any():
+        i = int((response_lens < 1).nonzero()[0])
+        raise ValueError(f"rollout sample {i} (group {samples[i].group_id}) has an empty response")
+    width = int(response_lens.max())
+    mask = torch.arange(width).unsqueeze(0) < response_lens.unsqueeze(1)
+    truncated = torch.tensor([bool(s.truncated) for s in samples])
+    if overlong_filter:
+        mask &= ~truncated.unsqueeze(1)
+    rollout_lp = torch.zeros(len(samples), width, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        lp = s.rollout_logprobs
+        if lp is not None and len(lp):
+            rollout_lp[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
+    input_ids = [
+        torch.tensor(list(s.prompt.prompt_ids) + list(s.response_ids), dtype=torch.int64) for s in samples
+    ]
+    batch = ActorBatch(
+        input_ids=input_ids,
+        prompt_lens=prompt_lens,
+        response_lens=response_lens,
+        response_mask=mask,
+        advantages=advantages,
+        group_index=group_index,
+        rollout_logprobs=rollout_lp,
+        metadata=[{"group_id": s.group_id, "index": s.prompt.index} for s in samples],
+    )
+    metrics = {
+        "train/advantages/mean": float(advantages.mean()),
+        "train/advantages/max": float(advantages.max()),
+        "train/advantages/min": float(advantages.min()),
+        "train/overlong_filtered": float(truncated.sum()) if overlong_filter else 0.0,
+        "train/num_samples": float(len(samples)),
+        "train/num_groups": float(len(dense)),
+        "train/partial_groups_dropped": float(dropped),
+        "rollout/mean_token_prob": float((rollout_lp.exp() * mask).sum() / mask.sum().clamp(min=1)),
+    }
+    return batch, metrics

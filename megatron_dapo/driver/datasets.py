@@ -1,0 +1,99 @@
+"""Config -> tokenizer, training prompt dataset, validation problems and reward scorer."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from megatron_dapo.config import ConfigError
+from megatron_dapo.data.dataset import PromptDataset
+from megatron_dapo.data.loading import load_prompt_rows
+from megatron_dapo.eval.runner import EvalProblem
+from megatron_dapo.rewards.scorer import Scorer
+
+
+def load_tokenizer(cfg: DictConfig):
+    from transformers import AutoTokenizer
+
+    path = cfg.model.tokenizer_path or cfg.model.path
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise ConfigError(
+            f"model.tokenizer_path / model.path: no tokenizer at {path} ({e}); point it at an HF "
+            "checkpoint directory that has tokenizer files"
+        ) from e
+
+
+def _rows(files, cfg: DictConfig, what: str) -> tuple[list[dict], dict]:
+    if not files:
+        raise ConfigError(f"data.{what}_files is empty; give at least one parquet/jsonl file")
+    rows: list[dict] = []
+    stats: dict = {}
+    for f in files:
+        part = load_prompt_rows(
+            f,
+            format=cfg.data.format,
+            prompt_key=cfg.data.prompt_key,
+            answer_key=cfg.data.answer_key,
+            template=cfg.data.template,
+            skip_bad_rows=cfg.data.skip_bad_rows,
+            stats=stats,
+        )
+        # keep row indices unique across files so dumps and logs identify prompts
+        offset = len(rows)
+        rows.extend({**r, "index": r["index"] + offset} for r in part)
+    return rows, stats
+
+
+def train_dataset(cfg: DictConfig, tokenizer) -> PromptDataset:
+    rows, _ = _rows(cfg.data.train_files, cfg, "train")
+    ds = PromptDataset(
+        rows,
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        apply_chat_template=cfg.data.apply_chat_template,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    if len(ds) == 0:
+        raise ConfigError(
+            f"no training prompt fits data.max_prompt_length={cfg.data.max_prompt_length} "
+            f"(longest: {ds.stats.get('longest_prompt_tokens')} tokens); raise it"
+        )
+    return ds
+
+
+def val_problems(cfg: DictConfig, tokenizer) -> list[EvalProblem]:
+    if not cfg.data.val_files:
+        return []
+    rows, _ = _rows(cfg.data.val_files, cfg, "val")
+    ds = PromptDataset(
+        rows,
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        apply_chat_template=cfg.data.apply_chat_template,
+        seed=0,
+        shuffle=False,
+    )
+    problems = [
+        EvalProblem(
+            problem_id=str(s.index),
+            prompt_text=s.prompt_text,
+            prompt_ids=s.prompt_ids,
+            data_source=s.data_source,
+            ground_truth=s.ground_truth,
+            extra_info=s.extra_info,
+        )
+        for s in ds.samples
+    ]
+    if cfg.data.val_max_samples:
+        problems = problems[: cfg.data.val_max_samples]
+    return problems
+
+
+def make_scorer(cfg: DictConfig) -> Scorer:
+    return Scorer(
+        custom_fn=cfg.reward.custom_fn,
+        timeout_s=cfg.reward.timeout_s,
+        boxed_fallback=cfg.reward.boxed_fallback,
+    )

@@ -1,0 +1,116 @@
+"""Rollout engines in their own Ray actors, seen from the driver as `RolloutEngine`s.
+
+`EngineHost` is the actor: it owns one in-process engine (the HF engine here; SGLang engines are
+server processes with an HTTP client and need no host) and takes weight updates bucket by bucket
+from `RayObjectTransport`. It is a threaded actor so that `abort` reaches it while `generate`
+runs, which is the engine protocol's concurrency contract. `RemoteEngine` is the driver-side
+proxy that the rollout manager calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+
+
+class EngineHost:
+    def __init__(self, model_path: str, name: str, seed: int, max_batch_size: int = 64, threads: int = 1):
+        from megatron_dapo.rollout.hf_engine import HFEngine
+
+        torch.set_num_threads(threads)
+        self.engine = HFEngine(model_path, name=name, seed=seed, max_batch_size=max_batch_size)
+        self._buckets: list[dict[str, torch.Tensor]] = []
+        self._version: int | None = None
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        return self.engine.generate(requests)
+
+    def abort(self) -> None:
+        self.engine.abort()
+
+    def begin_weight_update(self, version: int) -> None:
+        self._buckets, self._version = [], version
+
+    def receive_bucket(self, index: int, bucket: dict[str, torch.Tensor]) -> int:
+        # Ray hands the bucket over deserialised: these tensors are this process's own copy.
+        self._buckets.append(bucket)
+        return index
+
+    def finish_weight_update(self) -> int:
+        buckets, self._buckets = self._buckets, []
+        self.engine.load_weights(buckets, self._version)
+        return self._version
+
+    def load_from_disk(self, path: str, version: int) -> bool:
+        return self.engine.load_from_disk(path, version)
+
+    def health(self) -> bool:
+        return self.engine.health()
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats, weight_version=self.engine.weight_version)
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+
+class RemoteEngine:
+    """Driver-side `RolloutEngine` over an `EngineHost` actor handle."""
+
+    def __init__(self, name: str, handle: Any, timeout_s: float):
+        self.name = name
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def _get(self, ref, what: str):
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except GetTimeoutError as e:
+            raise EngineError(
+                f"engine {self.name}: {what} did not return within {self.timeout_s:.0f}s"
+            ) from e
+        except RayActorError as e:
+            raise EngineError(f"engine {self.name} died during {what}: {e}") from e
+        except RayTaskError as e:
+            raise EngineError(f"engine {self.name}: {what} failed: {getattr(e, 'cause', e)}") from e
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        return self._get(self.handle.generate.remote(list(requests)), f"generate ({len(requests)} requests)")
+
+    def abort(self) -> None:
+        self._get(self.handle.abort.remote(), "abort")
+
+    def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
+        self._get(self.handle.begin_weight_update.remote(version), "weight update start")
+        for i, b in enumerate(buckets):
+            self._get(self.handle.receive_bucket.remote(i, b), f"weight bucket {i}")
+        self._get(self.handle.finish_weight_update.remote(), "weight update finish")
+
+    def load_from_disk(self, path: str, version: int) -> bool:
+        return self._get(self.handle.load_from_disk.remote(path, version), f"reload from {path}")
+
+    def release_memory(self) -> None:
+        self._get(self.handle.release_memory.remote(), "release_memory")
+
+    def resume_memory(self) -> None:
+        self._get(self.handle.resume_memory.remote(), "resume_memory")
+
+    def health(self) -> bool:
+        try:
+            return bool(self._get(self.handle.health.remote(), "health"))
+        except EngineError:
+            return False
+
+    def stats(self) -> dict[str, Any]:
+        return self._get(self.handle.stats.remote(), "stats")

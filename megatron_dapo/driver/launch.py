@@ -1,0 +1,225 @@
+"""`megatron-dapo train`: place the actor ranks and the engines with Ray, then run the loop.
+
+Placement on one Ray placement group:
+- CPU (no CUDA): every actor rank and every HF engine gets a CPU bundle; threads per process are
+  capped so that 2 ranks + 1 engine share a 2-core laptop without oversubscription.
+- GPU, colocated: actor ranks and SGLang engines share the same GPUs; engines release memory
+  while the actor trains and the actor's optimizer is the only resident state during generation.
+- GPU, disaggregated: engines get `trainer.rollout_gpus` GPUs of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_dapo.config import ConfigError, to_container, to_yaml
+from megatron_dapo.driver.actor_worker import ActorWorker
+from megatron_dapo.driver.datasets import load_tokenizer, make_scorer, train_dataset, val_problems
+from megatron_dapo.driver.run_dir import RunDir
+from megatron_dapo.driver.stop import StopFlag
+from megatron_dapo.driver.trainer import DAPOTrainer
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(cfg: DictConfig) -> str:
+    import torch
+
+    if cfg.trainer.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=auto or cpu")
+    return cfg.trainer.device
+
+
+def resolve_engine(cfg: DictConfig, device: str) -> str:
+    if cfg.rollout.engine == "auto":
+        return "sglang" if device == "cuda" else "hf"
+    if cfg.rollout.engine == "sglang" and device != "cuda":
+        raise ConfigError("rollout.engine=sglang needs GPUs; on CPU use rollout.engine=hf (or auto)")
+    return cfg.rollout.engine
+
+
+def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.trainer.ray_address
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    # A local cluster sized to what this run places; the object store only carries buckets and
+    # batches on the CPU path.
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=True,
+        object_store_memory=(1 << 30) if device == "cpu" else None,
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}},
+    )
+
+
+class Placement:
+    """The Ray resources of one run: actor rank group, engines, and the weight transport."""
+
+    def __init__(self, cfg: DictConfig, device: str, engine_kind: str):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from megatron_dapo.driver.rank_group import RayRankGroup
+
+        self.cfg = cfg
+        world = cfg.parallel.actor_world_size
+        n_engines = cfg.rollout.num_engines
+        threads = max(1, (os.cpu_count() or 2) // (world + n_engines)) if device == "cpu" else None
+        if device == "cpu":
+            actor_bundles = [{"CPU": 1} for _ in range(world)]
+        else:
+            actor_bundles = [{"CPU": 2, "GPU": 1} for _ in range(world)]
+        engine_bundles = [{"CPU": 1} for _ in range(n_engines)] if engine_kind == "hf" else []
+        init_ray(cfg, device, num_cpus=len(actor_bundles) + len(engine_bundles) + 1)
+        self.pg = placement_group(actor_bundles + engine_bundles, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=300)
+        container = to_container(cfg)
+        self.ranks = RayRankGroup(
+            ActorWorker,
+            world,
+            placement_group=self.pg,
+            init_args=(container,),
+            num_gpus_per_rank=0 if device == "cpu" else 1,
+            num_cpus_per_rank=1 if device == "cpu" else 2,
+        )
+        self.layouts = self.ranks.call("setup", threads, timeout_s=1800)
+        self.engines = self._start_engines(engine_kind, len(actor_bundles), threads)
+
+    def _start_engines(self, kind: str, bundle_offset: int, threads: int | None) -> list[Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine
+
+        cfg = self.cfg
+        if kind != "hf":
+            from megatron_dapo.driver.sglang_engines import start_sglang_engines
+
+            return start_sglang_engines(cfg)
+        host_cls = ray.remote(EngineHost)
+        engines = []
+        for i in range(cfg.rollout.num_engines):
+            name = f"hf-{i}"
+            handle = host_cls.options(
+                num_cpus=1,
+                max_concurrency=8,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=bundle_offset + i
+                ),
+            ).remote(cfg.model.path, name, cfg.trainer.seed + i, 256, threads or 1)
+            engines.append(RemoteEngine(name, handle, cfg.rollout.request_timeout_s))
+        return engines
+
+    def weight_transport(self):
+        from megatron_dapo.driver.weight_transport import RayObjectTransport
+
+        timeout = self.cfg.trainer.weight_sync.timeout_s
+        if all(hasattr(e, "handle") for e in self.engines):
+            return RayObjectTransport([(e.name, e.handle) for e in self.engines], timeout)
+        from megatron_dapo.driver.sglang_engines import sglang_transport
+
+        return sglang_transport(self.cfg, self.engines)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self.ranks.call("shutdown", timeout_s=60)
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            log.warning("actor shutdown: %s", e)
+        remove_placement_group(self.pg)
+        if not self.cfg.trainer.ray_address:
+            ray.shutdown()
+
+
+def run_train(cfg: DictConfig) -> dict[str, Any]:
+    """Run DAPO as configured; returns the run summary (also in RUN_DIR/summary.json)."""
+    from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig, dump_rollouts
+
+    device = resolve_device(cfg)
+    engine_kind = resolve_engine(cfg, device)
+    run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
+    run.config.write_text(to_yaml(cfg))
+    tokenizer = load_tokenizer(cfg)
+    dataset = train_dataset(cfg, tokenizer)
+    problems = val_problems(cfg, tokenizer)
+    scorer = make_scorer(cfg)
+    stop = StopFlag().install()
+    placement = Placement(cfg, device, engine_kind)
+    try:
+        transport = placement.weight_transport()
+        placement.ranks.workers[0].attach_transport.remote(transport)
+
+        def sync(version: int) -> dict[str, float]:
+            return placement.ranks.call(
+                "push_weights", version, timeout_s=cfg.trainer.weight_sync.timeout_s + 60
+            )[0]
+
+        mcfg = RolloutManagerConfig.from_config(cfg)
+        mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
+        manager = RolloutManager(placement.engines, scorer, mcfg, tokenizer)
+        validate = None
+        if problems:
+            from megatron_dapo.driver.validation import make_validator
+
+            validate = make_validator(cfg, placement.engines, scorer, problems, tokenizer)
+        trainer = DAPOTrainer(
+            cfg,
+            run=run,
+            ranks=placement.ranks,
+            manager=manager,
+            dataset=dataset,
+            transport_sync=sync,
+            validate=validate,
+            stop=stop,
+            dump_rollouts=dump_rollouts if cfg.rollout.dump_rollouts else None,
+        )
+        summary = trainer.fit()
+        if cfg.trainer.hf_export_at_end:
+            summary["hf_export"] = placement.ranks.call(
+                "export_hf", str(run.hf / f"step_{trainer.state.step}")
+            )[0]
+        if cfg.logging.plots_at_end:
+            from megatron_dapo.driver.plots import plot_run
+
+            summary["plots"] = [str(p) for p in plot_run(run.root)]
+        summary["run_dir"] = str(run.root)
+        return summary
+    finally:
+        stop.uninstall()
+        scorer.close()
+        placement.shutdown()
+
+
+def _stop_ids(tokenizer) -> list[int]:
+    ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+
+def load_for_cli(config: str | None, overrides: list[str]) -> DictConfig:
+    from megatron_dapo.config import load_config
+
+    if config and "=" in config and not config.endswith((".yaml", ".yml")):
+        overrides = [config, *overrides]
+        config = None
+    cfg = load_config(config, overrides)
+    return OmegaConf.create(to_container(cfg))
+
+
+__all__ = ["run_train", "load_for_cli", "Path"]

@@ -1,0 +1,205 @@
+"""The DAPO step loop.
+
+`DAPOTrainer.fit` reads top to bottom as one step of the algorithm: draw prompts and roll out
+(dynamic sampling inside the manager) -> advantages -> actor update (pi_old, mini-batches) ->
+weight sync to every engine -> metrics -> validation every `test_freq` -> checkpoint every
+`save_freq`. Placement (Ray actors or torchrun ranks, engine kind) is decided by the caller,
+which hands in the pieces; the loop is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from megatron_dapo.driver.batch_builder import build_actor_batch
+from megatron_dapo.driver.progress import StepProgress
+from megatron_dapo.driver.run_dir import MetricsLogger, RunDir
+from megatron_dapo.driver.stop import StopFlag
+from megatron_dapo.driver.timing import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+# actor metric -> verl-style metrics key
+ACTOR_KEYS = {
+    "loss": "actor/pg_loss",
+    "clipfrac": "actor/pg_clipfrac",
+    "clipfrac_high": "actor/pg_clipfrac_high",
+    "clipfrac_low": "actor/pg_clipfrac_low",
+    "clipfrac_lower": "actor/pg_clipfrac_lower",
+    "ppo_kl": "actor/ppo_kl",
+    "entropy": "actor/entropy",
+    "grad_norm": "actor/grad_norm",
+    "grad_norm_max": "actor/grad_norm_max",
+    "lr": "actor/lr",
+    "tokens": "actor/tokens",
+    "mismatch_abs": "actor/rollout_logprob_abs_diff",
+    "mismatch_k3": "actor/rollout_k3_kl",
+    "tis_mean": "actor/tis_mean",
+    "tis_clipfrac": "actor/tis_clipfrac",
+    "num_updates": "actor/num_updates",
+    "skipped_updates": "actor/skipped_updates",
+}
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint must carry besides model/optimizer/RNG to resume exactly."""
+
+    step: int = 0
+    weight_version: int = 0
+    data_cursor: dict = field(default_factory=dict)
+    manager_state: dict = field(default_factory=dict)
+    prompts_consumed: int = 0
+
+
+class DAPOTrainer:
+    def __init__(
+        self,
+        cfg: DictConfig,
+        *,
+        run: RunDir,
+        ranks,
+        manager,
+        dataset,
+        transport_sync,
+        validate=None,
+        stop: StopFlag | None = None,
+        dump_rollouts=None,
+    ):
+        """
+        ranks: a rank group (`call(method, ...)`) of `ActorWorker`s.
+        manager: the rollout manager (`collect(dataset, weight_version) -> RolloutBatch`).
+        transport_sync: callable(version) -> metrics; pushes the actor's weights to every engine.
+        validate: callable(step) -> metrics, or None when there is no validation set.
+        """
+        self.cfg = cfg
+        self.run = run
+        self.ranks = ranks
+        self.manager = manager
+        self.dataset = dataset
+        self.sync = transport_sync
+        self.validate = validate
+        self.stop = stop or StopFlag()
+        self.dump_rollouts = dump_rollouts
+        self.state = TrainerState()
+
+    # ---------------------------------------------------------------- resume
+    def resume(self) -> bool:
+        """Restore the latest good checkpoint per `trainer.resume`; True when one was loaded."""
+        mode = self.cfg.trainer.resume
+        if mode == "never":
+            return False
+        root = self.run.checkpoints if mode == "auto" else Path(mode)
+        loaded = self.ranks.call("load_checkpoint", str(root), "auto" if mode == "auto" else str(root))[0]
+        if loaded is None:
+            if mode != "auto":
+                raise FileNotFoundError(f"trainer.resume={mode}: no checkpoint found there")
+            return False
+        self.state = TrainerState(**loaded)
+        self.dataset.load_state_dict(self.state.data_cursor)
+        if self.state.manager_state and hasattr(self.manager, "load_state_dict"):
+            self.manager.load_state_dict(self.state.manager_state)
+        return True
+
+    def save(self) -> str:
+        self.state.data_cursor = self.dataset.state_dict()
+        if hasattr(self.manager, "state_dict"):
+            self.state.manager_state = self.manager.state_dict()
+        return self.ranks.call(
+            "save_checkpoint",
+            str(self.run.checkpoints),
+            self.state.step,
+            asdict(self.state),
+            self.cfg.trainer.keep_last,
+        )[0]
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg
+        total = cfg.trainer.total_steps
+        resumed = self.resume()
+        logger = MetricsLogger(
+            self.run,
+            resume_step=self.state.step if resumed else None,
+            wandb_cfg={
+                "enable": cfg.logging.wandb,
+                "mode": cfg.logging.wandb_mode,
+                "project": cfg.trainer.project,
+                "name": cfg.trainer.run_name,
+            },
+            tensorboard=cfg.logging.tensorboard,
+        )
+        progress = StepProgress(total, self.state.step, enabled=cfg.logging.progress)
+        summary: dict[str, Any] = {"resumed_from": self.state.step if resumed else None}
+        try:
+            if resumed:
+                # engines restarted from the HF weights; bring them to the checkpoint's
+                self.sync(self.state.weight_version)
+                progress.log(f"resumed from step {self.state.step} ({self.run.checkpoints})")
+            elif self.validate and cfg.trainer.val_before_train:
+                with progress.phase(0, "validation"):
+                    val = self.validate(0)
+                logger.log(0, val)
+                summary["val_before"] = val
+                progress.log("step 0 " + "  ".join(f"{k} {v:.3f}" for k, v in val.items() if "avg@" in k))
+
+            while self.state.step < total and not self.stop.requested:
+                step = self.state.step + 1
+                timer = PhaseTimer()
+                with timer.phase("gen"), progress.phase(step, "rollout"):
+                    rollout = self.manager.collect(self.dataset, self.state.weight_version)
+                with timer.phase("adv"):
+                    batch, batch_metrics = build_actor_batch(
+                        rollout.samples,
+                        norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
+                        overlong_filter=cfg.algorithm.overlong_filter,
+                        groups_multiple=cfg.actor.ppo_mini_batch_size,
+                    )
+                with timer.phase("update_actor"), progress.phase(step, "actor update"):
+                    actor_metrics = self.ranks.call("train_step", batch)[0]
+                with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
+                    sync_metrics = self.sync(step)
+                self.state.step = step
+                self.state.weight_version = step
+                self.state.prompts_consumed += int(rollout.metrics.get("rollout/prompts_drawn", 0))
+
+                metrics: dict[str, Any] = {}
+                metrics.update(rollout.metrics)
+                metrics.update(batch_metrics)
+                metrics.update({ACTOR_KEYS[k]: v for k, v in actor_metrics.items() if k in ACTOR_KEYS})
+                metrics.update(sync_metrics)
+                if self.dump_rollouts is not None:
+                    self.dump_rollouts(rollout, self.run.rollouts / f"step_{step}.jsonl")
+                last = step == total or self.stop.requested
+                if (
+                    self.validate
+                    and cfg.trainer.test_freq > 0
+                    and (step % cfg.trainer.test_freq == 0 or last)
+                ):
+                    with timer.phase("val"), progress.phase(step, "validation"):
+                        metrics.update(self.validate(step))
+                if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last:
+                    with timer.phase("save_checkpoint"), progress.phase(step, "checkpoint"):
+                        self.save()
+                metrics.update(timer.metrics())
+                metrics["train/step"] = step
+                metrics["train/prompts_consumed"] = self.state.prompts_consumed
+                logger.log(step, metrics)
+                progress.step_done(step, metrics)
+                summary["last"] = metrics
+            if self.stop.requested:
+                progress.log(
+                    f"stopped by {self.stop.signal_name} after step {self.state.step}; checkpoint saved"
+                )
+                summary["stopped_by"] = self.stop.signal_name
+        finally:
+            logger.close()
+        summary["step"] = self.state.step
+        (self.run.root / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        return summary

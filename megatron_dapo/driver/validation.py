@@ -1,0 +1,83 @@
+"""Validation with the rollout engines: avg@k / pass@k / maj@k under the eval sampling protocol.
+
+The same generator serves `megatron-dapo eval` (an HF engine on a checkpoint) and the trainer's
+periodic validation (the training engines, right after a weight sync).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from megatron_dapo.eval.runner import Completion, EvalProblem, evaluate
+from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+
+def engine_generator(
+    engines: Sequence[Any], tokenizer, sampling: SamplingParams, *, seed: int, requests_per_call: int = 64
+):
+    """A `Generator` for `evaluate` that spreads k samples per problem over `engines`.
+
+    Seeds depend on (seed, problem id, sample index) only, so a validation is reproducible and
+    the same problem gets the same samples whatever the engine count.
+    """
+
+    def generate(problems: Sequence[EvalProblem], k: int) -> list[list[Completion]]:
+        requests = []
+        for p in problems:
+            base = zlib.crc32(p.problem_id.encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+            for j in range(k):
+                s = SamplingParams(
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    max_new_tokens=sampling.max_new_tokens,
+                    stop_token_ids=list(sampling.stop_token_ids),
+                    seed=(base * 1_000_003 + j) % (2**63),
+                )
+                requests.append(GenerationRequest(f"val-{p.problem_id}-{j}", list(p.prompt_ids), s))
+        chunks = [requests[i : i + requests_per_call] for i in range(0, len(requests), requests_per_call)]
+        with ThreadPoolExecutor(max(1, len(engines))) as pool:
+            parts = list(
+                pool.map(lambda ic: engines[ic[0] % len(engines)].generate(ic[1]), enumerate(chunks))
+            )
+        results = [r for part in parts for r in part]
+        out: list[list[Completion]] = []
+        for i, _ in enumerate(problems):
+            mine = results[i * k : (i + 1) * k]
+            out.append(
+                [
+                    Completion(
+                        tokenizer.decode(r.output_ids, skip_special_tokens=True),
+                        len(r.output_ids),
+                        r.finish_reason == "length",
+                    )
+                    for r in mine
+                ]
+            )
+        return out
+
+    return generate
+
+
+def val_sampling(cfg, tokenizer) -> SamplingParams:
+    v = cfg.rollout.val
+    eos = tokenizer.eos_token_id
+    return SamplingParams(
+        temperature=v.temperature,
+        top_p=v.top_p,
+        top_k=v.top_k,
+        max_new_tokens=v.max_response_length or cfg.data.max_response_length,
+        stop_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def make_validator(cfg, engines, scorer, problems, tokenizer):
+    generate = engine_generator(engines, tokenizer, val_sampling(cfg, tokenizer), seed=cfg.trainer.seed)
+
+    def validate(step: int) -> dict[str, float]:
+        return evaluate(problems, generate, scorer, k=cfg.rollout.val.n, pass_ks=(1,))
+
+    return validate
