@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,67 +142,92 @@ class Placement:
             self.ranks.call("shutdown", timeout_s=60)
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             log.warning("actor shutdown: %s", e)
+        if self.engines and not all(hasattr(e, "handle") for e in self.engines):
+            from megatron_dapo.driver.sglang_engines import stop_sglang_engines
+
+            stop_sglang_engines(self.engines)
         remove_placement_group(self.pg)
         if not self.cfg.trainer.ray_address:
             ray.shutdown()
 
 
-def run_train(cfg: DictConfig) -> dict[str, Any]:
-    """Run DAPO as configured; returns the run summary (also in RUN_DIR/summary.json)."""
-    from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig, dump_rollouts
+@dataclass
+class RunInputs:
+    """What every launch mode builds before placing ranks and engines (Ray or torchrun rank 0)."""
 
-    device = resolve_device(cfg)
-    engine_kind = resolve_engine(cfg, device)
+    run: RunDir
+    tokenizer: Any
+    dataset: Any
+    problems: list
+    scorer: Any
+
+
+def prepare_run(cfg: DictConfig) -> RunInputs:
+    """The run directory (with the resolved config), tokenizer, training data, validation set, scorer."""
     run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
     run.config.write_text(to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
     dataset = train_dataset(cfg, tokenizer)
     problems = val_problems(cfg, tokenizer)
-    scorer = make_scorer(cfg)
+    return RunInputs(run, tokenizer, dataset, problems, make_scorer(cfg))
+
+
+def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: StopFlag) -> dict[str, Any]:
+    """Run the step loop over placed `ranks` (a rank group) and `engines`, then export and plot.
+
+    The caller has attached the weight transport to global rank 0's worker; `ranks.call` reaches
+    every rank the same way whether they are Ray actors or torchrun processes.
+    """
+    from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig, dump_rollouts
+
+    run, tokenizer = inputs.run, inputs.tokenizer
+
+    def sync(version: int) -> dict[str, float]:
+        return ranks.call("push_weights", version, timeout_s=cfg.trainer.weight_sync.timeout_s + 60)[0]
+
+    mcfg = RolloutManagerConfig.from_config(cfg)
+    mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
+    manager = RolloutManager(engines, inputs.scorer, mcfg, tokenizer)
+    validate = None
+    if inputs.problems:
+        from megatron_dapo.driver.validation import make_validator
+
+        validate = make_validator(cfg, engines, inputs.scorer, inputs.problems, tokenizer)
+    trainer = DAPOTrainer(
+        cfg,
+        run=run,
+        ranks=ranks,
+        manager=manager,
+        dataset=inputs.dataset,
+        transport_sync=sync,
+        validate=validate,
+        stop=stop,
+        dump_rollouts=dump_rollouts if cfg.rollout.dump_rollouts else None,
+    )
+    summary = trainer.fit()
+    if cfg.trainer.hf_export_at_end:
+        summary["hf_export"] = ranks.call("export_hf", str(run.hf / f"step_{trainer.state.step}"))[0]
+    if cfg.logging.plots_at_end:
+        from megatron_dapo.driver.plots import plot_run
+
+        summary["plots"] = [str(p) for p in plot_run(run.root)]
+    summary["run_dir"] = str(run.root)
+    return summary
+
+
+def run_train(cfg: DictConfig) -> dict[str, Any]:
+    """Run DAPO as configured; returns the run summary (also in RUN_DIR/summary.json)."""
+    device = resolve_device(cfg)
+    engine_kind = resolve_engine(cfg, device)
+    inputs = prepare_run(cfg)
     stop = StopFlag().install()
     placement = Placement(cfg, device, engine_kind)
     try:
-        transport = placement.weight_transport()
-        placement.ranks.workers[0].attach_transport.remote(transport)
-
-        def sync(version: int) -> dict[str, float]:
-            return placement.ranks.call(
-                "push_weights", version, timeout_s=cfg.trainer.weight_sync.timeout_s + 60
-            )[0]
-
-        mcfg = RolloutManagerConfig.from_config(cfg)
-        mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
-        manager = RolloutManager(placement.engines, scorer, mcfg, tokenizer)
-        validate = None
-        if problems:
-            from megatron_dapo.driver.validation import make_validator
-
-            validate = make_validator(cfg, placement.engines, scorer, problems, tokenizer)
-        trainer = DAPOTrainer(
-            cfg,
-            run=run,
-            ranks=placement.ranks,
-            manager=manager,
-            dataset=dataset,
-            transport_sync=sync,
-            validate=validate,
-            stop=stop,
-            dump_rollouts=dump_rollouts if cfg.rollout.dump_rollouts else None,
-        )
-        summary = trainer.fit()
-        if cfg.trainer.hf_export_at_end:
-            summary["hf_export"] = placement.ranks.call(
-                "export_hf", str(run.hf / f"step_{trainer.state.step}")
-            )[0]
-        if cfg.logging.plots_at_end:
-            from megatron_dapo.driver.plots import plot_run
-
-            summary["plots"] = [str(p) for p in plot_run(run.root)]
-        summary["run_dir"] = str(run.root)
-        return summary
+        placement.ranks.workers[0].attach_transport.remote(placement.weight_transport())
+        return drive(cfg, inputs, placement.ranks, placement.engines, stop)
     finally:
         stop.uninstall()
-        scorer.close()
+        inputs.scorer.close()
         placement.shutdown()
 
 
@@ -222,4 +248,4 @@ def load_for_cli(config: str | None, overrides: list[str]) -> DictConfig:
     return OmegaConf.create(to_container(cfg))
 
 
-__all__ = ["run_train", "load_for_cli", "Path"]
+__all__ = ["run_train", "prepare_run", "drive", "RunInputs", "load_for_cli", "Path"]
