@@ -206,7 +206,10 @@ def naive_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The full-vocabulary reference ``log_softmax(logits / T).gather`` and entropy, materialising
     ``[tokens, vocab]`` in ``dtype`` (for tests and the benchmark)."""
-    logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    x = logits.to(dtype)
+    if temperature != 1.0:
+        x = x / temperature
+    logp = torch.log_softmax(x, dim=-1)
     lp = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(dim=-1)
     return lp, ent
