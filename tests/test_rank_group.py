@@ -87,3 +87,46 @@ def test_spmd_group_under_torchrun_style_world():
     from megatron_dapo.actor.spawn import run_ranks
 
     assert run_ranks(_spmd_main, 2, timeout_s=120) == [[9.0, 9.0], "followed"]
+
+
+class SlowEngineHost:
+    """Takes the update start, then never finishes taking bucket 1."""
+
+    def begin_weight_update(self, version):
+        return version
+
+    def receive_bucket(self, index, bucket):
+        if index == 1:
+            time.sleep(30)
+        return index
+
+    def finish_weight_update(self):
+        return 0
+
+    def generate(self, requests):
+        raise RuntimeError("CUDA error: device-side assert")
+
+
+def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
+    import torch
+
+    from megatron_dapo.driver.engine_host import RemoteEngine
+    from megatron_dapo.driver.weight_transport import RayObjectTransport, WeightSyncTimeout
+    from megatron_dapo.rollout.engine import EngineError
+
+    handle = ray.remote(SlowEngineHost).options(num_cpus=0, max_concurrency=2).remote()
+    ray.get(handle.begin_weight_update.remote(0))  # the actor is up before deadlines start
+    transport = RayObjectTransport([("hf-7", handle)], timeout_s=2)
+    transport.begin(3)
+    transport.send(0, {"model.embed_tokens.weight": torch.zeros(4, 2)})
+    start = time.monotonic()
+    with pytest.raises(
+        WeightSyncTimeout, match=r"engine hf-7 did not take bucket 1 \(1 tensors.*lm_head.weight"
+    ):
+        transport.send(1, {"lm_head.weight": torch.zeros(4, 2)})
+    assert time.monotonic() - start < 10
+    with pytest.raises(EngineError, match="engine hf-7: generate .* failed: .*device-side assert"):
+        RemoteEngine("hf-7", handle, timeout_s=10).generate([])
+    ray.kill(handle)
+    with pytest.raises(EngineError, match="engine hf-7 died during generate"):
+        RemoteEngine("hf-7", handle, timeout_s=10).generate([])
