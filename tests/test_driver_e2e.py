@@ -132,3 +132,43 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(assets, tmp_path):
     ref_records, res_records = _metrics(tmp_path / "ref"), _metrics(tmp_path / "killed")
     assert [r["step"] for r in res_records] == [1, 2, 3]
     assert [r["rollout/reward/mean"] for r in res_records] == [r["rollout/reward/mean"] for r in ref_records]
+
+
+def test_eval_command_on_an_hf_checkpoint(assets, tmp_path):
+    from megatron_dapo.cli import main
+
+    out, dump = tmp_path / "eval.json", tmp_path / "responses.jsonl"
+    rc = main(
+        [
+            "eval",
+            "--hf-dir",
+            str(assets.hf_dir),
+            "--data",
+            str(assets.val_file),
+            "--template",
+            "none",
+            "--k",
+            "4",
+            "--pass-k",
+            "1",
+            "2",
+            "--max-tokens",
+            "32",
+            "--limit",
+            "5",
+            "--out",
+            str(out),
+            "--dump",
+            str(dump),
+        ]
+    )
+    assert rc == 0
+    m = json.loads(out.read_text())
+    assert m["num_problems"] == 5 and m["samples_per_problem"] == 4
+    assert 0.0 <= m["pass@1"] <= m["pass@2"] <= 1.0
+    assert m["avg@4"] == pytest.approx(m["pass@1"])
+    lines = [json.loads(x) for x in dump.read_text().splitlines()]
+    assert len(lines) == 20
+    # avg@4 is exactly the fraction of dumped responses the reward accepted
+    assert m["avg@4"] == pytest.approx(sum(x["acc"] for x in lines) / 20)
+    assert main(["eval", "--hf-dir", str(assets.hf_dir), "--data", str(tmp_path / "missing.parquet")]) == 2
