@@ -145,7 +145,8 @@ def _pi_old_checks(hf_dir, batch):
     logprobs, entropy = actor.compute_logprobs(batch, TEMPERATURE, with_entropy=True)
     recomputed = actor.update(batch)
     single = _actor(hf_dir, BIG, "token-mean", mini_batch=4).update(batch)
-    return dict(logprobs=logprobs, entropy=entropy, recomputed=recomputed, single=single)
+    epochs = _actor(hf_dir, BIG, "token-mean", mini_batch=4, ppo_epochs=2).update(batch)
+    return dict(logprobs=logprobs, entropy=entropy, recomputed=recomputed, single=single, epochs=epochs)
 
 
 def _skip_checks(hf_dir, batch):
@@ -269,6 +270,10 @@ def test_pi_old_is_current_policy_before_first_update(results, data):
     assert r["recomputed"]["updates"][1]["ppo_kl"] != 0  # the second mini-batch sees updated weights
     single = r["single"]["updates"][0]
     assert single["ppo_kl"] == 0 and single["clipfrac"] == 0
+    # one mini-batch but two epochs: pi_old is recomputed and stays fixed for the second pass
+    first, second = r["epochs"]["updates"]
+    assert abs(first["ppo_kl"]) < 1e-7 and first["clipfrac"] == 0
+    assert abs(second["ppo_kl"]) > 1e-5 and r["epochs"]["num_updates"] == 2
     # train/rollout mismatch: |pi_old - rollout| ~ 0.05 * sqrt(2/pi) for the injected noise
     assert 0.02 < r["recomputed"]["mismatch_abs"] < 0.08
 

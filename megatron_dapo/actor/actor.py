@@ -132,6 +132,20 @@ class Actor:
         # Sequence parallelism splits the sequence over TP: pad lengths to a multiple of TP.
         self._pad_multiple = layout.tp_size if config.sequence_parallel else 1
         self._micro_multiple = layout.pp_size if len(model_chunks) > 1 else 1
+        if len(model_chunks) > 1:
+            if compat.on_cpu():
+                # Seen with megatron-core 0.16 on gloo: the interleaved 1F1B schedule (forward and
+                # backward) feeds stages activations of the wrong micro-batch (losses differ from
+                # PP without VPP; variable shapes fail with gradient shape mismatches), while the
+                # forward-only interleaved schedule is right.
+                raise ValueError(
+                    "training with virtual pipeline stages (vpp) is not supported on the CPU/gloo path; "
+                    "use vpp=None on CPU (pp alone works)"
+                )
+            # Every micro-batch of a call is padded to one shape (see _my_micro_batches), the
+            # interleaved schedule's assumption, so shapes need not be communicated.
+            for chunk in model_chunks:
+                chunk.config.variable_seq_lengths = False
         set_schedule_hooks(model_chunks, optimizer)
 
     # ------------------------------------------------------------------ planning
@@ -139,7 +153,11 @@ class Actor:
         lengths = batch.seq_lens.tolist()
         mine = split_over_ranks(lengths, indices, self.layout.dp_size)[self.layout.dp_rank]
         groups = pack_by_token_budget(lengths, mine, self.cfg.micro_batch_max_tokens, self._micro_multiple)
-        return [collate(batch, g, self.cfg.pad_token_id, self._pad_multiple) for g in groups]
+        shape: dict[str, int] = {}
+        if len(self.model) > 1:
+            # The interleaved (virtual pipeline) schedule needs equal micro-batch shapes.
+            shape = dict(rows=max(map(len, groups)), length=max(lengths[i] for i in mine))
+        return [collate(batch, g, self.cfg.pad_token_id, self._pad_multiple, **shape) for g in groups]
 
     def _reports(self) -> bool:
         """The one rank per DP replica whose numbers enter world-wide sums."""

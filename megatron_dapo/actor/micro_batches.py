@@ -118,12 +118,24 @@ def _to_positions(values: torch.Tensor, prompt_len: int, resp_len: int, length: 
 
 
 def collate(
-    batch: ActorBatch, indices: list[int], pad_id: int = 0, pad_to_multiple_of: int = 1
+    batch: ActorBatch,
+    indices: list[int],
+    pad_id: int = 0,
+    pad_to_multiple_of: int = 1,
+    *,
+    rows: int | None = None,
+    length: int | None = None,
 ) -> MicroBatch:
-    """Right-pad the samples ``indices`` of ``batch`` into a :class:`MicroBatch`."""
+    """Right-pad the samples ``indices`` of ``batch`` into a :class:`MicroBatch`.
+
+    ``rows`` / ``length`` pad further to a fixed shape (dummy rows have ``sample_index`` -1 and an
+    empty loss mask): megatron's interleaved pipeline schedule needs every micro-batch of a call
+    to have the same shape.
+    """
     lens = [int(batch.seq_lens[i]) for i in indices]
-    length = -(-max(lens) // pad_to_multiple_of) * pad_to_multiple_of
-    b = len(indices)
+    longest = max(max(lens), length or 0)
+    length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    b = max(len(indices), rows or 0)
     tokens = torch.full((b, length), pad_id, dtype=torch.long)
     labels = torch.full((b, length), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(b, length, dtype=torch.bool)
@@ -143,14 +155,18 @@ def collate(
             old[row] = _to_positions(batch.old_logprobs[i], p, r, length)
         if rollout is not None:
             rollout[row] = _to_positions(batch.rollout_logprobs[i], p, r, length)
+    index = torch.full((b,), -1, dtype=torch.long)
+    index[: len(indices)] = torch.tensor(indices, dtype=torch.long)
+    advantages = torch.zeros(b, dtype=batch.advantages.dtype)
+    advantages[: len(indices)] = batch.advantages[index[: len(indices)]]
     return MicroBatch(
-        sample_index=torch.tensor(indices, dtype=torch.long),
+        sample_index=index,
         tokens=tokens,
         position_ids=torch.arange(length).unsqueeze(0).expand(b, length).contiguous(),
         labels=labels,
         loss_mask=loss_mask,
         score_mask=score_mask,
-        advantages=batch.advantages[torch.tensor(indices, dtype=torch.long)],
+        advantages=advantages,
         old_logprobs=old,
         rollout_logprobs=rollout,
     )
@@ -161,5 +177,7 @@ def positions_to_response(
 ) -> None:
     """Write position-layout ``values`` ([b, L]) of ``micro`` into ``out`` ([B, R], response layout)."""
     for row, i in enumerate(micro.sample_index.tolist()):
+        if i < 0:  # padding row
+            continue
         p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
         out[i, :r] = values[row, p - 1 : p - 1 + r].to(out.dtype)
