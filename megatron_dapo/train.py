@@ -1,0 +1,150 @@
+"""`python -m megatron_dapo.train CONFIG [key=value ...]`: DAPO under torchrun, without Ray.
+
+    torchrun --nnodes N --nproc-per-node G -m megatron_dapo.train CONFIG [key=value ...]
+    (multi-node: launch/torchrun_multinode.sh)
+
+Every rank loads the config and builds its Megatron rank (`ActorWorker.setup`). Rank 0 also
+builds what the Ray driver builds (run directory, tokenizer, data, scorer, engines, rollout
+manager; `launch.prepare_run` / `launch.drive`) and runs the same `DAPOTrainer`, reaching the
+ranks through `SPMDRankGroup`; ranks > 0 execute those calls in `SPMDRankGroup.follow` until
+rank 0 shuts the group down. The torch.distributed world is torchrun's, so
+`parallel.actor_world_size` is taken from it.
+
+Engines, chosen like the Ray path (`rollout.engine`, auto = SGLang on GPU, HF on CPU):
+- SGLang: the servers at `rollout.sglang.urls` (started per node by the launch script), or
+  servers that rank 0 launches on its own node; weights by `trainer.weight_sync.transport`
+  (driver/sglang_engines.py).
+- HF (CPU): the HF engine inside rank 0's process, weights handed over in memory
+  (`DirectTransport`), so the whole torchrun path runs on a laptop.
+
+Signals: rank 0 handles SIGTERM/SIGINT like the Ray driver (finish the step, save, exit 0). The
+other ranks ignore the first signal, because the save that rank 0 is about to do needs them; if
+rank 0 dies instead, their next collective fails and they exit. A second signal stops any rank
+at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("megatron_dapo.train")
+
+
+def build_engines(cfg, engine_kind: str) -> tuple[list[Any], Any, Callable[[], None]]:
+    """Rank 0's engines, the weight transport to them, and how to stop them."""
+    if engine_kind == "hf":
+        from megatron_dapo.driver.weight_transport import DirectTransport
+        from megatron_dapo.rollout.hf_engine import HFEngine
+
+        engines = [
+            HFEngine(cfg.model.path, name=f"hf-{i}", seed=cfg.trainer.seed + i, max_batch_size=256)
+            for i in range(cfg.rollout.num_engines)
+        ]
+        return engines, DirectTransport(engines), lambda: None
+    from megatron_dapo.driver.sglang_engines import (
+        sglang_transport,
+        start_sglang_engines,
+        stop_sglang_engines,
+    )
+
+    engines = start_sglang_engines(cfg)
+    try:
+        transport = sglang_transport(cfg, engines)
+    except BaseException:
+        stop_sglang_engines(engines)
+        raise
+    return engines, transport, lambda: stop_sglang_engines(engines)
+
+
+def run_rank0(cfg, worker, inputs, engine_kind: str, stop) -> dict[str, Any]:
+    """Drive the run from rank 0; the other ranks are in `SPMDRankGroup.follow`."""
+    from megatron_dapo.driver.launch import drive
+    from megatron_dapo.driver.rank_group import SPMDRankGroup
+
+    ranks = SPMDRankGroup(worker)  # pairs with the followers' group: the first collective after setup
+    engines, transport, stop_engines = build_engines(cfg, engine_kind)
+    try:
+        worker.attach_transport(transport)
+        summary = drive(cfg, inputs, ranks, engines, stop)
+    finally:
+        stop_engines()
+    # Only after a clean run: after a failure the others may be inside a collective, and a stop
+    # message would not match it; this process exiting non-zero ends them instead (torchrun).
+    ranks.shutdown()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of every torchrun rank; returns the process exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_dapo.train",
+        description="DAPO training under torchrun: SPMD actor ranks, rank 0 drives the rollouts.",
+    )
+    parser.add_argument("config", help="YAML recipe, e.g. configs/dapo_qwen2.5_32b.yaml")
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. rollout.sglang.urls=[http://h:30000]"
+    )
+    args = parser.parse_args(argv)
+
+    from megatron_dapo.config import ConfigError, to_container
+    from megatron_dapo.data.types import DataError
+    from megatron_dapo.driver.actor_worker import ActorWorker
+    from megatron_dapo.driver.launch import load_for_cli, prepare_run, resolve_device, resolve_engine
+    from megatron_dapo.driver.stop import StopFlag
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    inputs = None
+    try:
+        cfg = load_for_cli(args.config, list(args.overrides))
+        if cfg.parallel.actor_world_size != world:
+            log.info(
+                "parallel.actor_world_size=%d -> %d (the torchrun world)",
+                cfg.parallel.actor_world_size,
+                world,
+            )
+            cfg.parallel.actor_world_size = world
+        engine_kind = resolve_engine(cfg, resolve_device(cfg))
+        if rank == 0:
+            inputs = prepare_run(cfg)  # data errors surface before the model is built
+    except (ConfigError, DataError) as e:
+        print(
+            f"[rank {rank}] {'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr
+        )
+        return 2
+
+    stop = StopFlag().install()
+    worker = ActorWorker(to_container(cfg))
+    try:
+        worker.setup()
+        if rank != 0:
+            from megatron_dapo.driver.rank_group import SPMDRankGroup
+
+            SPMDRankGroup.follow(worker)
+            worker.shutdown()
+            return 0
+        summary = run_rank0(cfg, worker, inputs, engine_kind, stop)
+        worker.shutdown()
+    except ConfigError as e:
+        print(f"[rank {rank}] config error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        stop.uninstall()
+        if inputs is not None:
+            inputs.scorer.close()
+    print(json.dumps({k: summary.get(k) for k in ("run_dir", "step", "stopped_by", "hf_export")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # the checkpoint writer's spawned helper re-imports this module
+    sys.exit(main())
