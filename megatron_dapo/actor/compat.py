@@ -18,10 +18,11 @@ Patches (all installed together, once per process):
 3. ``device="cuda"`` literals: the module-level name ``torch`` inside
    ``pipeline_parallel.schedules`` (``total_num_tokens`` counters), ``optimizer.optimizer``
    (``found_inf`` / ``_scale`` tensors of the fp32 and mixed-precision optimizers),
-   ``optimizer.clip_grads`` (grad-norm buffers) and ``transformer.utils`` (default causal mask of
-   the local softmax) is replaced by a proxy that forwards everything to ``torch`` but rewrites
+   ``optimizer.clip_grads`` (grad-norm buffers), ``transformer.utils`` (default causal mask of
+   the local softmax) and ``megatron.core.utils`` (``local_multi_tensor_l2_norm``, the grad norm
+   used without apex/TE) is replaced by a proxy that forwards everything to ``torch`` but rewrites
    ``device="cuda[:N]"`` to ``"cpu"`` in the tensor factories (tensor, zeros, ones, empty, full,
-   arange). Only those four modules see the proxy.
+   arange). Only those five modules see the proxy.
 4. CUDA RNG tracker: megatron's ``CudaRNGStatesTracker`` snapshots ``torch.cuda`` generator states.
    :class:`CpuRNGStatesTracker` keeps the same named streams (data-parallel, model-parallel,
    expert-parallel) as CPU generator states and is installed as megatron's tracker, so
@@ -61,6 +62,7 @@ _DEVICE_LITERAL_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.transformer.utils",
+    "megatron.core.utils",
 )
 
 

@@ -98,27 +98,11 @@ class OptimizerSettings:
     use_distributed_optimizer: bool = True
 
 
-def _cpu_grad_norm_stopgap() -> None:
-    """Stopgap for a CUDA assumption that ``compat.apply_cpu_compat`` does not cover yet: without
-    apex/TE, megatron's grad norm (``get_grad_norm_fp32`` -> ``megatron.core.utils.
-    local_multi_tensor_l2_norm``) returns its result with ``device="cuda"``. The same proxy compat
-    installs for the other modules with CUDA literals is installed into ``megatron.core.utils``.
-    CPU only, idempotent; belongs in compat.py's list of such modules, where it should move."""
-    if not compat.on_cpu():
-        return
-    import megatron.core.utils as mutils
-    import torch
-
-    if not isinstance(mutils.torch, compat._CudaLiteralsOnCpu):
-        mutils.torch = compat._CudaLiteralsOnCpu(torch)
-
-
 def build_optimizer(model_chunks: list[Any], settings: OptimizerSettings) -> Any:
     """Megatron-core AdamW over the DDP-wrapped chunks (decoupled weight decay, none on biases and
     norms), with grad clipping; fp32 main params for bf16/fp16 models."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    _cpu_grad_norm_stopgap()
     model_config = model_chunks[0].config
     config = OptimizerConfig(
         optimizer="adam",

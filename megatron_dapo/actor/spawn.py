@@ -41,7 +41,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
     torch.set_num_threads(threads)
     try:
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        queue.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -49,6 +49,26 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_bytes(value: Any) -> bytes:
+    # Tensors put on a multiprocessing queue travel as shared-memory handles that vanish when the
+    # rank exits before the parent reads them; serialised bytes survive the process.
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def run_ranks(
@@ -85,7 +105,7 @@ def run_ranks(
                 ) from e
             if not ok:
                 raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
-            results[rank] = value
+            results[rank] = _from_bytes(value)
     finally:
         for p in procs:
             p.join(timeout=10 if len(results) == world_size else 0.5)
