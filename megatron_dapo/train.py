@@ -114,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
                 world,
             )
             cfg.parallel.actor_world_size = world
+        par = cfg.parallel
+        model_parallel = (
+            par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
+        )
+        if world % model_parallel:
+            raise ConfigError(
+                f"the torchrun world has {world} ranks, not a multiple of tensor x pipeline x context parallel "
+                f"= {model_parallel}; launch with torchrun --nproc-per-node (x --nnodes) a multiple of it"
+            )
         engine_kind = resolve_engine(cfg, resolve_device(cfg))
         if rank == 0:
             inputs = prepare_run(cfg)  # data errors surface before the model is built
