@@ -333,6 +333,13 @@ def test_transport_choice_by_placement():
     assert resolve_transport_kind(cfg("auto", "colocated")) == "cuda_ipc"
     assert resolve_transport_kind(cfg("auto", "disaggregated")) == "nccl"
     assert resolve_transport_kind(cfg("disk", "colocated")) == "disk"
+    # colocated, but a server on another node cannot open CUDA IPC handles: broadcast instead
+    here, there = (
+        EngineEndpoint("here", "http://127.0.0.1:30000"),
+        EngineEndpoint("there", "http://192.0.2.1:30000"),
+    )
+    assert resolve_transport_kind(cfg("auto", "colocated"), [here]) == "cuda_ipc"
+    assert resolve_transport_kind(cfg("auto", "colocated"), [here, there]) == "nccl"
     with pytest.raises(ConfigError, match="object_store is for HF engines"):
         resolve_transport_kind(cfg("object_store", "colocated"))
 

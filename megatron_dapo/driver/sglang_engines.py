@@ -15,7 +15,7 @@ Launched servers stay attached to their engines (`engine.server`); `stop_sglang_
 `sglang_transport(cfg, engines)` returns the driver's weight transport (`begin(version)`,
 `send(index, bucket)`, `finish()`, run by global rank 0's worker) per `trainer.weight_sync.transport`:
 nccl (disaggregated), cuda_ipc (colocated), disk (anywhere with a shared filesystem), auto = cuda_ipc
-when colocated, nccl when disaggregated. Every engine is paused and its cache flushed before the
+when colocated and every server is on this node, nccl otherwise. Every engine is paused and its cache flushed before the
 first bucket, every update carries the weight version, and generation continues after the last.
 A transport holds only the servers' addresses, so it pickles into a Ray actor; its HTTP clients
 and the NCCL group are made on first use, in the process that sends. Every wait has a deadline
@@ -588,10 +588,31 @@ def route_address(url: str) -> str:
         return s.getsockname()[0]
 
 
-def resolve_transport_kind(cfg) -> str:
+def is_local(url: str) -> bool:
+    """True when `url`'s host is this machine (CUDA IPC handles only open on the same node)."""
+    host = urlparse(url).hostname
+    try:
+        ip = socket.gethostbyname(host)
+        return ip.startswith("127.") or route_address(url) == ip
+    except OSError:
+        return False
+
+
+def resolve_transport_kind(cfg, endpoints: Sequence[EngineEndpoint] = ()) -> str:
+    """nccl / cuda_ipc / disk from `trainer.weight_sync.transport` and the placement.
+
+    auto = cuda_ipc when colocated and every server is on this node, nccl otherwise (servers
+    given by URL on other nodes cannot open this process's CUDA IPC handles).
+    """
     kind = cfg.trainer.weight_sync.transport
     if kind == "auto":
-        return "cuda_ipc" if cfg.trainer.placement == "colocated" else "nccl"
+        if cfg.trainer.placement != "colocated":
+            return "nccl"
+        remote = [ep.name for ep in endpoints if not is_local(ep.url)]
+        if remote:
+            log.info("weight sync: %s not on this node; using nccl instead of cuda_ipc", ", ".join(remote))
+            return "nccl"
+        return "cuda_ipc"
     if kind == "object_store":
         raise ConfigError(
             "trainer.weight_sync.transport=object_store is for HF engines in Ray actors; SGLang engines "
@@ -604,7 +625,7 @@ def sglang_transport(cfg, engines: Sequence[Any]):
     """The weight transport to `engines` chosen by `trainer.weight_sync.transport` (module docstring)."""
     endpoints = endpoints_of(engines, cfg.rollout.sglang.api_key)
     timeout = float(cfg.trainer.weight_sync.timeout_s)
-    kind = resolve_transport_kind(cfg)
+    kind = resolve_transport_kind(cfg, endpoints)
     if kind == "cuda_ipc":
         return SGLangIPCTransport(endpoints, timeout)
     if kind == "nccl":
