@@ -203,6 +203,7 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
         validate=validate,
         stop=stop,
         dump_rollouts=dump_rollouts if cfg.rollout.dump_rollouts else None,
+        colocated_engines=_colocated_gpu_engines(cfg, engines),
     )
     summary = trainer.fit()
     if cfg.trainer.hf_export_at_end:
@@ -213,6 +214,15 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
         summary["plots"] = [str(p) for p in plot_run(run.root)]
     summary["run_dir"] = str(run.root)
     return summary
+
+
+def _colocated_gpu_engines(cfg: DictConfig, engines: list[Any]) -> list[Any]:
+    """Engines whose memory must make room for training: SGLang on the actor's GPUs."""
+    import torch
+
+    if cfg.trainer.placement != "colocated" or not torch.cuda.is_available():
+        return []
+    return [e for e in engines if not hasattr(e, "handle")]  # HF engine hosts hold no GPU memory here
 
 
 def run_train(cfg: DictConfig) -> dict[str, Any]:

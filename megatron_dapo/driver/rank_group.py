@@ -12,11 +12,16 @@ The worker class is the same in both: a plain class whose `setup()` initialises 
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from typing import Any
 
 from megatron_dapo.actor.spawn import free_port
+
+# Followers wait on the control group while rank 0 generates a whole rollout step (hours at 32B
+# scale); torch's default 30-minute collective timeout would kill them mid-step.
+CONTROL_TIMEOUT = datetime.timedelta(hours=24)
 
 
 class RankCallError(RuntimeError):
@@ -133,7 +138,7 @@ class SPMDRankGroup:
         self.worker = worker
         self.world_size = dist.get_world_size()
         # gloo carries Python objects whatever the training backend is
-        self._group = dist.new_group(backend="gloo")
+        self._group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         import torch.distributed as dist
@@ -155,7 +160,7 @@ class SPMDRankGroup:
         """Ranks > 0: execute whatever rank 0 calls until it shuts the group down."""
         import torch.distributed as dist
 
-        group = dist.new_group(backend="gloo")
+        group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         world = dist.get_world_size()
         while True:
             msg: list[Any] = [None]

@@ -71,12 +71,15 @@ class DAPOTrainer:
         validate=None,
         stop: StopFlag | None = None,
         dump_rollouts=None,
+        colocated_engines=(),
     ):
         """
         ranks: a rank group (`call(method, ...)`) of `ActorWorker`s.
         manager: the rollout manager (`collect(dataset, weight_version) -> RolloutBatch`).
         transport_sync: callable(version) -> metrics; pushes the actor's weights to every engine.
         validate: callable(step) -> metrics, or None when there is no validation set.
+        colocated_engines: engines that share the actor's GPUs: they give their memory back while
+            the actor trains and take it again for the weight sync.
         """
         self.cfg = cfg
         self.run = run
@@ -87,6 +90,7 @@ class DAPOTrainer:
         self.validate = validate
         self.stop = stop or StopFlag()
         self.dump_rollouts = dump_rollouts
+        self.colocated_engines = list(colocated_engines)
         self.state = TrainerState()
 
     # ---------------------------------------------------------------- resume
@@ -138,9 +142,10 @@ class DAPOTrainer:
         progress = StepProgress(total, self.state.step, enabled=cfg.logging.progress)
         summary: dict[str, Any] = {"resumed_from": self.state.step if resumed else None}
         try:
-            if resumed:
-                # engines restarted from the HF weights; bring them to the checkpoint's
+            if resumed or cfg.model.megatron_path:
+                # engines start from the HF weights of model.path; bring them to the actor's
                 self.sync(self.state.weight_version)
+            if resumed:
                 progress.log(f"resumed from step {self.state.step} ({self.run.checkpoints})")
             elif self.validate and cfg.trainer.val_before_train:
                 with progress.phase(0, "validation"):
@@ -161,8 +166,12 @@ class DAPOTrainer:
                         overlong_filter=cfg.algorithm.overlong_filter,
                         groups_multiple=cfg.actor.ppo_mini_batch_size,
                     )
+                for engine in self.colocated_engines:
+                    engine.release_memory()
                 with timer.phase("update_actor"), progress.phase(step, "actor update"):
                     actor_metrics = self.ranks.call("train_step", batch)[0]
+                for engine in self.colocated_engines:
+                    engine.resume_memory()
                 with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
                     sync_metrics = self.sync(step)
                 self.state.step = step
