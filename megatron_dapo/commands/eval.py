@@ -110,8 +110,7 @@ def _hf_generator(args, tokenizer):
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
+    from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.data.types import DataError
     from megatron_dapo.eval.runner import evaluate
     from megatron_dapo.rewards.scorer import Scorer
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(tok_path) if tok_path else _PlainTokenizer()
+    tokenizer = load_tokenizer(tok_path) if tok_path else _PlainTokenizer()
     try:
         problems = _problems(args, tokenizer)
     except DataError as e:

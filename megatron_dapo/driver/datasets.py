@@ -12,11 +12,11 @@ from megatron_dapo.rewards.scorer import Scorer
 
 
 def load_tokenizer(cfg: DictConfig):
-    from transformers import AutoTokenizer
+    from megatron_dapo.data.tokenizer import load_tokenizer as load
 
     path = cfg.model.tokenizer_path or cfg.model.path
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return load(path)
     except OSError as e:
         raise ConfigError(
             f"model.tokenizer_path / model.path: no tokenizer at {path} ({e}); point it at an HF "
