@@ -63,7 +63,7 @@ def test_warm_start_stops_at_the_probe_target_and_records_the_protocol(tmp_path)
     assert assets.sft_steps == 2
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["sft_steps"] == 2 and 0.0 <= manifest["sft_probe_accuracy"] <= 1.0
-    assert manifest["key"]["eval"] == [DEMO_RECIPE.val_k, 1.0, 0.7]
+    assert manifest["key"]["eval"] == [DEMO_RECIPE.val_k, 1.0, 0.7, DEMO_RECIPE.val_seed]
     again = prepare_demo_assets(
         tmp_path, seed=0, sft_steps=5, recipe=recipe, eval_problems=4, console=_quiet()
     )

@@ -44,7 +44,7 @@ def _cache_key(recipe: DemoRecipe, seed: int, sft_steps: int) -> dict:
         "model": asdict(recipe.model),
         "num_train": recipe.num_train,
         "num_val": recipe.num_val,
-        "eval": [recipe.val_k, recipe.val_temperature, recipe.val_top_p],
+        "eval": [recipe.val_k, recipe.val_temperature, recipe.val_top_p, recipe.val_seed],
     }
 
 
@@ -98,9 +98,9 @@ def prepare_demo_assets(
     The warm start runs until a probe of ``recipe.sft_probe_problems`` training problems,
     scored like the held-out check, reaches ``recipe.sft_stop_accuracy`` (at most ``sft_steps``
     steps). The initial held-out accuracy uses the evaluation protocol (avg@``val_k`` at
-    ``val_temperature`` / ``val_top_p``). Reuses an existing directory when its manifest records
-    the same seed, SFT settings, model shape, protocol and asset version (``force=True``
-    rebuilds). ``sft_steps`` overrides the recipe's most warm-start steps (tests use a few);
+    ``val_temperature`` / ``val_top_p``, seeded by ``val_seed``). Reuses an existing directory
+    when its manifest records the same seed, SFT settings, model shape, protocol and asset
+    version (``force=True`` rebuilds). ``sft_steps`` overrides the recipe's most warm-start steps (tests use a few);
     ``eval_problems`` limits the held-out problems used to measure the initial accuracy (default:
     all of val). Progress goes to a rich ``console``.
     """
@@ -197,7 +197,7 @@ def prepare_demo_assets(
             temperature=recipe.val_temperature,
             top_p=recipe.val_top_p,
             max_new_tokens=recipe.max_response_length,
-            seed=seed,
+            seed=recipe.val_seed,
         )
     save_checkpoint(model, tokenizer, root / "hf")
     data = {
