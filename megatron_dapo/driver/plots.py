@@ -61,9 +61,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out.mkdir(parents=True, exist_ok=True)
     written = []
     figures = dict(FIGURES)
-    val_keys = sorted({k for r in records for k in r if k.startswith("val/")})
+    val_keys = sorted({k for r in records for k in r if k.startswith("val/") and "@" in k})
     if val_keys:
-        figures["val.png"] = ("Validation", [(k, k.removeprefix("val/")) for k in val_keys])
+        figures["val.png"] = ("Validation accuracy", [(k, k.removeprefix("val/")) for k in val_keys])
     for name, (title, series) in figures.items():
         lines = []
         for key, label in series:
