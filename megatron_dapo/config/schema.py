@@ -68,7 +68,6 @@ class SGLangConfig:
     host: str = "127.0.0.1"
     base_port: int = 30000
     startup_timeout_s: float = 900.0
-    router: bool = False
     # Existing servers to use instead of launching them (torchrun mode, external engines).
     urls: list[str] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
