@@ -24,8 +24,11 @@ token-mean, 80 steps), held-out accuracy at steps 0, 10, ..., 80:
     seed 3 (stops at 550 steps, probe 54.5%) MISSES the target:
         45.1 58.6 61.9 64.4 68.8 66.4 67.1 64.9 68.8   -> +23.7, plateau near 67%
         (greedy: 50.0 -> 70.5; its rollouts' train accuracy stalls at ~73% too, against 87-93%
-        for seeds 0-2). Neither 2 PPO epochs per step (-> 70.6% at 80) nor lr 5e-4 with
-        warm-up (57.8% at step 30, behind) fixes it.
+        for seeds 0-2). Nothing tried fixes it: 2 PPO epochs per step -> 70.6% at 80; lr 5e-4
+        with warm-up: 57.8% at step 30; lr 2e-4: 62.4 64.4 69.5 69.8 70.8 73.1 (60); n=16 x 64
+        prompts: 59.9 58.3 by step 20; probe target 60% (575 steps, start 52.1%): 70.1 69.4 72.8
+        74.8 69.9 73.6 (60). Its warm start is lopsided (train accuracy 80% on additions without
+        carry, 37.5% on subtractions without borrow; seed 2: 49-57% on all four kinds).
     So 3 of 4 seeds meet "+30 points and >= 80%" within 80 steps; the seed-0 margin is thin.
 
 Consecutive evaluations differ by up to ~5 points (sampling noise on 200 problems plus RL
