@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -258,4 +257,4 @@ def load_for_cli(config: str | None, overrides: list[str]) -> DictConfig:
     return OmegaConf.create(to_container(cfg))
 
 
-__all__ = ["run_train", "prepare_run", "drive", "RunInputs", "load_for_cli", "Path"]
+__all__ = ["run_train", "prepare_run", "drive", "RunInputs", "load_for_cli"]
