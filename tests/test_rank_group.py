@@ -128,5 +128,13 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
     with pytest.raises(EngineError, match="engine hf-7: generate .* failed: .*device-side assert"):
         RemoteEngine("hf-7", handle, timeout_s=10).generate([])
     ray.kill(handle)
+    from ray.exceptions import RayActorError
+
+    for _ in range(100):  # ray.kill is asynchronous: wait until the actor is really gone
+        try:
+            ray.get(handle.begin_weight_update.remote(0), timeout=5)
+        except RayActorError:
+            break
+        time.sleep(0.1)
     with pytest.raises(EngineError, match="engine hf-7 died during generate"):
         RemoteEngine("hf-7", handle, timeout_s=10).generate([])
