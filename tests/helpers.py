@@ -117,3 +117,14 @@ def hf_state_dict(path) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(load_file(str(path / f)))
     return out
+
+
+def find_tool(name: str) -> str | None:
+    """A command on PATH or installed next to this interpreter (the venv's bin/, where the dev
+    extras put hadolint and shellcheck even when the venv is not activated)."""
+    import os
+    import shutil
+    import sys
+
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return shutil.which(name, path=path)

