@@ -132,6 +132,40 @@ class ActorWorker:
     def compute_logprobs(self, batch, temperature: float | None = None) -> torch.Tensor:
         return self.actor.compute_logprobs(batch, temperature)
 
+    # ---------------------------------------------------------------- colocation
+    def offload(self, params: bool = True) -> bool:
+        """Free this rank's GPU memory for the colocated engines: gradient buffers are dropped,
+        optimizer state (and with `params` the parameter buffers) goes to host memory, through
+        megatron-core's own RL hooks. The weight sync needs the parameters, so the trainer first
+        offloads without them. A no-op on the CPU path (there is no device memory)."""
+        from megatron_dapo.actor import compat
+
+        if compat.on_cpu():
+            return False
+        for chunk in self.actor.model:
+            chunk.offload_grad_buffers(synchronize=True, empty_cache=False)
+            if params:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.offload_to_cpu(move_params=True, move_grads=False)
+        self.actor.optimizer.offload_to_cpu()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return True
+
+    def onload(self) -> bool:
+        """Undo `offload` before the actor trains (parameters back, grads re-allocated, zeroed)."""
+        from megatron_dapo.actor import compat
+
+        if compat.on_cpu():
+            return False
+        for chunk in self.actor.model:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                buffer.reload_from_cpu(move_params=True, move_grads=False)
+            chunk.restore_grad_buffers(synchronize=False)
+        self.actor.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+        return True
+
     # ---------------------------------------------------------------- weight sync
     def attach_transport(self, transport) -> None:
         """Give global rank 0 the engines' transport (the other ranks never send)."""

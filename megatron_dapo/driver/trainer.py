@@ -2,9 +2,11 @@
 
 `DAPOTrainer.fit` reads top to bottom as one step of the algorithm: draw prompts and roll out
 (dynamic sampling inside the manager) -> advantages -> actor update (pi_old, mini-batches) ->
-weight sync to every engine -> metrics -> validation every `test_freq` -> checkpoint every
-`save_freq`. Placement (Ray actors or torchrun ranks, engine kind) is decided by the caller,
-which hands in the pieces; the loop is the same for all of them.
+weight sync to every engine -> checkpoint every `save_freq` -> validation every `test_freq` ->
+metrics. With engines colocated on the actor's GPUs the loop also hands device memory back and
+forth: engines release it for the update, the actor parks its state in host memory for rollout.
+Placement (Ray actors or torchrun ranks, engine kind) is decided by the caller, which hands in
+the pieces; the loop is the same for all of them.
 """
 
 from __future__ import annotations
@@ -123,6 +125,28 @@ class DAPOTrainer:
             self.cfg.trainer.keep_last,
         )[0]
 
+    # ---------------------------------------------------------------- colocation
+    def _to_training(self) -> None:
+        """Colocated on GPUs: engines give their memory back, the actor takes its state again."""
+        if not self.colocated_engines:
+            return
+        for engine in self.colocated_engines:
+            engine.release_memory()
+        self.ranks.call("onload")
+
+    def _to_sync(self) -> None:
+        """Only the parameters are needed to sync: the rest leaves before the engines return."""
+        if not self.colocated_engines:
+            return
+        self.ranks.call("offload", False)
+        for engine in self.colocated_engines:
+            engine.resume_memory()
+
+    def _to_generation(self) -> None:
+        """After the sync the actor's state moves to host memory until the next update."""
+        if self.colocated_engines:
+            self.ranks.call("offload")
+
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -154,6 +178,8 @@ class DAPOTrainer:
                 summary["val_before"] = val
                 progress.log("step 0 " + "  ".join(f"{k} {v:.3f}" for k, v in val.items() if "avg@" in k))
 
+            if self.state.step < total:
+                self._to_generation()
             while self.state.step < total and not self.stop.requested:
                 step = self.state.step + 1
                 timer = PhaseTimer()
@@ -166,13 +192,12 @@ class DAPOTrainer:
                         overlong_filter=cfg.algorithm.overlong_filter,
                         groups_multiple=cfg.actor.ppo_mini_batch_size,
                     )
-                for engine in self.colocated_engines:
-                    engine.release_memory()
+                with timer.phase("memory_swap"):
+                    self._to_training()
                 with timer.phase("update_actor"), progress.phase(step, "actor update"):
                     actor_metrics = self.ranks.call("train_step", batch)[0]
-                for engine in self.colocated_engines:
-                    engine.resume_memory()
                 with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
+                    self._to_sync()
                     sync_metrics = self.sync(step)
                 self.state.step = step
                 self.state.weight_version = step
@@ -186,6 +211,12 @@ class DAPOTrainer:
                 if self.dump_rollouts is not None:
                     self.dump_rollouts(rollout, self.run.rollouts / f"step_{step}.jsonl")
                 last = step == total or self.stop.requested
+                # the checkpoint needs the parameters on the device: save before parking the actor
+                if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last:
+                    with timer.phase("save_checkpoint"), progress.phase(step, "checkpoint"):
+                        self.save()
+                with timer.phase("memory_swap"):
+                    self._to_generation()
                 if (
                     self.validate
                     and cfg.trainer.test_freq > 0
@@ -193,9 +224,6 @@ class DAPOTrainer:
                 ):
                     with timer.phase("val"), progress.phase(step, "validation"):
                         metrics.update(self.validate(step))
-                if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last:
-                    with timer.phase("save_checkpoint"), progress.phase(step, "checkpoint"):
-                        self.save()
                 metrics.update(timer.metrics())
                 metrics["train/step"] = step
                 metrics["train/prompts_consumed"] = self.state.prompts_consumed
