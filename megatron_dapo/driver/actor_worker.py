@@ -39,18 +39,9 @@ def actor_config_from(cfg: dict) -> Any:
 def optimizer_settings_from(cfg: dict) -> Any:
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
-    o = cfg["optim"]
+    # config.optim's keys are OptimizerSettings' names on purpose
     return OptimizerSettings(
-        lr=o["lr"],
-        min_lr=o["min_lr"],
-        weight_decay=o["weight_decay"],
-        adam_beta1=o["adam_beta1"],
-        adam_beta2=o["adam_beta2"],
-        adam_eps=o["adam_eps"],
-        clip_grad=o["clip_grad"],
-        lr_warmup_steps=o["lr_warmup_steps"],
-        lr_scheduler=o["lr_scheduler"],
-        use_distributed_optimizer=cfg["parallel"]["use_distributed_optimizer"],
+        **cfg["optim"], use_distributed_optimizer=cfg["parallel"]["use_distributed_optimizer"]
     )
 
 
