@@ -7,8 +7,12 @@ STAMP := $(VENV)/.installed
 CUDA_TORCH := $(shell $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1 && echo 1)
 VENV_FLAGS := $(if $(CUDA_TORCH),--system-site-packages,)
 PYTEST_ARGS ?=
+# Exact versions of everything the CPU path installs (README numbers were measured with it).
+# `make lock` re-resolves from pyproject.toml in a scratch venv and rewrites it.
+LOCK := requirements/cpu.lock
+LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint lock clean
 
 setup: $(STAMP)
 
@@ -16,13 +20,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 	@if $(BIN)/python -c "import torch" >/dev/null 2>&1; then \
 	  echo "torch present: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
 	else \
-	  echo "installing torch==2.13.0 (CPU build)"; $(BIN)/python -m pip install --quiet torch==2.13.0; \
+	  echo "installing torch==2.13.0 (CPU build)"; $(BIN)/python -m pip install --quiet $(LOCK_FLAGS) torch==2.13.0; \
 	fi
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet $(LOCK_FLAGS) -e ".[dev]"
 	@touch $(STAMP)
 
 demo: setup
@@ -35,5 +39,12 @@ lint: setup
 	$(BIN)/ruff check megatron_dapo tests tools
 	$(BIN)/ruff format --check megatron_dapo tests tools
 
+lock:
+	rm -rf .venv-lock && $(PY) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet torch==2.13.0 -e ".[dev]"
+	{ echo "# CPU-path lock used by make setup (pip constraints). Refresh: make lock"; \
+	  .venv-lock/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(LOCK)
+	rm -rf .venv-lock
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-lock .pytest_cache .ruff_cache

@@ -25,6 +25,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algo", choices=["dapo", "grpo"], default="dapo")
     p.add_argument("--seed", type=int, default=0, help="seed of the task, the warm start and the run")
     p.add_argument("--assets", default="runs/demo_assets", help="where the tiny model and data are cached")
+    p.add_argument(
+        "--bar-gain",
+        type=float,
+        default=30.0,
+        help="points the held-out accuracy must rise by, else exit 3 (what CI checks; 0 with --bar-final 0: off)",
+    )
+    p.add_argument(
+        "--bar-final",
+        type=float,
+        default=80.0,
+        help="held-out accuracy (%%) the run must end at, else exit 3",
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
     p.set_defaults(func=run)
 
@@ -42,13 +54,22 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from megatron_dapo.config import ConfigError
+    from megatron_dapo.demo import environment
     from megatron_dapo.demo.assets import prepare_demo_assets
     from megatron_dapo.driver.launch import load_for_cli, run_train
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
     console.rule(f"[bold]megatron-dapo demo ({args.algo.upper()})")
+    env = environment.collect()
+    console.print(f"[bold]environment[/]: {env.summary()}")
+    if env.lock_mismatches:
+        console.print(
+            f"[yellow]not the locked versions[/] ({', '.join(env.lock_mismatches)}): the README's figures were "
+            "measured with requirements/cpu.lock (`make setup` installs it)"
+        )
     assets = prepare_demo_assets(args.assets, seed=args.seed, console=console)
+    t_assets = time.perf_counter() - t0
     overrides = [
         f"model.path={assets.hf_dir}",
         f"data.train_files=[{assets.train_file}]",
@@ -60,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         overrides += GRPO_OVERRIDES
     try:
         cfg = load_for_cli(str(demo_config_path()), overrides + list(args.overrides))
+        env.write(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)
         summary = run_train(cfg)
     except ConfigError as e:
         console.print(f"[red]config error:[/] {e}")
@@ -82,4 +104,40 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"plots: {Path(summary['plots'][0]).parent}/ ({len(summary['plots'])} PNGs)")
     if summary.get("hf_export"):
         console.print(f"HF export: {summary['hf_export']}")
-    return 0 if after is not None else 1
+    console.print(
+        phase_breakdown(t_assets, assets.reused, Path(summary["run_dir"]), time.perf_counter() - t0)
+    )
+    if after is None:
+        console.print("[red]demo failed:[/] no held-out accuracy after training (see metrics.jsonl)")
+        return 1
+    reason = bar_miss(before, after, args.bar_gain, args.bar_final)
+    if reason:
+        console.print(f"[red]demo missed the bar:[/] {reason}")
+        return 3
+    return 0
+
+
+def bar_miss(before: float | None, after: float, gain_points: float, final_percent: float) -> str | None:
+    """Why the run misses the bar (rise by ``gain_points`` AND end at ``final_percent``), or None."""
+    misses = []
+    if before is not None and (after - before) * 100 < gain_points - 1e-9:
+        misses.append(f"rose {(after - before) * 100:+.1f} points, needs +{gain_points:g} (--bar-gain)")
+    if after * 100 < final_percent - 1e-9:
+        misses.append(f"ended at {after:.1%}, needs {final_percent:g}% (--bar-final)")
+    return "; ".join(misses) or None
+
+
+def phase_breakdown(t_assets: float, reused: bool, run_dir: Path, total: float) -> str:
+    """Where the demo's wall time went: warm start, then the trainer's per-step phases summed."""
+    from megatron_dapo.driver.run_dir import read_metrics
+
+    sums: dict[str, float] = {}
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        for k, v in record.items():
+            if k.startswith("timing/") and k != "timing/step" and isinstance(v, (int, float)):
+                sums[k[7:]] = sums.get(k[7:], 0.0) + float(v)
+    rows = [("assets (reused)" if reused else "warm start + assets", t_assets)]
+    rows += sorted(sums.items(), key=lambda kv: -kv[1])
+    rows.append(("other (Ray/worker start, val before, shutdown)", max(total - sum(v for _, v in rows), 0.0)))
+    body = "  ".join(f"{name} {sec:.0f}s ({sec / total:.0%})" for name, sec in rows)
+    return f"time by phase ({total:.0f}s): {body}"

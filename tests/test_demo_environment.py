@@ -1,0 +1,55 @@
+"""The CPU lock pins every dependency `make setup` installs, the demo reports its environment,
+and the demo's bar check names what was missed."""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import metadata
+from pathlib import Path
+
+from megatron_dapo.commands.demo import bar_miss
+from megatron_dapo.demo import environment
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _name(req: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0]).lower()
+
+
+def test_lock_pins_every_declared_cpu_dependency_exactly():
+    # what pip resolved from pyproject.toml: the core requirements and the dev extra (no gpu extra)
+    declared = [r for r in metadata.requires("megatron-dapo") if "extra ==" not in r or '"dev"' in r]
+    pins = environment.read_lock(REPO / "requirements" / "cpu.lock")
+    missing = [_name(r) for r in declared if _name(r) not in pins]
+    assert not missing, f"requirements/cpu.lock lacks {missing}: run `make lock`"
+    assert pins["torch"] == "2.13.0"
+    lines = [ln for ln in (REPO / "requirements/cpu.lock").read_text().splitlines() if ln and ln[0] != "#"]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[^=\s]+", ln) for ln in lines), "only exact pins"
+
+
+def test_makefile_installs_from_the_lock():
+    make = (REPO / "Makefile").read_text()
+    assert "LOCK := requirements/cpu.lock" in make
+    assert make.count("$(LOCK_FLAGS)") >= 2  # torch and the project both
+
+
+def test_environment_flags_versions_that_differ_from_the_lock(tmp_path):
+    lock = tmp_path / "cpu.lock"
+    lock.write_text("# header\ntorch==0.0.1\nray==99.0\n")
+    env = environment.collect(lock)
+    assert {"torch", "transformers", "megatron-core", "ray"} <= set(env.packages)
+    assert env.torch_threads >= 1
+    assert any(m.startswith("torch ") and "(lock 0.0.1)" in m for m in env.lock_mismatches)
+    written = json.loads(env.write(tmp_path / "run").read_text())
+    assert written["packages"]["torch"] == env.packages["torch"]
+    assert "torch threads" in env.summary()
+
+
+def test_bar_check_names_each_miss():
+    assert bar_miss(0.45, 0.86, 30, 80) is None
+    assert "rose +25.0 points, needs +30" in bar_miss(0.45, 0.70, 30, 80)
+    assert "ended at 70.0%, needs 80%" in bar_miss(0.45, 0.70, 30, 80)
+    assert bar_miss(0.60, 0.79, 0, 80) == "ended at 79.0%, needs 80% (--bar-final)"
+    assert bar_miss(0.45, 0.70, 0, 0) is None  # the bar switched off
