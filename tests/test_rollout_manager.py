@@ -16,6 +16,7 @@ import pytest
 from megatron_dapo.data.types import PromptSample
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.manager import (
+    TIMING_DEPENDENT_METRICS,
     NoEngineAliveError,
     RolloutManager,
     RolloutManagerConfig,
@@ -156,9 +157,11 @@ def test_refill_across_rounds_keeps_only_mixed_groups_in_draw_order():
     assert m["rollout/prompts_drawn"] == 12
     assert [s.prompt.index for s in batch.samples[::4]] == [0, 3, 6, 9]
     assert batch.group_index == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
-    assert m["rollout/filtered_all_correct"] == 4  # prompts 1, 4, 7, 10
-    assert m["rollout/filtered_all_wrong"] == 4  # prompts 2, 5, 8, 11
-    assert m["rollout/keep_rate"] == pytest.approx(4 / 12)
+    # prompts 0-9 decide the batch (the 4th mixed one is 9); 10 and 11 are past the cut, unused
+    assert m["rollout/filtered_all_correct"] == 3  # prompts 1, 4, 7
+    assert m["rollout/filtered_all_wrong"] == 3  # prompts 2, 5, 8
+    assert m["rollout/unused"] == 2
+    assert m["rollout/keep_rate"] == pytest.approx(4 / 10)
     assert accounted(m) == 12
     assert m["rollout/acc/mean"] == 0.5
     # length 3 <= 8 - 4: no overlong penalty, reward is the +-1 score
@@ -218,8 +221,51 @@ def test_abort_once_full_counts_in_flight_and_queued_groups():
     assert time.monotonic() - t0 < 5  # the tail was aborted, not waited for
     m = batch.metrics
     assert batch.num_groups == 2 and engine.aborts >= 1
-    assert m["rollout/aborted"] == 10 and m["rollout/surplus"] == 0
+    assert m["rollout/aborted"] == 10 and m["rollout/surplus"] == 0 and m["rollout/unused"] == 10
     assert accounted(m) == 12
+
+
+class LateFirstEngine(ScriptedEngine):
+    """Answers the first ``late`` prompts only after every other prompt of the round is served:
+    completion order is the reverse of draw order (the shared ``served`` set spans engines)."""
+
+    def __init__(self, name, late, others, served, gate, **kw):
+        super().__init__(name, **kw)
+        self.late, self.others, self.all_served, self.gate = set(late), set(others), served, gate
+
+    def generate(self, requests):
+        if requests[0].prompt_ids[2] in self.late:
+            self.gate.wait(timeout=20)  # generous: only a broken manager waits this long
+        out = super().generate(requests)
+        self.all_served.add(requests[0].prompt_ids[2])
+        if self.others <= self.all_served:
+            self.gate.set()
+        return out
+
+
+def _deterministic(m):
+    return {k: v for k, v in m.items() if k not in TIMING_DEPENDENT_METRICS}
+
+
+def test_batch_follows_draw_order_not_completion_order_with_one_or_two_engines():
+    # 8 mixed/right/wrong prompts in one round, all in flight at once; prompts 0-3 finish last.
+    # By draw order the batch is the first 2 mixed prompts (0 and 3), whoever finishes first.
+    conf = cfg(gen_batch_size=8, train_batch_size=2, max_concurrency_per_engine=64)
+    reference = RolloutManager([ScriptedEngine("e0")], Scorer(), conf, Tokenizer())
+    ref = reference.collect(Dataset([MIXED, RIGHT, WRONG]), 0)
+    assert [s.prompt.index for s in ref.samples[::4]] == [0, 3]
+    assert ref.metrics["rollout/keep_rate"] == pytest.approx(2 / 4)  # prompts 0-3 decided it
+    for names in (["late"], ["late-a", "late-b"]):
+        served, gate = set(), threading.Event()
+        engines = [LateFirstEngine(n, range(4), range(4, 8), served, gate) for n in names]
+        mgr = RolloutManager(engines, Scorer(), conf, Tokenizer())
+        batch = mgr.collect(Dataset([MIXED, RIGHT, WRONG]), 0)
+        assert [s.prompt.index for s in batch.samples[::4]] == [0, 3], names
+        assert _deterministic(batch.metrics) == _deterministic(ref.metrics), names
+        assert [s.response_ids for s in batch.samples] == [s.response_ids for s in ref.samples]
+        assert accounted(batch.metrics) == 8
+        # the keep rate that sizes the next step's rounds is the same too
+        assert mgr.state_dict() == reference.state_dict()
 
 
 def test_engine_death_mid_step_loses_nothing():
@@ -242,7 +288,8 @@ def test_engine_death_mid_step_loses_nothing():
 def test_all_engines_dead_is_a_clear_error():
     engines = [ScriptedEngine("a", die_at_call=1), ScriptedEngine("b", die_at_call=1)]
     mgr = RolloutManager(engines, Scorer(), cfg(), Tokenizer())
-    with pytest.raises(NoEngineAliveError, match=r"all 2 engines are down .*a: .*died"):
+    # a's two calls race: the one that marks it down says "died" or "is gone"
+    with pytest.raises(NoEngineAliveError, match=r"all 2 engines are down .*a: a (died|is gone)"):
         mgr.collect(Dataset([MIXED]), 0)
 
 
@@ -289,9 +336,10 @@ def test_over_sampling_sizes_the_next_step_from_the_keep_rate():
     first = mgr.collect(data, 0).metrics
     assert first["rollout/gen_rounds"] == 3  # no estimate yet: rounds of gen_batch_size=4
     second = mgr.collect(data, 1).metrics
-    # keep rate 1/3 -> ceil(1.1 * 4 * 3) = 14, capped at 3 * 4 = 12 prompts: one round fills the batch
-    assert second["rollout/gen_rounds"] == 1 and second["rollout/prompts_drawn"] == 12
-    assert second["rollout/surplus"] == 0 and accounted(second) == 12
+    # keep rate 4/10 (prompts 0-9 decided the batch) -> ceil(1.1 * 4 / 0.4) = 11 prompts: one round
+    # fills the batch at the mixed prompts 0, 3, 6, 9 of the round; the 11th is unused
+    assert second["rollout/gen_rounds"] == 1 and second["rollout/prompts_drawn"] == 11
+    assert second["rollout/unused"] == 1 and accounted(second) == 11
 
 
 def test_dump_rollouts_writes_one_line_per_sample(tmp_path):

@@ -8,7 +8,10 @@ One ``collect`` call is one rollout step:
    path), add the overlong penalty, and keep it if its metric has spread (``mixed_group_mask``);
 4. refill with new rounds until ``train_batch_size`` groups are kept or ``max_num_gen_batches``
    rounds are spent (verl's ValueError, or a partial batch when allowed);
-5. once full, abort what is still generating; surplus groups are discarded.
+5. the batch is decided by draw order: it is full once the groups drawn up to some position are
+   all scored and hold ``train_batch_size`` kept groups (the *cut*). Only then is the tail
+   aborted; every group past the cut is unused (discarded, counted), whether it had finished or
+   not, so a later group never displaces an earlier one.
 
 Failures: a call that raises or exceeds ``request_timeout_s`` is retried (up to ``max_retries``
 times) on another engine when one exists; an engine whose ``health()`` turns False is marked down
@@ -17,9 +20,14 @@ prompt drawn ends in exactly one bucket (batch, filtered by reason, surplus, abo
 sum is asserted.
 
 Determinism: each request's seed is a function of (seed, weight_version, the group's draw
-position in the step, sample index), so a response does not depend on the engine that ran it
-or on retries. Which groups fill the batch is by draw order among the groups finished when the
-batch fills; with one engine and ``groups_per_call`` >= a round, that is fully deterministic.
+position in the step, sample index), and each engine call carries a fixed set of requests (a
+unit of ``groups_per_call`` consecutive groups), so a response does not depend on the engine
+that ran it, on retries, or on timing. The batch, the filter counts and the keep rate (which
+sizes the next rounds) are all computed over the groups up to the cut, so they are the same
+whatever order the calls finish in, with one engine or several, idle or loaded. Only the split
+of the unused tail into ``surplus`` (finished before the abort) and ``aborted`` depends on
+timing (``TIMING_DEPENDENT_METRICS``); the engines' abort (which the HF engine applies to every
+call in flight) only ever hits groups past the cut.
 """
 
 from __future__ import annotations
@@ -49,6 +57,18 @@ from megatron_dapo.rollout.types import (
 logger = logging.getLogger(__name__)
 
 FILTER_METRICS = ("acc", "score", "seq_final_reward")
+# rollout metrics that measure time or race the abort; every other one is a function of
+# (seed, config, weights) alone
+TIMING_DEPENDENT_METRICS = (
+    "rollout/surplus",
+    "rollout/aborted",
+    "rollout/retries",
+    "rollout/time_s",
+    "rollout/gen_time_s",
+    "rollout/wait_time_s",
+    "rollout/engine_busy_fraction",
+    "rollout/tokens_per_s",
+)
 _POLL_S = 0.5
 
 
@@ -166,11 +186,23 @@ class _Call:
 
 
 class _Ledger:
-    """Where every drawn prompt went, and the timing of engine calls."""
+    """Where every drawn prompt went, and the timing of engine calls.
 
-    def __init__(self, engine_names: list[str]):
+    ``outcome`` maps a scored group's draw position to "kept" or its filter reason; the prefix
+    ``[0, scanned)`` is all scored, and ``cut`` is set once that prefix holds ``target`` kept
+    groups (the batch is then decided, whatever is still running).
+    """
+
+    def __init__(self, engine_names: list[str], target: int):
+        self.target = target
         self.drawn = 0
         self.rounds = 0
+        self.groups: dict[int, _Group] = {}
+        self.outcome: dict[int, str] = {}
+        self.generated: set[int] = set()  # finished generating (scored or not) past the cut
+        self.scanned = 0
+        self.prefix_kept = 0
+        self.cut: int | None = None  # number of groups, in draw order, that decided the batch
         self.kept: list[_Group] = []
         self.filtered = {"all_correct": 0, "all_wrong": 0, "other": 0}
         self.surplus = 0
@@ -179,6 +211,31 @@ class _Ledger:
         self.retries = 0
         self.tokens = 0
         self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in engine_names}
+
+    def record(self, group: _Group, outcome: str) -> None:
+        self.outcome[group.serial] = outcome
+        self.groups[group.serial] = group
+        while self.cut is None and self.scanned in self.outcome:
+            self.prefix_kept += self.outcome[self.scanned] == "kept"
+            self.scanned += 1
+            if self.prefix_kept >= self.target:
+                self.cut = self.scanned
+
+    def settle(self) -> None:
+        """Fill the buckets: up to the cut (or everything drawn) by outcome, the rest as unused."""
+        end = self.drawn if self.cut is None else self.cut
+        for serial in range(end):
+            outcome = self.outcome[serial]
+            if outcome == "kept":
+                self.kept.append(self.groups[serial])
+            else:
+                self.filtered[outcome] += 1
+        self.scored_groups = end
+        for serial in range(end, self.drawn):
+            if serial in self.outcome or serial in self.generated:
+                self.surplus += 1
+            else:
+                self.aborted += 1
 
     def check(self, in_batch: int) -> None:
         total = in_batch + sum(self.filtered.values()) + self.surplus + self.aborted
@@ -224,18 +281,20 @@ class RolloutManager:
     def collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         """One rollout step: a batch of ``train_batch_size`` mixed groups (see the module doc)."""
         cfg = self.cfg
-        ledger = _Ledger([e.name for e in self.engines])
+        ledger = _Ledger([e.name for e in self.engines], cfg.train_batch_size)
         t0 = time.perf_counter()
-        while len(ledger.kept) < cfg.train_batch_size:
+        while ledger.cut is None:
             if cfg.max_num_gen_batches and ledger.rounds >= cfg.max_num_gen_batches:
-                if cfg.allow_partial_batch and ledger.kept:
+                # every round ran to completion: all drawn groups are scored
+                if cfg.allow_partial_batch and ledger.prefix_kept:
                     logger.warning(
                         "rollout: %d generation rounds spent with %d/%d groups kept; training on a partial batch",
                         ledger.rounds,
-                        len(ledger.kept),
+                        ledger.prefix_kept,
                         cfg.train_batch_size,
                     )
                     break
+                ledger.settle()
                 ledger.check(len(ledger.kept))
                 raise ValueError(
                     f"num_gen_batches={ledger.rounds} >= max_num_gen_batches={cfg.max_num_gen_batches} with only "
@@ -243,7 +302,7 @@ class RolloutManager:
                     "too many. Please check if your data are too difficult. You could also try set "
                     "max_num_gen_batches=0 to enable endless trials (or allow_partial_batch=true)."
                 )
-            size = self._round_size(cfg.train_batch_size - len(ledger.kept))
+            size = self._round_size(cfg.train_batch_size - ledger.prefix_kept)
             prompts = dataset.next_batch(size)
             groups = [_Group(ledger.drawn + i, p) for i, p in enumerate(prompts)]
             ledger.drawn += len(groups)
@@ -251,11 +310,10 @@ class RolloutManager:
             self._run_round(groups, weight_version, ledger)
         wall = time.perf_counter() - t0
 
+        ledger.settle()
         if ledger.scored_groups:
             self._keep_rate = max(len(ledger.kept), 1) / ledger.scored_groups
-        ledger.kept.sort(key=lambda g: g.serial)
-        batch_groups = ledger.kept[: cfg.train_batch_size]
-        ledger.surplus += len(ledger.kept) - len(batch_groups)
+        batch_groups = ledger.kept
         samples = []
         for gid, group in enumerate(batch_groups):
             for s in group.samples:
@@ -298,8 +356,7 @@ class RolloutManager:
         return units
 
     def _run_round(self, groups: list[_Group], version: int, ledger: _Ledger) -> None:
-        """Generate and score ``groups`` until all are done or the batch is full."""
-        cfg = self.cfg
+        """Generate and score ``groups`` until all are done or the batch is decided."""
         queue = self._units(groups, version)
         calls: dict[Future, _Call] = {}
         scoring: dict[Future, list[_Group]] = {}
@@ -309,7 +366,7 @@ class RolloutManager:
         score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         try:
             while queue or calls or scoring:
-                if len(ledger.kept) >= cfg.train_batch_size:
+                if ledger.cut is not None:
                     self._stop(queue, calls, scoring, ledger)
                     return
                 self._dispatch(queue, calls, gen_pool)
@@ -399,9 +456,8 @@ class RolloutManager:
                 )
 
     def _stop(self, queue: deque[_Unit], calls: dict[Future, _Call], scoring, ledger: _Ledger) -> None:
-        """The batch is full: abort the tail, settle every outstanding group into a bucket."""
-        for unit in queue:
-            ledger.aborted += len(unit.groups)
+        """The batch is decided: abort the tail (all of it past the cut) and let it settle, so no
+        call of this step still runs when the weights change; ``settle`` counts it as unused."""
         queue.clear()
         live = {c.engine.name: c.engine for c in calls.values()}
         for engine in live.values():
@@ -417,17 +473,12 @@ class RolloutManager:
                 fut in done and fut.exception() is None and _check_results(call.unit, fut.result()) is None
             )
             if complete:
-                ledger.surplus += len(call.unit.groups)
-            else:
-                ledger.aborted += len(call.unit.groups)
+                ledger.generated.update(g.serial for g in call.unit.groups)
         if any(f in not_done for f in calls):
             logger.warning("rollout: %d engine calls did not return within abort_timeout_s", len(not_done))
         calls.clear()
-        for fut, groups in list(scoring.items()):
-            if fut in done:
-                self._classify(groups, fut.result(), ledger)
-            else:
-                ledger.aborted += len(groups)
+        for groups in scoring.values():
+            ledger.generated.update(g.serial for g in groups)
         scoring.clear()
 
     # -- scoring ------------------------------------------------------------------------------
@@ -484,15 +535,14 @@ class RolloutManager:
     def _classify(self, groups: list[_Group], scored: list[list[RolloutSample]], ledger: _Ledger) -> None:
         for g, samples in zip(groups, scored):
             g.samples = samples
-            ledger.scored_groups += 1
             if not self.cfg.filter_groups_enable or bool(self._keep_mask(samples).all()):
-                ledger.kept.append(g)
+                ledger.record(g, "kept")
             elif all(s.acc for s in samples):
-                ledger.filtered["all_correct"] += 1
+                ledger.record(g, "all_correct")
             elif not any(s.acc for s in samples):
-                ledger.filtered["all_wrong"] += 1
+                ledger.record(g, "all_wrong")
             else:
-                ledger.filtered["other"] += 1
+                ledger.record(g, "other")
 
     def _keep_mask(self, samples: list[RolloutSample]) -> torch.Tensor:
         metric = self.cfg.filter_metric
@@ -522,6 +572,7 @@ class RolloutManager:
             "rollout/prompts_drawn": ledger.drawn,
             "rollout/groups_in_batch": len(samples) // cfg.n,
             "rollout/keep_rate": len(ledger.kept) / ledger.scored_groups if ledger.scored_groups else 0.0,
+            "rollout/unused": ledger.surplus + ledger.aborted,
             "rollout/filtered_all_correct": ledger.filtered["all_correct"],
             "rollout/filtered_all_wrong": ledger.filtered["all_wrong"],
             "rollout/filtered_other": ledger.filtered["other"],
