@@ -13,7 +13,7 @@ rank 0 shuts the group down. The torch.distributed world is torchrun's, so
 Engines, chosen like the Ray path (`rollout.engine`, auto = SGLang on GPU, HF on CPU):
 - SGLang: the servers at `rollout.sglang.urls` (started per node by the launch script), or
   servers that rank 0 launches on its own node; weights by `trainer.weight_sync.transport`
-  (driver/sglang_engines.py).
+  (driver/sglang_engines.py, driver/sglang_transports.py).
 - HF (CPU): the HF engine inside rank 0's process, weights handed over in memory
   (`DirectTransport`), so the whole torchrun path runs on a laptop.
 
@@ -47,11 +47,8 @@ def build_engines(cfg, engine_kind: str) -> tuple[list[Any], Any, Callable[[], N
             for i in range(cfg.rollout.num_engines)
         ]
         return engines, DirectTransport(engines), lambda: None
-    from megatron_dapo.driver.sglang_engines import (
-        sglang_transport,
-        start_sglang_engines,
-        stop_sglang_engines,
-    )
+    from megatron_dapo.driver.sglang_engines import start_sglang_engines, stop_sglang_engines
+    from megatron_dapo.driver.sglang_transports import sglang_transport
 
     engines = start_sglang_engines(cfg)
     try:

@@ -11,13 +11,8 @@ from test_sglang_driver_transport import FakeSGLangServer
 
 from megatron_dapo.actor.spawn import free_port
 from megatron_dapo.config import ConfigError, load_config, to_container
-from megatron_dapo.driver.sglang_engines import (
-    engine_gpu_ids,
-    local_actor_gpus,
-    server_configs,
-    start_sglang_engines,
-    stop_sglang_engines,
-)
+from megatron_dapo.driver.sglang_engines import server_configs, start_sglang_engines, stop_sglang_engines
+from megatron_dapo.driver.sglang_placement import engine_gpu_ids, local_actor_gpus
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.sglang_server import build_launch_command
 

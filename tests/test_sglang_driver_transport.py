@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.driver.sglang_engines import (
+from megatron_dapo.driver.sglang_transports import (
     EngineEndpoint,
     SGLangDiskTransport,
     SGLangIPCTransport,
@@ -333,13 +333,17 @@ def test_transport_choice_by_placement():
     assert resolve_transport_kind(cfg("auto", "colocated")) == "cuda_ipc"
     assert resolve_transport_kind(cfg("auto", "disaggregated")) == "nccl"
     assert resolve_transport_kind(cfg("disk", "colocated")) == "disk"
-    # colocated, but a server on another node cannot open CUDA IPC handles: broadcast instead
+    assert resolve_transport_kind(cfg("nccl", "disaggregated")) == "nccl"
     here, there = (
         EngineEndpoint("here", "http://127.0.0.1:30000"),
         EngineEndpoint("there", "http://192.0.2.1:30000"),
     )
     assert resolve_transport_kind(cfg("auto", "colocated"), [here]) == "cuda_ipc"
-    assert resolve_transport_kind(cfg("auto", "colocated"), [here, there]) == "nccl"
+    # colocated, a server on another node: its handles cannot come from here, and NCCL would put
+    # the sender and that engine's TP rank on one GPU in one communicator ("Duplicate GPU detected")
+    assert resolve_transport_kind(cfg("auto", "colocated"), [here, there]) == "disk"
+    with pytest.raises(ConfigError, match=r"transport=nccl with trainer.placement=colocated.*Duplicate GPU"):
+        resolve_transport_kind(cfg("nccl", "colocated"), [here])
     with pytest.raises(ConfigError, match="object_store is for HF engines"):
         resolve_transport_kind(cfg("object_store", "colocated"))
 

@@ -129,7 +129,7 @@ class Placement:
         timeout = self.cfg.trainer.weight_sync.timeout_s
         if all(hasattr(e, "handle") for e in self.engines):
             return RayObjectTransport([(e.name, e.handle) for e in self.engines], timeout)
-        from megatron_dapo.driver.sglang_engines import sglang_transport
+        from megatron_dapo.driver.sglang_transports import sglang_transport
 
         return sglang_transport(self.cfg, self.engines)
 

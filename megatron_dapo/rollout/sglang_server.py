@@ -14,14 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.health import poll_health
 
 
 class SGLangStartupError(EngineError):
@@ -120,30 +118,26 @@ class SGLangServer:
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Poll ``/health_generate`` until 200; raise with the log tail if the server dies or times out."""
         timeout_s = self.cfg.startup_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
-        last = "no answer yet"
-        with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), headers=headers) as http:
-            while True:
-                if not self.alive():
-                    code = self.proc.returncode if self.proc is not None else None
-                    raise SGLangStartupError(
-                        f"{self.name} exited with code {code} during start-up; last log lines of "
-                        f"{self.log_path}:\n{self.log_tail()}"
-                    )
-                try:
-                    r = http.get(self.cfg.url + "/health_generate")
-                    if r.status_code == 200:
-                        return
-                    last = f"HTTP {r.status_code}"
-                except httpx.HTTPError as e:
-                    last = f"{type(e).__name__}: {e}"
-                if time.monotonic() >= deadline:
-                    raise SGLangStartupError(
-                        f"{self.name} not healthy after {timeout_s:g}s (rollout.sglang.startup_timeout_s; last "
-                        f"/health_generate: {last}); last log lines of {self.log_path}:\n{self.log_tail()}"
-                    )
-                time.sleep(self.poll_s)
+        seen = poll_health(
+            self.cfg.url,
+            timeout_s,
+            path="/health_generate",
+            api_key=self.cfg.api_key,
+            poll_s=self.poll_s,
+            alive=self.alive,
+        )
+        if seen.healthy:
+            return
+        if seen.exited:
+            code = self.proc.returncode if self.proc is not None else None
+            raise SGLangStartupError(
+                f"{self.name} exited with code {code} during start-up; last log lines of "
+                f"{self.log_path}:\n{self.log_tail()}"
+            )
+        raise SGLangStartupError(
+            f"{self.name} not healthy after {timeout_s:g}s (rollout.sglang.startup_timeout_s; last "
+            f"/health_generate: {seen.last}); last log lines of {self.log_path}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         try:
