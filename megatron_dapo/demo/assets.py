@@ -115,6 +115,7 @@ def prepare_demo_assets(
     from megatron_dapo.demo.sft import SFTConfig, supervised_warm_start
     from megatron_dapo.demo.task import make_problems, to_rows, write_parquet
     from megatron_dapo.demo.tokenizer import build_tokenizer
+    from megatron_dapo.driver.progress import heartbeat
 
     console = console or Console()
     root = Path(out_dir)
@@ -157,8 +158,10 @@ def prepare_demo_assets(
     )
     probe_set = random.Random(seed).sample(train, min(recipe.sft_probe_problems, len(train)))
 
+    state = {"step": 0, "loss": float("nan"), "probe": None}
+
     def probe(m) -> float:
-        return sampled_accuracy(
+        state["probe"] = sampled_accuracy(
             m,
             tokenizer,
             probe_set,
@@ -168,6 +171,18 @@ def prepare_demo_assets(
             max_new_tokens=recipe.max_response_length,
             seed=seed,
         ).mean
+        return state["probe"]
+
+    def on_step(s: int, loss: float) -> None:
+        state.update(step=s, loss=loss)
+        bar.update(task, completed=s, loss=loss)
+
+    def sft_line(elapsed: float) -> str:
+        probe_text = "" if state["probe"] is None else f", last probe {state['probe']:.1%}"
+        return (
+            f"warm start (SFT) step {state['step']}/{steps} loss {state['loss']:.3f}{probe_text}, "
+            f"{elapsed:.0f}s (stops when the probe reaches {recipe.sft_stop_accuracy:.0%})"
+        )
 
     with Progress(
         TextColumn("[bold]warm start (SFT)[/]"),
@@ -178,17 +193,12 @@ def prepare_demo_assets(
         transient=False,
     ) as bar:
         task = bar.add_task("sft", total=steps, loss=float("nan"))
-        result = supervised_warm_start(
-            model,
-            tokenizer,
-            train,
-            cfg,
-            on_step=lambda s, loss: bar.update(task, completed=s, loss=loss),
-            probe=probe,
-        )
+        with heartbeat(console, sft_line):
+            result = supervised_warm_start(model, tokenizer, train, cfg, on_step=on_step, probe=probe)
 
     probe = val if eval_problems is None else val[:eval_problems]
-    with torch.no_grad():
+    check = f"held-out check of the warm start ({len(probe)} problems x {recipe.val_k})"
+    with torch.no_grad(), heartbeat(console, lambda t: f"{check}... {t:.0f}s"):
         acc = sampled_accuracy(
             model,
             tokenizer,

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_dapo.config import ConfigError, to_container, to_yaml
+from megatron_dapo.driver import cpu_warnings
 from megatron_dapo.driver.actor_worker import ActorWorker
 from megatron_dapo.driver.datasets import load_tokenizer, make_scorer, train_dataset, val_problems
 from megatron_dapo.driver.run_dir import RunDir
@@ -54,6 +56,8 @@ def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    if device == "cpu":
+        print(cpu_warnings.CPU_NOTE, file=sys.stderr)
     # A local cluster sized to what this run places; the object store only carries buckets and
     # batches on the CPU path.
     ray.init(
@@ -61,7 +65,13 @@ def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
         include_dashboard=False,
         log_to_driver=True,
         object_store_memory=(1 << 30) if device == "cpu" else None,
-        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}},
+        runtime_env={
+            "env_vars": {
+                "TOKENIZERS_PARALLELISM": "false",
+                "OMP_NUM_THREADS": "1",
+                **(cpu_warnings.worker_env() if device == "cpu" else {}),
+            }
+        },
     )
 
 
