@@ -9,7 +9,7 @@ import importlib
 import sys
 
 # Order is the order shown by --help.
-COMMANDS = ["train", "demo", "eval", "config", "convert", "verify_model", "plot", "plan"]
+COMMANDS = ["train", "demo", "ablate", "eval", "config", "convert", "verify_model", "plot", "plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,221 @@
+"""`megatron-dapo ablate`: the DAPO paper's ladder (its Table 1) on the demo task.
+
+Each rung adds one technique to the one before, from GRPO to full DAPO:
+GRPO -> +overlong filtering -> +clip-higher -> +soft overlong punishment -> +token-level loss
+-> +dynamic sampling. Every rung runs on each seed as `megatron-dapo demo` (same task, warm
+start and held-out protocol; the warm start is built once per seed and shared). The table gives
+the mean and spread of held-out accuracy at equal steps (the last step) and at equal wall time
+(the shortest rung's training time; the last evaluation reached by then), and a PNG shows the
+curves. Outputs: OUT/ablation.md, OUT/ablation.json, OUT/ablation.png, one run directory per
+rung and seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Each rung's overrides of configs/demo.yaml (which is full DAPO), cumulative down the ladder.
+LADDER: list[tuple[str, dict[str, str]]] = [
+    (
+        "GRPO",
+        {
+            "algorithm.overlong_filter": "false",
+            "algorithm.clip_ratio_high": "0.2",
+            "algorithm.overlong_buffer.enable": "false",
+            "algorithm.loss_agg_mode": "seq-mean-token-mean",
+            "algorithm.filter_groups.enable": "false",
+            "algorithm.allow_partial_batch": "false",
+        },
+    ),
+    ("+ overlong filtering", {"algorithm.overlong_filter": "true"}),
+    ("+ clip-higher", {"algorithm.clip_ratio_high": "0.28"}),
+    ("+ soft overlong punishment", {"algorithm.overlong_buffer.enable": "true"}),
+    ("+ token-level loss", {"algorithm.loss_agg_mode": "token-mean"}),
+    (
+        "+ dynamic sampling (DAPO)",
+        {"algorithm.filter_groups.enable": "true", "algorithm.allow_partial_batch": "true"},
+    ),
+]
+
+
+def rung_overrides(index: int) -> dict[str, str]:
+    """The overrides of rung ``index``: every rung's up to it, later ones winning."""
+    out: dict[str, str] = {}
+    for _, overrides in LADDER[: index + 1]:
+        out.update(overrides)
+    return out
+
+
+@dataclass
+class Curve:
+    rung: str
+    seed: int
+    steps: list[int]  # evaluation steps, 0 first
+    accuracy: list[float]  # held-out avg@k at those steps
+    seconds: list[float]  # training wall time (sum of timing/step) at those steps
+
+
+def read_curve(metrics_path: Path, rung: str, seed: int, key: str) -> Curve:
+    steps, acc, secs, elapsed = [], [], [], 0.0
+    for line in metrics_path.read_text().splitlines():
+        r = json.loads(line)
+        elapsed += float(r.get("timing/step", 0.0))
+        if key in r:
+            steps.append(int(r["step"]))
+            acc.append(float(r[key]))
+            secs.append(elapsed)
+    if not steps:
+        raise ValueError(f"{metrics_path} has no {key}: did the run evaluate (trainer.test_freq)?")
+    return Curve(rung, seed, steps, acc, secs)
+
+
+def accuracy_at_time(curve: Curve, seconds: float) -> float:
+    """The last held-out accuracy measured within ``seconds`` of training."""
+    return [a for a, s in zip(curve.accuracy, curve.seconds) if s <= seconds + 1e-9][-1]
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarise(curves: list[Curve]) -> list[dict]:
+    """One row per rung (ladder order): mean/std of start, end (equal steps) and equal-time accuracy."""
+    budget = min(max(c.seconds) for c in curves)  # the fastest rung-seed's whole training time
+    rows = []
+    for rung, _ in LADDER:
+        mine = [c for c in curves if c.rung == rung]
+        if not mine:
+            continue
+        start, start_sd = _spread([c.accuracy[0] for c in mine])
+        end, end_sd = _spread([c.accuracy[-1] for c in mine])
+        timed, timed_sd = _spread([accuracy_at_time(c, budget) for c in mine])
+        rows.append(
+            {
+                "rung": rung,
+                "seeds": sorted(c.seed for c in mine),
+                "steps": mine[0].steps[-1],
+                "start": start,
+                "end": end,
+                "end_std": end_sd,
+                "gain": end - start,
+                "start_std": start_sd,
+                "equal_time_s": budget,
+                "at_equal_time": timed,
+                "at_equal_time_std": timed_sd,
+                "train_seconds": statistics.fmean(max(c.seconds) for c in mine),
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no runs)\n"
+    budget = rows[0]["equal_time_s"]
+    lines = [
+        f"| rung | seeds | start | end (step {rows[0]['steps']}) | gain | at {budget:.0f} s of training | training time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rung']} | {len(r['seeds'])} | {r['start']:.1%} | {r['end']:.1%} ± {r['end_std']:.1%} "
+            f"| {r['gain'] * 100:+.1f} | {r['at_equal_time']:.1%} ± {r['at_equal_time_std']:.1%} "
+            f"| {r['train_seconds']:.0f} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: list[Curve], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (rung, _) in enumerate(LADDER):
+        for j, c in enumerate(x for x in curves if x.rung == rung):
+            label = rung if j == 0 else None
+            axes[0].plot(
+                c.steps, [a * 100 for a in c.accuracy], color=colors[i % len(colors)], label=label, alpha=0.8
+            )
+            axes[1].plot(c.seconds, [a * 100 for a in c.accuracy], color=colors[i % len(colors)], alpha=0.8)
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("training wall time (s)")
+    for ax in axes:
+        ax.set_ylabel("held-out avg@4 (%)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("DAPO ladder on the demo task (one line per seed)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ablate", help="the DAPO ladder (GRPO -> ... -> DAPO) on the demo task", description=__doc__
+    )
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--rungs", default="", help="comma-separated rung numbers 0-5 (default: all)")
+    p.add_argument("--out", default="runs/ablate", help="output directory")
+    p.add_argument(
+        "overrides", nargs="*", help="key=value overrides applied to every run (e.g. trainer.total_steps=40)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    rungs = [int(r) for r in args.rungs.split(",") if r.strip()] or list(range(len(LADDER)))
+    bad = [r for r in rungs if not 0 <= r < len(LADDER)]
+    if bad:
+        print(f"--rungs: {bad} not in 0-{len(LADDER) - 1}", file=sys.stderr)
+        return 2
+    curves = []
+    for seed in seeds:
+        for r in rungs:
+            name, run_name = LADDER[r][0], f"rung{r}_seed{seed}"
+            metrics = out / "runs" / run_name / "metrics.jsonl"
+            if not (out / "runs" / run_name / "summary.json").is_file():  # finished runs are reused
+                t0 = time.perf_counter()
+                overrides = [f"{k}={v}" for k, v in rung_overrides(r).items()]
+                cmd = [
+                    sys.executable, "-m", "megatron_dapo.cli", "demo", "--seed", str(seed),
+                    "--assets", str(out / f"assets_seed{seed}"), "--bar-gain", "0", "--bar-final", "0",
+                    f"trainer.runs_dir={out / 'runs'}", f"trainer.run_name={run_name}",
+                    "trainer.resume=never", "logging.plots_at_end=false", *overrides, *args.overrides,
+                ]  # fmt: skip
+                log = out / "logs" / f"{run_name}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                print(f"[ablate] {name}, seed {seed}: running (log {log})", flush=True)
+                with log.open("w") as f:
+                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+                if rc != 0:
+                    print(f"[ablate] {name}, seed {seed} failed (exit {rc}); see {log}", file=sys.stderr)
+                    return 1
+                print(f"[ablate] {name}, seed {seed}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+            curve = read_curve(metrics, name, seed, "val/avg@4")
+            print(
+                f"[ablate] {name}, seed {seed}: " + " ".join(f"{a:.1%}" for a in curve.accuracy), flush=True
+            )
+            curves.append(curve)
+    rows = summarise(curves)
+    (out / "ablation.json").write_text(
+        json.dumps({"rows": rows, "curves": [asdict(c) for c in curves]}, indent=2) + "\n"
+    )
+    (out / "ablation.md").write_text(table(rows))
+    png = plot(curves, out / "ablation.png")
+    print(table(rows))
+    print(f"written: {out / 'ablation.md'}, {out / 'ablation.json'}, {png}")
+    return 0

@@ -1,0 +1,78 @@
+"""`megatron-dapo ablate`: the ladder's rungs, and its table from hand-made metrics files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from megatron_dapo.commands.ablate import LADDER, read_curve, rung_overrides, summarise, table
+from megatron_dapo.commands.demo import GRPO_OVERRIDES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _get(cfg, dotted: str):
+    return OmegaConf.select(cfg, dotted)
+
+
+def test_last_rung_is_the_demo_config_and_the_first_is_its_grpo():
+    demo = OmegaConf.load(REPO / "configs/demo.yaml")
+    full = rung_overrides(len(LADDER) - 1)
+    # the paper's table is cumulative, so overlong filtering stays on; the demo leaves it off
+    # (its default), which changes nothing there: no demo response reaches max_response_length
+    assert full.pop("algorithm.overlong_filter") == "true"
+    for key, value in full.items():
+        assert str(_get(demo, key)).lower() == value, key
+    grpo = rung_overrides(0)
+    for item in GRPO_OVERRIDES:
+        key, value = item.split("=", 1)
+        assert grpo[key] == value, key
+    # each rung changes exactly the knobs it names
+    for i in range(1, len(LADDER)):
+        changed = {k for k, v in rung_overrides(i).items() if rung_overrides(i - 1)[k] != v}
+        assert changed == set(LADDER[i][1]), LADDER[i][0]
+
+
+def _metrics(path: Path, evals: dict[int, float], step_s: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for step in range(0, max(evals) + 1):
+        r = {"step": step}
+        if step:
+            r["timing/step"] = step_s
+        if step in evals:
+            r["val/avg@4"] = evals[step]
+        rows.append(json.dumps(r))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_table_at_equal_steps_and_equal_time(tmp_path):
+    grpo, dapo = LADDER[0][0], LADDER[-1][0]
+    curves = [
+        # GRPO: 1 s per step; DAPO: 2 s per step (dynamic sampling generates more)
+        read_curve(_metrics(tmp_path / "a.jsonl", {0: 0.4, 2: 0.5, 4: 0.6}, 1.0), grpo, 0, "val/avg@4"),
+        read_curve(_metrics(tmp_path / "b.jsonl", {0: 0.4, 2: 0.6, 4: 0.7}, 1.0), grpo, 1, "val/avg@4"),
+        read_curve(_metrics(tmp_path / "c.jsonl", {0: 0.4, 2: 0.7, 4: 0.9}, 2.0), dapo, 0, "val/avg@4"),
+        read_curve(_metrics(tmp_path / "d.jsonl", {0: 0.4, 2: 0.8, 4: 0.9}, 2.0), dapo, 1, "val/avg@4"),
+    ]
+    rows = summarise(curves)
+    assert [r["rung"] for r in rows] == [grpo, dapo]
+    g, d = rows
+    assert g["end"] == pytest.approx(0.65) and g["gain"] == pytest.approx(0.25)
+    assert d["end"] == pytest.approx(0.9) and d["end_std"] == pytest.approx(0.0)
+    # equal time = GRPO's 4 s: DAPO has then done 2 steps (0.7, 0.8)
+    assert g["equal_time_s"] == 4.0 and d["at_equal_time"] == pytest.approx(0.75)
+    assert g["at_equal_time"] == pytest.approx(0.65)
+    text = table(rows)
+    assert "| GRPO | 2 | 40.0% | 65.0% ± 7.1% | +25.0 | 65.0% ± 7.1% | 4 s |" in text
+
+
+def test_a_run_without_evaluations_is_named(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"step": 1, "timing/step": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="m.jsonl has no val/avg@4"):
+        read_curve(path, "GRPO", 0, "val/avg@4")
