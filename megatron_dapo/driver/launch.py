@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -82,7 +83,8 @@ class Placement:
         import ray
         from ray.util.placement_group import placement_group
 
-        from megatron_dapo.driver.rank_group import RayRankGroup
+        from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
+        from megatron_dapo.driver.sglang_placement import rank_order
 
         self.cfg = cfg
         world = cfg.parallel.actor_world_size
@@ -97,16 +99,54 @@ class Placement:
         self.pg = placement_group(actor_bundles + engine_bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=300)
         container = to_container(cfg)
+        # rank r on the r-th bundle by (node, GPU): a node's ranks are consecutive, whatever order
+        # Ray numbered the bundles in
+        slots = bundle_slots(self.pg, world)
+        order = rank_order(slots)
+        self.actor_slots = [slots[b] for b in order]
         self.ranks = RayRankGroup(
             ActorWorker,
             world,
             placement_group=self.pg,
+            bundles=order,
             init_args=(container,),
             num_gpus_per_rank=0 if device == "cpu" else 1,
             num_cpus_per_rank=1 if device == "cpu" else 2,
         )
-        self.layouts = self.ranks.call("setup", threads, timeout_s=1800)
-        self.engines = self._start_engines(engine_kind, len(actor_bundles), threads)
+        self.engines: list[Any] = []
+        if engine_kind == "sglang":
+            # before the actor takes GPU memory: SGLang sizes its KV pool from what is free at start
+            self.engines = self._start_sglang()
+        try:
+            self.layouts = self.ranks.call("setup", threads, timeout_s=1800)
+        except BaseException:
+            self._stop_sglang()
+            raise
+        if engine_kind == "hf":
+            self.engines = self._start_engines(engine_kind, len(actor_bundles), threads)
+
+    def _start_sglang(self) -> list[Any]:
+        """Servers given by URL, else one per plan on every node of the cluster (`plan_engines`)."""
+        import ray
+
+        from megatron_dapo.driver.sglang_engines import launch_planned_engines, start_sglang_engines
+        from megatron_dapo.driver.sglang_placement import plan_engines
+
+        cfg = self.cfg
+        if cfg.rollout.sglang.urls:
+            return start_sglang_engines(cfg)
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        plans = plan_engines(
+            cfg.trainer.placement,
+            self.actor_slots,
+            {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in nodes},
+            int(cfg.rollout.num_engines),
+            int(cfg.rollout.tensor_parallel_size),
+            int(cfg.rollout.sglang.base_port),
+            node_ips={n["NodeID"]: n["NodeManagerAddress"] for n in nodes},
+        )
+        log_dir = Path(cfg.trainer.runs_dir).resolve() / cfg.trainer.run_name / "sglang"
+        return launch_planned_engines(cfg, plans, log_dir)
 
     def _start_engines(self, kind: str, bundle_offset: int, threads: int | None) -> list[Any]:
         import ray
@@ -115,10 +155,6 @@ class Placement:
         from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine
 
         cfg = self.cfg
-        if kind != "hf":
-            from megatron_dapo.driver.sglang_engines import start_sglang_engines
-
-            return start_sglang_engines(cfg)
         host_cls = ray.remote(EngineHost)
         engines = []
         for i in range(cfg.rollout.num_engines):
@@ -143,6 +179,12 @@ class Placement:
 
         return sglang_transport(self.cfg, self.engines)
 
+    def _stop_sglang(self) -> None:
+        if self.engines and not all(hasattr(e, "handle") for e in self.engines):
+            from megatron_dapo.driver.sglang_engines import stop_sglang_engines
+
+            stop_sglang_engines(self.engines)
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -151,10 +193,7 @@ class Placement:
             self.ranks.call("shutdown", timeout_s=60)
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             log.warning("actor shutdown: %s", e)
-        if self.engines and not all(hasattr(e, "handle") for e in self.engines):
-            from megatron_dapo.driver.sglang_engines import stop_sglang_engines
-
-            stop_sglang_engines(self.engines)
+        self._stop_sglang()
         remove_placement_group(self.pg)
         if not self.cfg.trainer.ray_address:
             ray.shutdown()

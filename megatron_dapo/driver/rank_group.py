@@ -50,7 +50,11 @@ def set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int,
 
 
 class RayRankGroup:
-    """`world_size` Ray actors of `worker_cls`, placed on the bundles of `placement_group`."""
+    """`world_size` Ray actors of `worker_cls`, placed on the bundles of `placement_group`.
+
+    Rank r takes bundle `bundles[r]` (from `bundle_slots` + `sglang_placement.rank_order`: by node,
+    then GPU), else `bundle_offset + r`.
+    """
 
     def __init__(
         self,
@@ -59,6 +63,7 @@ class RayRankGroup:
         *,
         placement_group,
         bundle_offset: int = 0,
+        bundles: list[int] | None = None,
         num_gpus_per_rank: float = 0.0,
         num_cpus_per_rank: float = 1.0,
         init_args: tuple = (),
@@ -72,7 +77,8 @@ class RayRankGroup:
         self.workers = []
         for rank in range(world_size):
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=bundle_offset + rank
+                placement_group=placement_group,
+                placement_group_bundle_index=bundles[rank] if bundles is not None else bundle_offset + rank,
             )
             options = {
                 "num_cpus": num_cpus_per_rank,
@@ -121,6 +127,39 @@ class RayRankGroup:
 
         for w in self.workers:
             ray.kill(w, no_restart=True)
+
+
+def bundle_slots(placement_group, count: int) -> list:
+    """Where Ray put bundles 0..count-1: a `GpuSlot` (node id, node address, GPU index) each.
+
+    A zero-CPU probe task runs in each bundle; bundles without a GPU report GPU -1.
+    """
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from megatron_dapo.driver.sglang_placement import GpuSlot
+
+    bundle = placement_group.bundle_specs
+    probe = ray.remote(_probe_where)
+    refs = []
+    for b in range(count):
+        gpus = 1 if bundle[b].get("GPU") else 0
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=b
+        )
+        refs.append(probe.options(num_cpus=0, num_gpus=gpus, scheduling_strategy=strategy).remote())
+    return [GpuSlot(*where) for where in ray.get(refs, timeout=300)]
+
+
+def _probe_where() -> tuple[str, str, int]:
+    import ray
+
+    gpus = ray.get_gpu_ids()
+    return (
+        ray.get_runtime_context().get_node_id(),
+        ray.util.get_node_ip_address(),
+        int(gpus[0]) if gpus else -1,
+    )
 
 
 def _set_env(self, rank: int, world_size: int, addr: str, port: int) -> None:

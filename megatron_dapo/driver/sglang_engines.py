@@ -36,30 +36,32 @@ log = logging.getLogger(__name__)
 _SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def server_configs(cfg, gpu_groups: list[list[int]], log_dir: str | Path) -> list:
-    """One `SGLangServerConfig` per engine: model, TP, port base_port+i, base GPU, memory settings."""
+def server_config(cfg, i: int, gpus: Sequence[int], log_dir: str | Path, host: str | None = None, port=None):
+    """The `SGLangServerConfig` of engine i: model, TP, address, base GPU, memory settings."""
     from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 
     s = cfg.rollout.sglang
     colocated = cfg.trainer.placement == "colocated"
-    return [
-        SGLangServerConfig(
-            model_path=str(cfg.model.path),
-            tp_size=len(gpus),
-            host=s.host,
-            port=int(s.base_port) + i,
-            mem_fraction_static=float(s.mem_fraction_static),
-            api_key=s.api_key,
-            # release/resume of memory between rollout and training only matters when sharing GPUs
-            enable_memory_saver=bool(colocated and s.enable_memory_saver),
-            dtype=_SGLANG_DTYPES.get(cfg.model.dtype, "auto"),
-            base_gpu_id=gpus[0],
-            extra_args=[str(a) for a in s.extra_args],
-            startup_timeout_s=float(s.startup_timeout_s),
-            log_file=str(Path(log_dir) / f"engine_{i}.log"),
-        )
-        for i, gpus in enumerate(gpu_groups)
-    ]
+    return SGLangServerConfig(
+        model_path=str(cfg.model.path),
+        tp_size=len(gpus),
+        host=host or s.host,
+        port=int(s.base_port) + i if port is None else int(port),
+        mem_fraction_static=float(s.mem_fraction_static),
+        api_key=s.api_key,
+        # release/resume of memory between rollout and training only matters when sharing GPUs
+        enable_memory_saver=bool(colocated and s.enable_memory_saver),
+        dtype=_SGLANG_DTYPES.get(cfg.model.dtype, "auto"),
+        base_gpu_id=gpus[0],
+        extra_args=[str(a) for a in s.extra_args],
+        startup_timeout_s=float(s.startup_timeout_s),
+        log_file=str(Path(log_dir) / f"engine_{i}.log"),
+    )
+
+
+def server_configs(cfg, gpu_groups: list[list[int]], log_dir: str | Path) -> list:
+    """One `SGLangServerConfig` per engine on this node: port base_port+i."""
+    return [server_config(cfg, i, gpus, log_dir) for i, gpus in enumerate(gpu_groups)]
 
 
 # ---------------------------------------------------------------- connect / launch
@@ -202,6 +204,34 @@ def start_sglang_engines(cfg) -> list:
         int(cfg.rollout.tensor_parallel_size),
     )
     return launch_sglang_engines(cfg, groups, Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / "sglang")
+
+
+def launch_planned_engines(cfg, plans: Sequence[Any], log_dir: str | Path, commands=None) -> list:
+    """Under Ray: every plan's server started on its own node (`sglang_node_host`); their engines.
+
+    Each engine keeps its plan (`engine.plan`: node, GPUs, and the trainer ranks on them) and a
+    `RemoteServer` (`engine.server`) through which the driver checks, restarts or stops it.
+    """
+    from megatron_dapo.driver.sglang_node_host import launch_on_nodes
+    from megatron_dapo.rollout.sglang_client import SGLangEngine
+
+    configs = [server_config(cfg, p.index, p.gpus, log_dir, host=p.node_ip, port=p.port) for p in plans]
+    _, servers = launch_on_nodes(
+        plans, configs, startup_timeout_s=float(cfg.rollout.sglang.startup_timeout_s), commands=commands
+    )
+    engines = []
+    for p, c, srv in zip(plans, configs, servers):
+        engine = SGLangEngine(
+            c.url,
+            name=srv.name,
+            server=srv,
+            tp_size=c.tp_size,
+            api_key=c.api_key,
+            timeout_s=float(cfg.rollout.request_timeout_s),
+        )
+        engine.plan = p
+        engines.append(engine)
+    return engines
 
 
 def stop_sglang_engines(engines: Sequence[Any]) -> None:

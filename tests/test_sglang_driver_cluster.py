@@ -1,0 +1,131 @@
+"""Multi-node behaviour on one machine: a Ray cluster of three raylets (`ray.cluster_utils.Cluster`).
+
+- trainer ranks take bundles by node (then GPU), whatever order Ray numbered them in;
+- engine servers start on every node of the plan, each as the child of a host actor on that node,
+  and one can be restarted there.
+Servers are stand-ins (a tiny HTTP server answering /health_generate) so the test needs no sglang.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+
+from megatron_dapo.actor.spawn import free_port  # noqa: E402
+from megatron_dapo.config import load_config  # noqa: E402
+from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots  # noqa: E402
+from megatron_dapo.driver.sglang_placement import GpuSlot, plan_engines, rank_order  # noqa: E402
+
+NODES = 3
+
+STANDIN = textwrap.dedent(
+    """
+    import json, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"pid": os.getpid(), "ppid": os.getppid()}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    HTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"fake_gpu": 4, "node0": 4}, "include_dashboard": False},
+    )
+    for n in range(1, NODES):  # a resource per node lets a test pin bundles to nodes
+        c.add_node(num_cpus=1, resources={"fake_gpu": 4, f"node{n}": 4})
+    c.wait_for_nodes()
+    # workers import this module (the rank class below) by name
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    ray.init(address=c.address, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}})
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+class Where:
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def test_ranks_are_grouped_by_node_not_by_bundle_index(cluster):
+    # bundles numbered round-robin over the nodes: bundle b on node b % 3
+    bundles = [{"CPU": 0.1, "fake_gpu": 1, f"node{b % NODES}": 1} for b in range(2 * NODES)]
+    pg = placement_group(bundles, strategy="SPREAD")
+    ray.get(pg.ready(), timeout=120)
+    try:
+        slots = bundle_slots(pg, 2 * NODES)
+        assert len({s.node_id for s in slots}) == NODES
+        assert [s.node_id for s in slots[:NODES]] == [s.node_id for s in slots[NODES:]]  # interleaved
+        order = rank_order(slots)
+        group = RayRankGroup(Where, 2 * NODES, placement_group=pg, bundles=order, num_cpus_per_rank=0.1)
+        try:
+            nodes = group.call("node", timeout_s=120)
+        finally:
+            group.shutdown()
+        assert nodes == [slots[b].node_id for b in order]
+        # each node's ranks are consecutive: 0-1 on one node, 2-3 on the next, 4-5 on the last
+        assert nodes[0] == nodes[1] != nodes[2] == nodes[3] != nodes[4] == nodes[5] and nodes[0] != nodes[4]
+    finally:
+        remove_placement_group(pg)
+
+
+def test_engines_start_on_every_node_and_restart_there(cluster, tmp_path):
+    from megatron_dapo.driver.sglang_engines import launch_planned_engines, stop_sglang_engines
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    # two trainer ranks per node on GPUs 0-1; one colocated TP2 engine per node
+    actor = [GpuSlot(n["NodeID"], n["NodeManagerAddress"], g) for n in nodes for g in (0, 1)]
+    plans = plan_engines("colocated", actor, {n["NodeID"]: 4 for n in nodes}, NODES, 2, 0)
+    ports = [free_port() for _ in plans]
+    plans = [
+        type(p)(p.index, p.node_id, p.node_ip, p.gpus, ports[i], p.ipc_ranks) for i, p in enumerate(plans)
+    ]
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    cfg = load_config(None, ["model.path=/models/none", "rollout.sglang.startup_timeout_s=120"])
+    commands = [[sys.executable, str(script), p.node_ip, str(p.port)] for p in plans]
+    engines = launch_planned_engines(cfg, plans, tmp_path / "logs", commands=commands)
+    try:
+        assert sorted(e.plan.node_id for e in engines) == sorted(n["NodeID"] for n in nodes)  # one per node
+        for e, p in zip(engines, plans):
+            host = e.server.host
+            node, _ = ray.get(host.where.remote())
+            assert node == p.node_id  # the server's host actor runs on the engine's node
+            info = httpx.get(p.url + "/get_server_info", timeout=30).json()
+            assert info["ppid"] == ray.get(host.__ray_call__.remote(lambda self: os.getpid()))
+            assert e.plan.ipc_ranks == (2 * p.index, 2 * p.index + 1)  # the ranks on its own GPUs
+        # a server killed on its node comes back there, on the same address
+        victim = engines[1]
+        old = httpx.get(victim.plan.url + "/get_server_info", timeout=30).json()["pid"]
+        os.kill(old, 9)
+        new = victim.server.restart()
+        assert new != old and victim.server.alive()
+        assert httpx.get(victim.plan.url + "/get_server_info", timeout=30).json()["pid"] == new
+    finally:
+        stop_sglang_engines(engines)
+    assert not any(e.server.alive() for e in engines)
