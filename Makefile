@@ -43,7 +43,7 @@ lock:
 	rm -rf .venv-lock && $(PY) -m venv .venv-lock
 	.venv-lock/bin/python -m pip install --quiet torch==2.13.0 -e ".[dev]"
 	{ echo "# CPU-path lock used by make setup (pip constraints). Refresh: make lock"; \
-	  .venv-lock/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(LOCK)
+	  .venv-lock/bin/python -m pip freeze --all --exclude-editable | grep -v "^pip==" | sed "s/+cpu$$//"; } > $(LOCK)
 	rm -rf .venv-lock
 
 clean:
