@@ -364,3 +364,60 @@ def test_transports_pickle_without_clients():
         assert n._group is None
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- CUDA IPC from every engine's own ranks
+def _fake_serialize(bucket: dict[str, torch.Tensor]) -> str:
+    """Stands in for CUDA IPC handles: says which rank (process) made the payload and what it held."""
+    import torch.distributed as dist
+
+    sums = {k: float(v.double().sum()) for k, v in bucket.items()}
+    return json.dumps({"rank": dist.get_rank(), "pid": os.getpid(), "sums": sums})
+
+
+def _rank_ipc_sync(rank: int, world: int, urls: list[str]) -> None:
+    import torch.distributed as dist
+
+    from megatron_dapo.driver.sglang_transports import EngineEndpoint, SGLangRankIPCTransport
+
+    dist.init_process_group("gloo")
+    # engine 0 on the GPUs of ranks 0-1 (node A), engine 1 on those of ranks 2-3 (node B)
+    eps = [EngineEndpoint("e0", urls[0], 2, None, (0, 1)), EngineEndpoint("e1", urls[1], 2, None, (2, 3))]
+    t = SGLangRankIPCTransport(eps, timeout_s=60, serialize=_fake_serialize)
+    t.begin(7)
+    for index, fill in enumerate((1.0, 2.0)):
+        t.send(index, bucket(fill) if rank == 0 else None)  # only global rank 0 holds the buckets
+    t.finish()
+    t.calls.close()
+    dist.destroy_process_group()
+
+
+def test_rank_ipc_payloads_come_from_each_engines_own_ranks_one_per_tp_rank():
+    from megatron_dapo.actor.spawn import run_ranks
+
+    servers = [FakeSGLangServer(tp_size=2), FakeSGLangServer(tp_size=2)]
+    try:
+        run_ranks(_rank_ipc_sync, 4, [s.url for s in servers], timeout_s=300)
+        expected = [{k: float(v.double().sum()) for k, v in bucket(fill).items()} for fill in (1.0, 2.0)]
+        pids = set()
+        for engine, server in enumerate(servers):
+            assert paths(server.calls) == [
+                "/pause_generation",
+                "/flush_cache",
+                "/update_weights_from_tensor",
+                "/update_weights_from_tensor",
+                "/continue_generation",
+            ]
+            updates = [body for p, body in server.calls if p == "/update_weights_from_tensor"]
+            for index, body in enumerate(updates):
+                assert body["weight_version"] == "7"
+                payloads = [json.loads(x) for x in body["serialized_named_tensors"]]
+                # TP rank j's payload was made by the trainer rank on its GPU, each by its own process
+                assert [p["rank"] for p in payloads] == [2 * engine, 2 * engine + 1]
+                assert len({p["pid"] for p in payloads}) == 2
+                assert all(p["sums"] == expected[index] for p in payloads)  # the broadcast copy is exact
+                pids.update(p["pid"] for p in payloads)
+        assert len(pids) == 4
+    finally:
+        for s in servers:
+            s.close()

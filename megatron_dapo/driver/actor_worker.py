@@ -159,7 +159,7 @@ class ActorWorker:
 
     # ---------------------------------------------------------------- weight sync
     def attach_transport(self, transport) -> None:
-        """Give global rank 0 the engines' transport (the other ranks never send)."""
+        """Give a rank the engines' transport: global rank 0, or every rank for a per-rank one."""
         self.transport = transport
 
     def push_weights(self, version: int) -> dict[str, float]:
@@ -169,15 +169,20 @@ class ActorWorker:
         from megatron_dapo.driver.weight_transport import SyncStats, bucket_nbytes
         from megatron_dapo.weights.gather import iter_hf_buckets
 
-        sender = getattr(self, "transport", None) if dist.get_rank() == 0 else None
+        sender = getattr(self, "transport", None)
+        # a per-rank transport (CUDA IPC from the ranks on each engine's GPUs) runs on every rank
+        every_rank = bool(getattr(sender, "every_rank", False))
+        if dist.get_rank() != 0 and not every_rank:
+            sender = None
         stats = SyncStats()
         start = time.perf_counter()
         if sender is not None:
             sender.begin(version)
         bucket_bytes = int(self.cfg["trainer"]["weight_sync"]["bucket_mb"]) << 20
         for index, bucket in enumerate(iter_hf_buckets(self.actor.model, bucket_bytes=bucket_bytes)):
-            if sender is not None and bucket is not None:
-                sender.send(index, bucket)
+            if sender is not None and (bucket is not None or every_rank):
+                sender.send(index, bucket if dist.get_rank() == 0 else None)
+            if bucket is not None and dist.get_rank() == 0:
                 stats.buckets += 1
                 stats.tensors += len(bucket)
                 stats.bytes += bucket_nbytes(bucket)

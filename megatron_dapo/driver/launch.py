@@ -281,7 +281,11 @@ def run_train(cfg: DictConfig) -> dict[str, Any]:
     stop = StopFlag().install()
     placement = Placement(cfg, device, engine_kind)
     try:
-        placement.ranks.workers[0].attach_transport.remote(placement.weight_transport())
+        transport = placement.weight_transport()
+        if getattr(transport, "every_rank", False):
+            placement.ranks.call("attach_transport", transport, timeout_s=300)
+        else:
+            placement.ranks.workers[0].attach_transport.remote(transport)
         return drive(cfg, inputs, placement.ranks, placement.engines, stop)
     finally:
         stop.uninstall()

@@ -46,10 +46,20 @@ class EngineEndpoint:
     url: str
     tp_size: int = 1
     api_key: str | None = None
+    ipc_ranks: tuple[int, ...] = ()  # colocated launch: the trainer rank on each of its TP ranks' GPUs
 
 
 def endpoints_of(engines: Sequence[Any], api_key: str | None) -> list[EngineEndpoint]:
-    return [EngineEndpoint(e.name, e.client.base_url, int(e.tp_size), api_key) for e in engines]
+    return [
+        EngineEndpoint(
+            e.name,
+            e.client.base_url,
+            int(e.tp_size),
+            api_key,
+            tuple(getattr(getattr(e, "plan", None), "ipc_ranks", ())),
+        )
+        for e in engines
+    ]
 
 
 class EngineCalls:
@@ -156,6 +166,92 @@ class SGLangIPCTransport:
 
     def finish(self) -> None:
         self.calls.resume(self.version)
+
+
+def _serialize_one(bucket: dict[str, torch.Tensor]) -> str:
+    from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
+
+    return serialize_bucket_for_ipc(bucket, 1)[0]
+
+
+class SGLangRankIPCTransport:
+    """Colocated on a cluster: every engine TP rank gets CUDA IPC handles made on its own GPU.
+
+    Run by every trainer rank (`every_rank`): per bucket, global rank 0 (a bucket holder)
+    broadcasts the tensors; each rank named in an engine's `ipc_ranks` (the rank on that TP
+    rank's GPU, on the engine's node) serializes its own copy, so each TP rank gets one payload
+    of its own rather than one payload copied TP times; the payloads are gathered, and each
+    engine's first IPC rank, on the engine's node, posts them in TP order
+    (`/update_weights_from_tensor`). Every rank keeps its copy until every engine answered. Rank 0
+    pauses and flushes the engines before the first bucket and continues them after the last.
+    `serialize` turns a bucket into one payload (tests replace it).
+    """
+
+    every_rank = True
+
+    def __init__(self, endpoints: Sequence[EngineEndpoint], timeout_s: float, serialize=_serialize_one):
+        missing = [ep.name for ep in endpoints if len(ep.ipc_ranks) != ep.tp_size]
+        if missing:
+            raise ConfigError(
+                f"weight sync by CUDA IPC per rank needs the trainer rank of each TP rank of {', '.join(missing)}; "
+                "only engines that the driver launched have them (use trainer.weight_sync.transport=disk)"
+            )
+        self.calls = EngineCalls(endpoints, timeout_s)
+        self.serialize = serialize
+
+    def begin(self, version: int) -> None:
+        import torch.distributed as dist
+
+        self.version = version
+        if dist.get_rank() == 0:
+            self.calls.pause()
+
+    def send(self, index: int, bucket: dict[str, torch.Tensor] | None) -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        meta = [[(k, tuple(v.shape), v.dtype) for k, v in bucket.items()] if rank == 0 else None]
+        dist.broadcast_object_list(meta, src=0)
+        sources = {r for ep in self.calls.endpoints for r in ep.ipc_ranks}
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        mine: dict[str, torch.Tensor] = {}
+        for name, shape, dtype in meta[0]:
+            t = bucket[name].contiguous() if rank == 0 else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=0)
+            mine[name] = t
+        payload = self.serialize(mine) if rank in sources else None
+        payloads: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(payloads, payload)
+        what = describe_bucket(index, mine)
+        error = None
+        try:
+            futures = {
+                i: self.calls.submit(
+                    i,
+                    lambda c, ep=ep: c.update_weights_from_tensor(
+                        [payloads[r] for r in ep.ipc_ranks], self.version
+                    ),
+                )
+                for i, ep in enumerate(self.calls.endpoints)
+                if ep.ipc_ranks[0] == rank
+            }
+            deadline = time.monotonic() + self.calls.timeout_s
+            for i, f in futures.items():
+                self.calls.wait(i, f, what, deadline)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, not wait in a collective
+            error = f"rank {rank}: {e}"
+        # the copies stay alive until every engine has loaded them; a failure reaches every rank
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e]
+        if failed:
+            raise EngineError(f"weight sync by CUDA IPC, {what}: " + "; ".join(failed))
+
+    def finish(self) -> None:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            self.calls.resume(self.version)
 
 
 class SGLangNCCLTransport:
@@ -364,7 +460,8 @@ def resolve_transport_kind(cfg, endpoints: Sequence[EngineEndpoint] = ()) -> str
     if kind == "auto":
         if not colocated:
             return "nccl"
-        remote = [ep.name for ep in endpoints if not is_local(ep.url)]
+        # engines the driver launched come with the trainer ranks on their own GPUs
+        remote = [ep.name for ep in endpoints if not ep.ipc_ranks and not is_local(ep.url)]
         if remote:
             log.info(
                 "weight sync: %s not on this node, where the CUDA IPC handles are made; using disk",
@@ -386,6 +483,8 @@ def sglang_transport(cfg, engines: Sequence[Any]):
     timeout = float(cfg.trainer.weight_sync.timeout_s)
     kind = resolve_transport_kind(cfg, endpoints)
     if kind == "cuda_ipc":
+        if endpoints and all(ep.ipc_ranks for ep in endpoints):
+            return SGLangRankIPCTransport(endpoints, timeout)
         return SGLangIPCTransport(endpoints, timeout)
     if kind == "nccl":
         return SGLangNCCLTransport(endpoints, timeout, backend="nccl")
