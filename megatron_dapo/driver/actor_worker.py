@@ -162,6 +162,12 @@ class ActorWorker:
         """Give a rank the engines' transport: global rank 0, or every rank for a per-rank one."""
         self.transport = transport
 
+    def reset_transport(self) -> None:
+        """An engine was restarted: the transport drops per-server state (a weight-update group)."""
+        reset = getattr(getattr(self, "transport", None), "reset", None)
+        if reset is not None:
+            reset()
+
     def push_weights(self, version: int) -> dict[str, float]:
         """Every rank iterates the gather; global rank 0 (a bucket holder) feeds its transport."""
         import torch.distributed as dist

@@ -282,6 +282,18 @@ class SGLangNCCLTransport:
     def __getstate__(self):
         return {**self.__dict__, "_group": None}
 
+    def reset(self) -> None:
+        """A server was restarted and is in no group: form a new one (new name) at the next sync."""
+        if self._group is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group(self._group)
+            except Exception as e:  # noqa: BLE001 - the old group may be broken by the dead server
+                log.warning("weight sync: dropping the old group %s: %s", self.group_name, e)
+        self._group = None
+        self.group_name = f"megatron_dapo_sync_{uuid.uuid4().hex[:8]}"
+
     @property
     def names(self) -> str:
         return ",".join(ep.name for ep in self.calls.endpoints)

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from megatron_dapo.driver.batch_builder import build_actor_batch
+from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.run_dir import MetricsLogger, RunDir
 from megatron_dapo.driver.stop import StopFlag
@@ -197,8 +198,12 @@ class DAPOTrainer:
                 with timer.phase("update_actor"), progress.phase(step, "actor update"):
                     actor_metrics = self.ranks.call("train_step", batch)[0]
                 with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
+                    revived = restart_down_engines(self.manager) if hasattr(self.manager, "down") else []
+                    if revived:
+                        self.ranks.call("reset_transport")
                     self._to_sync()
                     sync_metrics = self.sync(step)
+                    return_to_service(self.manager, revived)  # only now, with the new weights
                 self.state.step = step
                 self.state.weight_version = step
                 self.state.prompts_consumed += int(rollout.metrics.get("rollout/prompts_drawn", 0))
