@@ -59,9 +59,16 @@ def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
         return
     if device == "cpu":
         print(cpu_warnings.CPU_NOTE, file=sys.stderr)
+    # Ray starts workers at niceness +15 by default; here the workers are the trainer's ranks and
+    # engines, so on a shared machine the run would crawl behind any other job. They keep the
+    # driver's priority instead (the raylet reads this when it starts).
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # A local cluster sized to what this run places; the object store only carries buckets and
-    # batches on the CPU path.
+    # batches on the CPU path. address="local": always our own, since with no address Ray joins
+    # the newest cluster on the machine (RAY_ADDRESS, or /tmp/ray/ray_current_cluster, which any
+    # other run writes) and then refuses num_cpus; joining one is what trainer.ray_address is for.
     ray.init(
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=True,
