@@ -32,3 +32,34 @@ def tiny_hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu_server(tiny_hf_checkpoint, tmp_path_factory):
+    """One real SGLang 0.5.23 server per test module, on the default tiny Qwen2 (fp32, CPU).
+
+    Module-scoped: tests may change its weights, so modules do not share it. Skips when
+    ``.venv-sglang`` is not built (``make setup-sglang``). Yields ``sglang_fixtures.CPUServer``.
+    """
+    from sglang_fixtures import real_sglang_server
+
+    with real_sglang_server(tiny_hf_checkpoint(), tmp_path_factory.mktemp("sglang")) as handle:
+        yield handle
+
+
+@pytest.fixture
+def sglang_server_factory(tmp_path_factory):
+    """``start(model_path, **kwargs)`` -> a running ``CPUServer`` (other flags, more servers);
+    every server started is stopped at the end of the test."""
+    from sglang_fixtures import start_cpu_server, stop_cpu_server
+
+    started = []
+
+    def start(model_path, **kwargs):
+        handle = start_cpu_server(model_path, tmp_path_factory.mktemp("sglang"), **kwargs)
+        started.append(handle)
+        return handle
+
+    yield start
+    for handle in started:
+        stop_cpu_server(handle)

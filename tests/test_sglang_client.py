@@ -101,7 +101,7 @@ class FakeSGLang:
         if path == "/abort_request":
             self.aborted.set()
             return ""
-        if path.startswith(("/update_weights", "/init_weights")):
+        if path.startswith(("/update_weights", "/init_weights", "/begin_weight", "/end_weight")):
             return {"success": True, "message": "ok"}
         if path == "/get_server_info":
             return {"version": "fake", "tp_size": 1}
@@ -230,12 +230,43 @@ def test_generate_payload_and_reply_parsing():
         parse_generate_reply({"text": "hi"}, req(), "sg")
 
 
-def test_5xx_and_dropped_connections_are_retried(server, engine_factory):
+def test_5xx_and_dropped_connections_are_retried_for_idempotent_calls(server, engine_factory):
     e = engine_factory(server.url, max_retries=3)
-    server.script["/generate"].extend([("status", 500, "boom"), ("drop",), ("status", 503, "busy")])
-    res = e.generate([req()])[0]
-    assert res.output_ids == [6, 2] and res.finish_reason == "stop"
-    assert server.paths().count("/generate") == 4
+    server.script["/abort_request"].extend([("status", 500, "boom"), ("drop",), ("status", 503, "busy")])
+    e.run(e.client.call("POST", "/abort_request", {"abort_all": True}, expect_json=False))
+    assert server.paths().count("/abort_request") == 4
+
+
+@pytest.mark.parametrize(
+    "path, call",
+    [
+        ("/generate", lambda e: e.generate([req()])),
+        (
+            "/init_weights_update_group",
+            lambda e: e.run(
+                e.client.init_weights_update_group(
+                    master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, group_name="g"
+                )
+            ),
+        ),
+        (
+            "/update_weights_from_distributed",
+            lambda e: e.run(e.client.update_weights_from_distributed({"w": torch.zeros(2)}, 1, "g")),
+        ),
+        ("/update_weights_from_tensor", lambda e: e.run(e.client.update_weights_from_tensor(["x"], 1))),
+    ],
+)
+@pytest.mark.parametrize("failure", [("status", 500, "boom"), ("drop",)])
+def test_non_idempotent_calls_are_sent_once(server, engine_factory, path, call, failure):
+    # a second metadata POST would leave the server waiting in a broadcast that never comes;
+    # a second /generate with the same rid is a duplicate request
+    e = engine_factory(server.url, max_retries=3)
+    server.script[path].extend([failure, failure])
+    with pytest.raises(
+        SGLangError, match=rf"sg-test: POST {path} failed after 1 attempts; last: .*not retried"
+    ):
+        call(e)
+    assert server.paths().count(path) == 1
 
 
 def test_persistent_500_names_engine_and_endpoint(server, engine_factory):
@@ -314,3 +345,85 @@ def test_ipc_payload_round_trips_through_forking_pickler():
     assert [n for n, _ in named] == ["a.weight", "b.bias"]
     for (_, t), ref in zip(named, bucket.values()):
         assert t.dtype == ref.dtype and torch.equal(t, ref)
+
+
+def test_flush_cache_retries_its_400_until_requests_drain(server, engine_factory):
+    e = engine_factory(server.url, max_retries=0)
+    busy = ("status", 400, "Flush cache failed: requests still running\n")
+    server.script["/flush_cache"].extend([busy] * 3)
+    e.run(e.client.flush_cache())
+    assert server.paths().count("/flush_cache") == 4
+
+
+def test_flush_cache_gives_up_after_its_named_timeout(server, engine_factory):
+    e = engine_factory(server.url, max_retries=0, flush_timeout_s=0.5)
+    server.script["/flush_cache"].extend([("status", 400, "busy")] * 1000)
+    with pytest.raises(
+        SGLangError, match=r"sg-test: /flush_cache still refused after 0.5s \(flush_timeout_s"
+    ):
+        e.run(e.client.flush_cache())
+
+
+def test_release_memory_flushes_first(server, engine_factory):
+    e = engine_factory(server.url)
+    server.script["/flush_cache"].append(("status", 400, "busy"))
+    e.release_memory()
+    assert server.paths() == ["/flush_cache", "/flush_cache", "/release_memory_occupation"]
+
+
+def test_request_aborted_while_queued_is_an_empty_aborted_result():
+    # SGLang answers a request aborted in the waiting queue without output_token_logprobs
+    reply = {
+        "meta_info": {"id": "rq0", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}
+    }
+    res = parse_generate_reply(reply, req(), "sg")
+    assert (res.output_ids, res.logprobs, res.finish_reason) == ([], [], "abort")
+
+
+def _info(version):
+    return ("status", 200, {"version": version, "tp_size": 1})
+
+
+def test_tensor_and_distributed_updates_are_wrapped_in_a_weight_update_session(server, engine_factory):
+    e = engine_factory(server.url)
+    server.script["/get_server_info"].append(_info("0.5.23"))
+    e.run(e.client.update_weights_from_tensor(["x"], 1))
+    e.run(e.client.update_weights_from_distributed({"w": torch.zeros(2)}, 1, "g"))
+    e.run(e.client.continue_generation())
+    assert server.paths() == [
+        "/get_server_info",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+        "/continue_generation",
+    ]
+    bodies = {p: b for _, p, b, _ in server.log}
+    # the sync flushes once itself; buckets do not flush again
+    assert bodies["/update_weights_from_tensor"]["flush_cache"] is False
+    assert bodies["/update_weights_from_distributed"]["flush_cache"] is False
+
+
+def test_older_servers_get_no_weight_update_session(server, engine_factory):
+    e = engine_factory(server.url)
+    server.script["/get_server_info"].append(_info("0.5.10.post1"))
+    e.run(e.client.update_weights_from_tensor(["x"], 1))
+    e.run(e.client.continue_generation())
+    assert "/begin_weight_update" not in server.paths() and "/end_weight_update" not in server.paths()
+
+
+@pytest.mark.parametrize("version", ["0.4.6.post5", "0.6.1", None])
+def test_connect_refuses_unsupported_sglang(server, engine_factory, version):
+    e = engine_factory(server.url)
+    server.script["/get_server_info"].append(_info(version))
+    with pytest.raises(
+        SGLangError, match=r"sg-test: SGLang .* is not supported; this release needs sglang>=0.5.21,<0.6"
+    ):
+        e.run(e.client.on_connect())
+
+
+def test_connect_resumes_a_server_a_crashed_trainer_left_paused(server, engine_factory):
+    e = engine_factory(server.url)
+    server.script["/get_server_info"].append(_info("0.5.23"))
+    assert e.run(e.client.on_connect()) == (0, 5, 23)
+    assert server.paths() == ["/get_server_info", "/continue_generation"]

@@ -71,6 +71,12 @@ class SGLangConfig:
     # Existing servers to use instead of launching them (torchrun mode, external engines).
     urls: list[str] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)
+    # Interpreter that runs `python -m sglang.launch_server`. None: the repo's .venv-sglang
+    # (built by `make setup-sglang`) when it exists, else the trainer's own interpreter.
+    python: Optional[str] = None
+    # KV pool size in tokens (--max-total-tokens). None: derived from the run's lengths; never
+    # left to SGLang, which sizes the pool from the memory free at its start.
+    max_total_tokens: Optional[int] = None
 
 
 @dataclass

@@ -8,10 +8,13 @@ Payloads follow SGLang's request types field for field (``GenerateReqInput``,
 commit they were read at are in ``tests/fixtures/sglang/``, and the tests check every payload
 built here against them. The ``payload_*`` functions are pure so that check needs no server.
 
-Failure handling: connection errors, dropped connections and 5xx answers are retried
-(``max_retries``, exponential back-off); 4xx answers, malformed JSON and exhausted retries raise
-:class:`SGLangError` naming the engine and the endpoint. A ``/generate`` that times out reading
-is not retried here (the server may still be working on it); the manager decides.
+Failure handling: refused connections are retried (``max_retries``, exponential back-off); dropped
+connections, read timeouts and 5xx answers are retried only for idempotent calls, never for
+``/generate`` (same rid), ``/init_weights_update_group`` or the weight updates (a second metadata
+POST leaves the server waiting in a broadcast that never comes). 4xx answers, malformed JSON and
+exhausted retries raise :class:`SGLangError` naming the engine and the endpoint; the manager
+decides what to do with a failed ``/generate``. ``/flush_cache`` answers 400 while requests drain:
+:meth:`SGLangClient.flush_cache` retries that until ``flush_timeout_s``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,37 @@ from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+NOT_RETRIED = " (not retried: the server may have acted on it, and this call is not idempotent)"
+
+# The SGLang releases this client is written and tested against (tests/fixtures/sglang: 0.5.23);
+# pinned the same in pyproject's `gpu` extra and the Dockerfile.
+SUPPORTED_SGLANG = ((0, 5, 21), (0, 6, 0))  # [low, high)
+SUPPORTED_SGLANG_TEXT = "sglang>=0.5.21,<0.6"
+# From 0.5.21 tensor/distributed updates are refused outside /begin_weight_update../end_weight_update.
+UPDATE_SESSION_SINCE = (0, 5, 21)
+
+
+def parse_version(raw: Any) -> tuple[int, ...]:
+    """``"0.5.23"`` / ``"0.5.10.post1"`` -> ``(0, 5, 23)``; unreadable -> ``()``."""
+    parts = []
+    for piece in str(raw or "").split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(parts) == 3:
+            break
+    return tuple(parts)
+
+
+def check_supported_version(version: tuple[int, ...], engine: str) -> None:
+    low, high = SUPPORTED_SGLANG
+    if not version or not (low <= version < high):
+        shown = ".".join(map(str, version)) if version else "unknown"
+        raise SGLangError(
+            f"sglang engine {engine}: SGLang {shown} is not supported; this release needs "
+            f"{SUPPORTED_SGLANG_TEXT} (pip install 'megatron-dapo[gpu]')"
+        )
 
 
 class SGLangError(EngineError):
@@ -149,7 +183,8 @@ def parse_generate_reply(reply: Any, req: GenerationRequest, engine: str) -> Gen
         meta = reply["meta_info"]
         reason = meta["finish_reason"]
         kind = reason["type"] if isinstance(reason, dict) else reason
-        items = meta["output_token_logprobs"]
+        # a request aborted while still queued never ran: its reply has no output_token_logprobs
+        items = meta["output_token_logprobs"] if kind != "abort" else meta.get("output_token_logprobs") or []
         logprobs = [float(item[0]) for item in items]
         ids = [int(item[1]) for item in items]
     except (KeyError, TypeError, IndexError, ValueError) as e:
@@ -179,6 +214,7 @@ class SGLangClient:
         timeout_s: read timeout of one call (``/generate`` can take minutes).
         max_retries: retries after the first attempt on connection errors and 5xx.
         backoff_s: first retry delay, doubled each time.
+        flush_timeout_s: how long :meth:`flush_cache` retries while the server drains requests.
     """
 
     def __init__(
@@ -191,11 +227,16 @@ class SGLangClient:
         connect_timeout_s: float = 10.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
+        flush_timeout_s: float = 120.0,
     ):
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.connect_timeout_s = connect_timeout_s
+        self.flush_timeout_s = flush_timeout_s
+        self.server_version: tuple[int, ...] | None = None
+        self._update_session = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -216,26 +257,46 @@ class SGLangClient:
         *,
         expect_json: bool = True,
         retry_read_timeout: bool = True,
+        idempotent: bool = True,
+        timeout_s: float | None = None,
     ) -> Any:
-        """One request with retries; the decoded JSON (or text when ``expect_json`` is False)."""
+        """One request with retries; the decoded JSON (or text when ``expect_json`` is False).
+
+        ``idempotent=False`` retries only connections that were refused (the server never saw
+        the request): a second ``/generate`` with the same rid, or a second weight-update metadata
+        POST (the server then waits in a broadcast that never comes), is worse than a clear error. ``timeout_s`` overrides the read timeout of this call.
+        """
         last = ""
-        for attempt in range(self.max_retries + 1):
+        attempts = self.max_retries + 1
+        extra = (
+            {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=self.connect_timeout_s)}
+        )
+        for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
-                r = await self._http.request(method, endpoint, json=payload)
+                r = await self._http.request(method, endpoint, json=payload, **extra)
             except httpx.ReadTimeout as e:
-                if not retry_read_timeout:
+                if not retry_read_timeout or not idempotent:
                     raise SGLangError(
                         f"sglang engine {self.name}: {method} {endpoint} timed out reading: {e}"
                     ) from e
                 last = f"read timeout ({e})"
                 continue
-            except httpx.TransportError as e:  # refused, reset, dropped mid-reply
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
                 last = f"{type(e).__name__}: {e}"
+                continue
+            except httpx.TransportError as e:  # reset or dropped mid-reply: it may have run
+                last = f"{type(e).__name__}: {e}"
+                if not idempotent:
+                    last += NOT_RETRIED
+                    break
                 continue
             if r.status_code >= 500:
                 last = f"HTTP {r.status_code}: {r.text[:200]}"
+                if not idempotent:
+                    last += NOT_RETRIED
+                    break
                 continue
             if r.status_code >= 400:
                 raise SGLangError(
@@ -250,13 +311,13 @@ class SGLangClient:
                     f"sglang engine {self.name}: {method} {endpoint} answered malformed JSON ({e}): {r.text[:200]!r}"
                 ) from e
         raise SGLangError(
-            f"sglang engine {self.name}: {method} {endpoint} failed after {self.max_retries + 1} attempts; last: {last}"
+            f"sglang engine {self.name}: {method} {endpoint} failed after {attempt + 1} attempts; last: {last}"
         )
 
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         self.in_flight += 1
         try:
-            reply = await self.call("POST", "/generate", payload_generate(req), retry_read_timeout=False)
+            reply = await self.call("POST", "/generate", payload_generate(req), idempotent=False)
         finally:
             self.in_flight -= 1
         return parse_generate_reply(reply, req, self.name)
@@ -279,12 +340,32 @@ class SGLangClient:
         )
 
     async def flush_cache(self) -> None:
-        await self.call("POST", "/flush_cache", expect_json=False)
+        """Flush the radix cache, retrying its 400 ("requests still running") until it answers 200.
+
+        Raises :class:`SGLangError` after ``flush_timeout_s`` (the client's ``flush_timeout_s``).
+        """
+        deadline = time.monotonic() + self.flush_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                await self.call("POST", "/flush_cache", expect_json=False)
+                return
+            except SGLangError as e:
+                if "HTTP 400" not in str(e) or time.monotonic() + delay > deadline:
+                    if "HTTP 400" in str(e):
+                        raise SGLangError(
+                            f"sglang engine {self.name}: /flush_cache still refused after "
+                            f"{self.flush_timeout_s:g}s (flush_timeout_s; requests did not drain): {e}"
+                        ) from e
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def pause_generation(self, mode: str = "abort") -> None:
         await self.call("POST", "/pause_generation", payload_pause(mode))
 
     async def continue_generation(self) -> None:
+        await self.end_weight_update()
         await self.call("POST", "/continue_generation", {})
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> dict:
@@ -297,28 +378,79 @@ class SGLangClient:
 
     async def init_weights_update_group(self, **kwargs) -> dict:
         return self._checked(
-            await self.call("POST", "/init_weights_update_group", payload_init_group(**kwargs)),
+            await self.call(
+                "POST", "/init_weights_update_group", payload_init_group(**kwargs), idempotent=False
+            ),
             "/init_weights_update_group",
         )
 
     async def update_weights_from_distributed(
         self, bucket: dict[str, torch.Tensor], version: int, group_name: str
     ) -> dict:
-        payload = payload_update_from_distributed(bucket, version, group_name)
+        # the sync flushes once before its first bucket (flush_cache), not once per bucket
+        payload = payload_update_from_distributed(bucket, version, group_name, flush_cache=False)
+        await self.begin_weight_update()
         return self._checked(
-            await self.call("POST", "/update_weights_from_distributed", payload, retry_read_timeout=False),
+            await self.call("POST", "/update_weights_from_distributed", payload, idempotent=False),
             "/update_weights_from_distributed",
         )
 
     async def update_weights_from_tensor(
         self, serialized: list[str], version: int, load_format: str | None = None
     ) -> dict:
-        payload = payload_update_from_tensor(serialized, version, load_format)
+        payload = payload_update_from_tensor(serialized, version, load_format, flush_cache=False)
+        await self.begin_weight_update()
         return self._checked(
-            await self.call("POST", "/update_weights_from_tensor", payload), "/update_weights_from_tensor"
+            await self.call("POST", "/update_weights_from_tensor", payload, idempotent=False),
+            "/update_weights_from_tensor",
         )
 
+    async def begin_weight_update(self) -> None:
+        """Open the update session SGLang >= 0.5.21 requires around tensor/distributed updates.
+
+        Opened by the first such update of a sync and closed by the ``continue_generation`` that
+        ends every sync, so callers (the driver's transports) need not know about it.
+        """
+        if self._update_session or not await self.needs_update_session():
+            return
+        self._checked(
+            await self.call("POST", "/begin_weight_update", {}, idempotent=False), "/begin_weight_update"
+        )
+        self._update_session = True
+
+    async def end_weight_update(self) -> None:
+        if not self._update_session:
+            return
+        self._update_session = False
+        self._checked(
+            await self.call("POST", "/end_weight_update", {}, idempotent=False), "/end_weight_update"
+        )
+
+    async def needs_update_session(self) -> bool:
+        return (await self.version()) >= UPDATE_SESSION_SINCE
+
+    async def version(self) -> tuple[int, ...]:
+        """The server's SGLang version (``/get_server_info``, else its successor ``/server_info``), read once."""
+        if self.server_version is None:
+            try:
+                info = await self.call("GET", "/get_server_info")
+            except SGLangError as e:
+                if "HTTP 404" not in str(e):
+                    raise
+                info = await self.call("GET", "/server_info")
+            raw = info.get("version") if isinstance(info, dict) else None
+            self.server_version = parse_version(raw)
+        return self.server_version
+
+    async def on_connect(self) -> tuple[int, ...]:
+        """Refuse an unsupported server; resume one a crashed trainer left paused."""
+        version = await self.version()
+        check_supported_version(version, self.name)
+        await self.continue_generation()
+        return version
+
     async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self.flush_cache()  # the radix cache points into the KV memory being released
         await self.call("POST", "/release_memory_occupation", payload_memory(tags), expect_json=False)
 
     async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:

@@ -40,6 +40,9 @@ class SGLangServerConfig:
         startup_timeout_s: how long to wait for ``/health_generate``.
         log_file: where stdout/stderr go (default: ``sglang_<port>.log`` in the cwd).
         env: extra environment variables for the server process.
+        python: interpreter that runs the server; None: :func:`default_server_python`.
+        max_total_tokens: KV pool size in tokens (``--max-total-tokens``); None leaves SGLang to
+            size it from the memory free at its start (callers should not).
     """
 
     model_path: str
@@ -56,15 +59,30 @@ class SGLangServerConfig:
     startup_timeout_s: float = 900.0
     log_file: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    python: str | None = None
+    max_total_tokens: int | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
 
+# The SGLang venv `make setup-sglang` builds next to the package (a source checkout).
+REPO_SGLANG_PYTHON = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
+
+
+def default_server_python() -> str:
+    """``rollout.sglang.python`` when unset: the repo's ``.venv-sglang`` if built, else this interpreter.
+
+    SGLang's pins clash with the trainer's, so a source checkout runs it from its own venv; an
+    image with sglang installed next to the trainer (the Dockerfile) uses the same interpreter.
+    """
+    return str(REPO_SGLANG_PYTHON) if REPO_SGLANG_PYTHON.exists() else sys.executable
+
+
 def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> list[str]:
     """The ``python -m sglang.launch_server ...`` argv for ``cfg``."""
-    cmd = [python or sys.executable, "-m", "sglang.launch_server"]
+    cmd = [python or cfg.python or default_server_python(), "-m", "sglang.launch_server"]
     cmd += ["--model-path", str(cfg.model_path), "--tp-size", str(cfg.tp_size)]
     cmd += ["--host", cfg.host, "--port", str(cfg.port)]
     cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static), "--dtype", cfg.dtype]
@@ -76,6 +94,8 @@ def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> 
         cmd.append("--enable-memory-saver")
     if cfg.skip_server_warmup:
         cmd.append("--skip-server-warmup")
+    if cfg.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(int(cfg.max_total_tokens))]
     return cmd + list(cfg.extra_args)
 
 
