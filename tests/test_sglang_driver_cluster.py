@@ -118,7 +118,8 @@ def test_engines_start_on_every_node_and_restart_there(cluster, tmp_path):
             assert node == p.node_id  # the server's host actor runs on the engine's node
             info = httpx.get(p.url + "/get_server_info", timeout=30).json()
             assert info["ppid"] == ray.get(host.__ray_call__.remote(lambda self: os.getpid()))
-            assert e.plan.ipc_ranks == (2 * p.index, 2 * p.index + 1)  # the ranks on its own GPUs
+            mine = tuple(r for r, s in enumerate(actor) if s.node_id == p.node_id and s.gpu in p.gpus)
+            assert e.plan.ipc_ranks == mine and len(mine) == 2  # the trainer ranks on its own GPUs
         # a server killed on its node comes back there, on the same address
         victim = engines[1]
         old = httpx.get(victim.plan.url + "/get_server_info", timeout=30).json()["pid"]

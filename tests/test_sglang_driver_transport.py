@@ -344,6 +344,9 @@ def test_transport_choice_by_placement():
     assert resolve_transport_kind(cfg("auto", "colocated"), [here, there]) == "disk"
     with pytest.raises(ConfigError, match=r"transport=nccl with trainer.placement=colocated.*Duplicate GPU"):
         resolve_transport_kind(cfg("nccl", "colocated"), [here])
+    # on CPUs nothing shares a GPU: the distributed update runs over gloo whatever the placement
+    assert resolve_transport_kind(cfg("auto", "colocated"), [here], gpus=False) == "nccl"
+    assert resolve_transport_kind(cfg("nccl", "colocated"), [here], gpus=False) == "nccl"
     with pytest.raises(ConfigError, match="object_store is for HF engines"):
         resolve_transport_kind(cfg("object_store", "colocated"))
 

@@ -43,8 +43,6 @@ def resolve_device(cfg: DictConfig) -> str:
 def resolve_engine(cfg: DictConfig, device: str) -> str:
     if cfg.rollout.engine == "auto":
         return "sglang" if device == "cuda" else "hf"
-    if cfg.rollout.engine == "sglang" and device != "cuda":
-        raise ConfigError("rollout.engine=sglang needs GPUs; on CPU use rollout.engine=hf (or auto)")
     return cfg.rollout.engine
 
 
@@ -94,6 +92,7 @@ class Placement:
         from megatron_dapo.driver.sglang_placement import rank_order
 
         self.cfg = cfg
+        self.device = device
         world = cfg.parallel.actor_world_size
         n_engines = cfg.rollout.num_engines
         threads = max(1, (os.cpu_count() or 2) // (world + n_engines)) if device == "cpu" else None
@@ -137,11 +136,17 @@ class Placement:
         import ray
 
         from megatron_dapo.driver.sglang_engines import launch_planned_engines, start_sglang_engines
-        from megatron_dapo.driver.sglang_placement import plan_engines
+        from megatron_dapo.driver.sglang_placement import EnginePlan, plan_engines
 
         cfg = self.cfg
         if cfg.rollout.sglang.urls:
             return start_sglang_engines(cfg)
+        log_dir = Path(cfg.trainer.runs_dir).resolve() / cfg.trainer.run_name / "sglang"
+        if self.device == "cpu":
+            # CPU servers (tests, the demo): on this node, no GPUs, free ports
+            here = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+            plans = [EnginePlan(i, *here, (), 0) for i in range(int(cfg.rollout.num_engines))]
+            return launch_planned_engines(cfg, plans, log_dir)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         plans = plan_engines(
             cfg.trainer.placement,
@@ -152,7 +157,6 @@ class Placement:
             int(cfg.rollout.sglang.base_port),
             node_ips={n["NodeID"]: n["NodeManagerAddress"] for n in nodes},
         )
-        log_dir = Path(cfg.trainer.runs_dir).resolve() / cfg.trainer.run_name / "sglang"
         return launch_planned_engines(cfg, plans, log_dir)
 
     def _start_engines(self, kind: str, bundle_offset: int, threads: int | None) -> list[Any]:
@@ -184,7 +188,8 @@ class Placement:
             return RayObjectTransport([(e.name, e.handle) for e in self.engines], timeout)
         from megatron_dapo.driver.sglang_transports import sglang_transport
 
-        return sglang_transport(self.cfg, self.engines)
+        # gloo carries the distributed update between CPU processes
+        return sglang_transport(self.cfg, self.engines, backend="gloo" if self.device == "cpu" else "nccl")
 
     def _stop_sglang(self) -> None:
         if self.engines and not all(hasattr(e, "handle") for e in self.engines):

@@ -44,7 +44,7 @@ def server_config(cfg, i: int, gpus: Sequence[int], log_dir: str | Path, host: s
     colocated = cfg.trainer.placement == "colocated"
     return SGLangServerConfig(
         model_path=str(cfg.model.path),
-        tp_size=len(gpus),
+        tp_size=len(gpus) or int(cfg.rollout.tensor_parallel_size),
         host=host or s.host,
         port=int(s.base_port) + i if port is None else int(port),
         mem_fraction_static=float(s.mem_fraction_static),
@@ -52,7 +52,7 @@ def server_config(cfg, i: int, gpus: Sequence[int], log_dir: str | Path, host: s
         # release/resume of memory between rollout and training only matters when sharing GPUs
         enable_memory_saver=bool(colocated and s.enable_memory_saver),
         dtype=_SGLANG_DTYPES.get(cfg.model.dtype, "auto"),
-        base_gpu_id=gpus[0],
+        base_gpu_id=gpus[0] if gpus else None,
         extra_args=[str(a) for a in s.extra_args],
         startup_timeout_s=float(s.startup_timeout_s),
         log_file=str(Path(log_dir) / f"engine_{i}.log"),
@@ -222,7 +222,7 @@ def launch_planned_engines(cfg, plans: Sequence[Any], log_dir: str | Path, comma
     engines = []
     for p, c, srv in zip(plans, configs, servers):
         engine = SGLangEngine(
-            c.url,
+            srv.url,
             name=srv.name,
             server=srv,
             tp_size=c.tp_size,

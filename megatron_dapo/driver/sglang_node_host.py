@@ -34,6 +34,11 @@ class SGLangNodeHost:
         # The plan counts GPUs by their index on the node (--base-gpu-id); a mask that Ray may have
         # set for this GPU-less actor would shift or hide them.
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        from megatron_dapo.actor.spawn import free_port
+
+        for c in configs:
+            if not c.port:  # port 0: a free one on this node
+                c.port = free_port()
         commands = list(commands) if commands is not None else [None] * len(configs)
         self.servers = [SGLangServer(c, command=cmd) for c, cmd in zip(configs, commands)]
 
@@ -42,6 +47,9 @@ class SGLangNodeHost:
         import ray
 
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def urls(self) -> list[str]:
+        return [s.cfg.url for s in self.servers]
 
     def start(self) -> list[int]:
         """Start every server (weights load in parallel), wait until all are healthy; their pids."""
@@ -85,11 +93,12 @@ class SGLangNodeHost:
 class RemoteServer:
     """The driver's handle on one server that an `SGLangNodeHost` runs (what `engine.server` holds)."""
 
-    def __init__(self, host: Any, index: int, name: str, timeout_s: float):
+    def __init__(self, host: Any, index: int, name: str, timeout_s: float, url: str = ""):
         self.host = host
         self.index = index
         self.name = name
         self.timeout_s = timeout_s
+        self.url = url
 
     def _get(self, ref, timeout_s: float | None = None):
         import ray
@@ -140,10 +149,10 @@ def launch_on_nodes(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
             ).remote([configs[i] for i in idx], None if commands is None else [commands[i] for i in idx])
             hosts.append(host)
+            urls = ray.get(host.urls.remote(), timeout=startup_timeout_s)
             for k, i in enumerate(idx):
-                servers[i] = RemoteServer(
-                    host, k, f"sglang-{i}@{plans[i].node_ip}:{plans[i].port}", startup_timeout_s
-                )
+                where = urls[k].split("://", 1)[-1]
+                servers[i] = RemoteServer(host, k, f"sglang-{i}@{where}", startup_timeout_s, urls[k])
         ray.get([h.start.remote() for h in hosts], timeout=startup_timeout_s + 60)
     except BaseException:
         stop_node_hosts(hosts)

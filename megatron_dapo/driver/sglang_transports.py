@@ -453,16 +453,17 @@ def is_local(url: str) -> bool:
         return False
 
 
-def resolve_transport_kind(cfg, endpoints: Sequence[EngineEndpoint] = ()) -> str:
+def resolve_transport_kind(cfg, endpoints: Sequence[EngineEndpoint] = (), gpus: bool = True) -> str:
     """nccl / cuda_ipc / disk from `trainer.weight_sync.transport` and the placement.
 
     Colocated never uses NCCL: the trainer's sending rank and an engine TP rank would sit on one
     GPU in one communicator, which NCCL refuses ("Duplicate GPU detected"). So auto = cuda_ipc
-    when colocated and every server is on this node (the sender's handles open only there), disk
+    when colocated on GPUs and every server is on this node (the sender's handles open only there), disk
     when colocated servers are elsewhere, nccl when disaggregated.
     """
     kind = cfg.trainer.weight_sync.transport
-    colocated = cfg.trainer.placement == "colocated"
+    # on CPUs (`gpus=False`: tests, the demo) nothing shares a GPU: the group runs over gloo
+    colocated = cfg.trainer.placement == "colocated" and gpus
     if kind == "nccl" and colocated:
         raise ConfigError(
             "trainer.weight_sync.transport=nccl with trainer.placement=colocated puts the sending trainer "
@@ -489,16 +490,16 @@ def resolve_transport_kind(cfg, endpoints: Sequence[EngineEndpoint] = ()) -> str
     return kind
 
 
-def sglang_transport(cfg, engines: Sequence[Any]):
+def sglang_transport(cfg, engines: Sequence[Any], backend: str = "nccl"):
     """The weight transport to `engines` chosen by `trainer.weight_sync.transport` (module docstring)."""
     endpoints = endpoints_of(engines, cfg.rollout.sglang.api_key)
     timeout = float(cfg.trainer.weight_sync.timeout_s)
-    kind = resolve_transport_kind(cfg, endpoints)
+    kind = resolve_transport_kind(cfg, endpoints, gpus=backend != "gloo")
     if kind == "cuda_ipc":
         if endpoints and all(ep.ipc_ranks for ep in endpoints):
             return SGLangRankIPCTransport(endpoints, timeout)
         return SGLangIPCTransport(endpoints, timeout)
     if kind == "nccl":
-        return SGLangNCCLTransport(endpoints, timeout, backend="nccl")
+        return SGLangNCCLTransport(endpoints, timeout, backend=backend)
     directory = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / "weight_sync"
     return SGLangDiskTransport(endpoints, directory.resolve(), timeout, hf_metadata_dir=cfg.model.path)
