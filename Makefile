@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 LOCK := requirements/cpu.lock
 LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
 
-.PHONY: setup demo test lint lock clean
+.PHONY: setup setup-sglang demo test lint lock lock-sglang clean
 
 setup: $(STAMP)
 
@@ -29,10 +29,27 @@ $(STAMP): $(BIN)/python pyproject.toml $(LOCK)
 	$(BIN)/python -m pip install --quiet $(LOCK_FLAGS) -e ".[dev]"
 	@touch $(STAMP)
 
+# The real SGLang server for the tests, in its own venv: its declared pins (CUDA torch, flashinfer,
+# the CUDA kernel package) clash with the project's, so sglang goes in with --no-deps next to CPU
+# torch and the exact pure-Python packages its server imports (requirements/sglang-cpu.txt).
+# The trainer talks to it over HTTP and a gloo group (rollout.sglang.python picks this venv).
+SGLANG_VERSION := 0.5.23
+SG_VENV := .venv-sglang
+SG_STAMP := $(SG_VENV)/.installed
+SG_LOCK := requirements/sglang-cpu.txt
+
+setup-sglang: $(SG_STAMP)
+
+$(SG_STAMP): $(SG_LOCK)
+	test -x $(SG_VENV)/bin/python || $(PY) -m venv $(SG_VENV)
+	$(SG_VENV)/bin/python -m pip install --quiet -r $(SG_LOCK)
+	$(SG_VENV)/bin/python -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	@touch $(SG_STAMP)
+
 demo: setup
 	$(BIN)/megatron-dapo demo
 
-test: setup
+test: setup setup-sglang
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
@@ -46,5 +63,14 @@ lock:
 	  .venv-lock/bin/python -m pip freeze --all --exclude-editable | grep -v "^pip==" | sed "s/+cpu$$//"; } > $(LOCK)
 	rm -rf .venv-lock
 
+# Re-resolve the SGLang venv's packages (names in requirements/sglang-cpu.in) and rewrite its lock.
+lock-sglang:
+	rm -rf .venv-lock && $(PY) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet -r requirements/sglang-cpu.in
+	{ echo "# SGLang $(SGLANG_VERSION) CPU test server (.venv-sglang): exact versions of what its server imports, next to"; \
+	  echo "# CPU torch. sglang itself goes in with --no-deps (Makefile). Refresh: make lock-sglang"; \
+	  .venv-lock/bin/python -m pip freeze --all | grep -v "^pip==" | sed 's/+cpu$$//'; } > $(SG_LOCK)
+	rm -rf .venv-lock
+
 clean:
-	rm -rf $(VENV) .venv-lock .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SG_VENV) .venv-lock .pytest_cache .ruff_cache

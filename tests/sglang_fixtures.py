@@ -1,0 +1,156 @@
+"""A real SGLang server on the CPU for the tests, started through the project's own launcher.
+
+``start_cpu_server(model_path, log_dir)`` runs ``rollout.sglang_server.SGLangServer`` with the
+repo's ``.venv-sglang`` interpreter (``make setup-sglang``), the CPU flags below and the CPU
+stand-ins of ``tests/sglang_cpu`` on the server's PYTHONPATH only, on a free port, and waits for
+``/health_generate``. ``stop_cpu_server`` ends its process group and the ``torch_shm_manager``
+daemons that tensor updates leave behind. Tests that need the server skip cleanly (naming
+``make setup-sglang``) when the venv is not built.
+
+The pytest fixtures in conftest.py wrap these: ``sglang_cpu_server`` (one server per test module
+on the tiny Qwen2 checkpoint) and ``sglang_server_factory`` (more servers, other flags).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.rollout.sglang_server import REPO_SGLANG_PYTHON, SGLangServer, SGLangServerConfig
+
+STANDINS = Path(__file__).parent / "sglang_cpu"
+
+# Flags that make SGLang 0.5.23 serve on a CPU: torch-native attention and sampling, no CUDA
+# graphs, no overlap scheduler (it needs streams), fp32 so log-probs match HF to 1e-5.
+CPU_SERVER_ARGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--grammar-backend",
+    "none",
+    "--disable-cuda-graph",
+    "--disable-overlap-schedule",
+    "--max-running-requests",
+    "8",
+]
+CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+# Start-up measured at 20-40 s on an idle 2-core machine; the suite shares it with others.
+STARTUP_TIMEOUT_S = 600.0
+
+
+def sglang_python() -> Path | None:
+    """The built SGLang venv's interpreter, or None (then the real-server tests skip)."""
+    stamp = REPO_SGLANG_PYTHON.parent.parent / ".installed"
+    return REPO_SGLANG_PYTHON if REPO_SGLANG_PYTHON.exists() and stamp.exists() else None
+
+
+def require_sglang() -> Path:
+    python = sglang_python()
+    if python is None:
+        pytest.skip(f"real SGLang server needs {REPO_SGLANG_PYTHON.parent.parent}: run `make setup-sglang`")
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class CPUServer:
+    """A running server: its launcher object, URL and the checkpoint it serves."""
+
+    server: SGLangServer
+    model_path: Path
+    shm_managers_before: set[int] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return self.server.cfg.url
+
+    @property
+    def log_path(self) -> Path:
+        return self.server.log_path
+
+
+def _shm_manager_pids() -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if (entry / "comm").read_text().strip() == "torch_shm_manag":
+                    pids.add(int(entry.name))
+    return pids
+
+
+def start_cpu_server(
+    model_path,
+    log_dir,
+    *,
+    extra_args: list[str] | None = None,
+    max_total_tokens: int = 4096,
+    enable_memory_saver: bool = False,
+    env: dict[str, str] | None = None,
+) -> CPUServer:
+    """Launch a CPU server on ``model_path`` and wait until it serves (stopped again on failure)."""
+    python = require_sglang()
+    port = free_port()
+    cfg = SGLangServerConfig(
+        model_path=str(model_path),
+        port=port,
+        mem_fraction_static=0.05,
+        dtype="float32",
+        enable_memory_saver=enable_memory_saver,
+        extra_args=CPU_SERVER_ARGS + list(extra_args or []),
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+        log_file=str(Path(log_dir) / f"sglang_{port}.log"),
+        env={**CPU_SERVER_ENV, "PYTHONPATH": str(STANDINS), **(env or {})},
+        python=str(python),
+        max_total_tokens=max_total_tokens,
+    )
+    handle = CPUServer(SGLangServer(cfg), Path(model_path), _shm_manager_pids())
+    handle.server.start()
+    try:
+        handle.server.wait_healthy()
+    except BaseException:
+        stop_cpu_server(handle)
+        raise
+    return handle
+
+
+def stop_cpu_server(handle: CPUServer) -> None:
+    """End the server's process group (continuing it first if a test stopped it) and new shm daemons."""
+    proc = handle.server.proc
+    if proc is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGCONT)
+    handle.server.stop(grace_s=20.0)
+    # torch_shm_manager daemons outlive their clients when file_system sharing was used; only the
+    # ones that appeared while this server ran are ours.
+    for pid in _shm_manager_pids() - handle.shm_managers_before:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while _shm_manager_pids() - handle.shm_managers_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def real_sglang_server(model_path, log_dir, **kwargs):
+    """``start_cpu_server`` as a context manager: the server is stopped (and its shm daemons) on exit."""
+    handle = start_cpu_server(model_path, log_dir, **kwargs)
+    try:
+        yield handle
+    finally:
+        stop_cpu_server(handle)
