@@ -148,6 +148,23 @@ class Actor:
                 chunk.config.variable_seq_lengths = False
         set_schedule_hooks(model_chunks, optimizer)
 
+    # ------------------------------------------------------------------ weights
+    def load_model_weights(self, ckpt_dir) -> None:
+        """Load the model (only) from the dist checkpoint at ``ckpt_dir``, then refresh the
+        optimizer's fp32 master copies from it: with bf16/fp16 params the optimizer steps its
+        masters and copies them back into the model, so masters left at the old values would
+        overwrite the loaded weights at the first step."""
+        from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
+
+        load_model_checkpoint(self.model, ckpt_dir)
+        self.model_weights_changed()
+
+    def model_weights_changed(self) -> None:
+        """Call after anything writes the model's parameters outside the optimizer (a model-only
+        load): megatron's mixed-precision optimizers copy them into their fp32 master params
+        (a no-op for the fp32 optimizer)."""
+        self.optimizer.reload_model_params()
+
     # ------------------------------------------------------------------ planning
     def _my_micro_batches(self, batch: ActorBatch, indices: list[int]) -> list:
         lengths = batch.seq_lens.tolist()

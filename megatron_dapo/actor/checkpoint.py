@@ -298,6 +298,9 @@ def load_checkpoint(
     if load_optimizer:
         actor.optimizer.load_state_dict(loaded["optimizer"])
         actor.scheduler.load_state_dict(common["scheduler"])
+    else:
+        # Model-only load: the fp32 master params still hold the old weights.
+        actor.model_weights_changed()
     if same_layout:
         set_rng_state(loaded["rng"])
     else:

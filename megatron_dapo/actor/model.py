@@ -335,6 +335,7 @@ def build_gpt_model(
             rope_scaling_factor=spec.rope_scaling_factor or 8.0,
             vp_stage=vp_stage if vpp else None,
         )
+        _params_to_dtype(model, params_dtype)
         chunks.append(model.to(dev))
     # The weight maps and logit helpers need the HF side of the model.
     for model in chunks:
@@ -423,3 +424,17 @@ def model_parallel_env_summary() -> str:
         f"tp={ps.get_tensor_model_parallel_world_size()} pp={ps.get_pipeline_model_parallel_world_size()} "
         f"dp={ps.get_data_parallel_world_size()} pid={os.getpid()}"
     )
+
+
+def _params_to_dtype(model: Any, dtype: torch.dtype) -> None:
+    """Give every float parameter the model's dtype, as megatron's training loop does with its
+    Float16Module wrapper. The local spec's norms (``WrappedTorchNorm``, torch's RMSNorm/LayerNorm)
+    ignore ``params_dtype`` and stay fp32; megatron's Float16Optimizer then keeps them apart from
+    its bf16 params, and its ``sharded_state_dict`` numbers optimizer states by the bf16 params
+    only, so a mixed model cannot save its optimizer (shape mismatch). Parameters only: buffers
+    such as RoPE frequencies stay fp32."""
+    if dtype == torch.float32:
+        return
+    for param in model.parameters():
+        if param.dtype == torch.float32:
+            param.data = param.data.to(dtype)

@@ -162,6 +162,11 @@ def guarded_step(optimizer: Any, scheduler: Any, loss: float) -> StepOutcome:
     The grad norm is computed first (megatron's own, over the model-parallel group; DP grads are
     already reduced), so every rank takes the same decision; a skipped step leaves parameters,
     optimizer state and schedule untouched. Gradients are zeroed either way.
+
+    megatron's ``optimizer.step()`` is prepare_grads + clip + step_with_ready_grads; it is
+    spelled out here because the decision needs the prepared grads first, and calling ``step()``
+    after ``prepare_grads()`` would prepare them twice: with fp16 the main grads would be
+    unscaled twice (Adam would see grad / scale) and the loss scaler updated twice.
     """
     found_inf = optimizer.prepare_grads()
     grad_norm = float(optimizer.get_grad_norm())
@@ -173,12 +178,31 @@ def guarded_step(optimizer: Any, scheduler: Any, loss: float) -> StepOutcome:
     if reason:
         optimizer.zero_grad()
         return StepOutcome(False, grad_norm, reason)
-    updated, _, _ = optimizer.step()
-    if not updated:
+    _clip_main_grads(optimizer, grad_norm)
+    if not optimizer.step_with_ready_grads():
         optimizer.zero_grad()
-        return StepOutcome(False, grad_norm, "the optimizer found inf/nan in the gradients")
+        return StepOutcome(False, grad_norm, "the optimizer refused the step")
     scheduler.step(1)
     return StepOutcome(True, grad_norm)
+
+
+def _clip_main_grads(optimizer: Any, grad_norm: float) -> None:
+    """Scale the prepared main grads by clip_grad / grad_norm when the norm exceeds clip_grad,
+    as ``step()`` does (per inner optimizer of a ChainedOptimizer, with the shared total norm)."""
+    from megatron.core.optimizer import clip_grads
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(inner, "is_stub_optimizer", False) or inner.config.clip_grad <= 0.0:
+            continue
+        params = inner.get_parameters()
+        if params:
+            # Looked up at call time: on CPU compat wraps this function in the module.
+            clip_grads.clip_grad_by_total_norm_fp32(
+                params,
+                max_norm=inner.config.clip_grad,
+                total_norm=grad_norm,
+                use_decoupled_grad=inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
 
 
 def current_lr(optimizer: Any) -> float:

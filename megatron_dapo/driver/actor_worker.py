@@ -75,9 +75,6 @@ class ActorWorker:
             seed=cfg["trainer"]["seed"],
         )
         dtype = cfg["model"]["dtype"]
-        if compat.on_cpu() and dtype != "fp32":
-            # CPU kernels for bf16 matmuls are slow and the CPU path is for correctness: fp32.
-            dtype = "fp32"
         impl = cfg["model"]["transformer_impl"]
         use_te = {"auto": None, "transformer_engine": True, "local": False}[impl]
         model_kwargs: dict[str, Any] = {
@@ -101,9 +98,12 @@ class ActorWorker:
             model_kwargs=model_kwargs,
         )
         if start_from:
-            from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
+            self.actor.load_model_weights(start_from)
+        if not compat.on_cpu() and cfg["trainer"]["placement"] == "colocated":
+            from megatron_dapo.actor.offload import check_params_offloadable
 
-            load_model_checkpoint(self.actor.model, start_from)
+            # Fail at start-up, not at the first weight sync.
+            check_params_offloadable(self.actor.model)
         self.layout = layout
         return {
             "rank": layout.rank,
@@ -130,15 +130,11 @@ class ActorWorker:
         megatron-core's own RL hooks. The weight sync needs the parameters, so the trainer first
         offloads without them. A no-op on the CPU path (there is no device memory)."""
         from megatron_dapo.actor import compat
+        from megatron_dapo.actor.offload import offload_actor
 
         if compat.on_cpu():
             return False
-        for chunk in self.actor.model:
-            chunk.offload_grad_buffers(synchronize=True, empty_cache=False)
-            if params:
-                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                    buffer.offload_to_cpu(move_params=True, move_grads=False)
-        self.actor.optimizer.offload_to_cpu()
+        offload_actor(self.actor.model, self.actor.optimizer, params)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         return True
@@ -146,14 +142,11 @@ class ActorWorker:
     def onload(self) -> bool:
         """Undo `offload` before the actor trains (parameters back, grads re-allocated, zeroed)."""
         from megatron_dapo.actor import compat
+        from megatron_dapo.actor.offload import onload_actor
 
         if compat.on_cpu():
             return False
-        for chunk in self.actor.model:
-            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                buffer.reload_from_cpu(move_params=True, move_grads=False)
-            chunk.restore_grad_buffers(synchronize=False)
-        self.actor.optimizer.restore_from_cpu()
+        onload_actor(self.actor.model, self.actor.optimizer)
         torch.cuda.synchronize()
         return True
 
