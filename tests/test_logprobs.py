@@ -108,3 +108,36 @@ def test_tp2_matches_float64_reference():
         full = torch.cat(grads, dim=1)
         assert (full - ref_grad).abs().max() < tol
         assert full[:, VOCAB:].abs().max() == 0
+
+
+def test_unused_entropy_costs_no_backward_work(monkeypatch):
+    """Entropy computed (for metrics) but not differentiated: the gradient equals the float64
+    reference's and the backward never evaluates the entropy term."""
+    from megatron_dapo.actor import logprobs as lp_mod
+
+    calls = []
+    real = lp_mod._add_entropy_term
+    monkeypatch.setattr(lp_mod, "_add_entropy_term", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 50, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 50, (6,), generator=gen)
+    weights = torch.randn(6, generator=gen, dtype=torch.float64)
+
+    x = logits.clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(x, targets, with_entropy=True)
+    (lp * weights).sum().backward()
+    ref = logits.clone().requires_grad_(True)
+    ref_lp, _ = naive_logprobs(ref, targets, dtype=torch.float64)
+    (ref_lp * weights).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=1e-12)
+    assert ent.abs().sum() > 0 and calls == []
+
+    # When the loss does use the entropy, the term runs (and is still right).
+    y = logits.clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(y, targets, with_entropy=True)
+    (lp * weights + ent).sum().backward()
+    ref2 = logits.clone().requires_grad_(True)
+    rl, re = naive_logprobs(ref2, targets, dtype=torch.float64)
+    (rl * weights + re).sum().backward()
+    torch.testing.assert_close(y.grad, ref2.grad, rtol=0, atol=1e-12)
+    assert calls

@@ -39,6 +39,15 @@ def _chunk_rows(local_vocab: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (4 * max(local_vocab, 1)))
 
 
+def _add_entropy_term(
+    logp: torch.Tensor, entropy: torch.Tensor, g_h: torch.Tensor, g_lp: torch.Tensor
+) -> None:
+    """In place: ``logp <- g_lp + g_h (logp + H)``, the bracket of the entropy-carrying backward
+    (its own function so tests can see whether the backward paid for it)."""
+    logp.add_(entropy.unsqueeze(-1)).mul_(g_h.unsqueeze(-1))
+    logp.add_(g_lp.unsqueeze(-1))
+
+
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, vocab_size, group, chunk_bytes, with_entropy):
@@ -88,6 +97,10 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             entropy[lo:hi] = log_z - parts[1] / parts[0]
             maxes[lo:hi] = m
             log_zs[lo:hi] = log_z
+        # Outputs nothing differentiates through get None grads instead of zero tensors: the
+        # entropy is usually computed for metrics only, and a zero grad_entropy would make the
+        # backward pay for the entropy term of every logit.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, local_t, owns, maxes, log_zs, entropy)
         ctx.temperature = temperature
         ctx.valid = valid
@@ -120,8 +133,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             # dL/dx_j = g_lp (1[j==t] - p_j) - g_h p_j (log p_j + H)
             #         = -p_j (g_lp + g_h (log p_j + H)) + g_lp 1[j==t]
             if g_h is not None:
-                logp.add_(entropy[lo:hi].unsqueeze(-1)).mul_(g_h[lo:hi].unsqueeze(-1))
-                logp.add_(g_lp[lo:hi].unsqueeze(-1))
+                _add_entropy_term(logp, entropy[lo:hi], g_h[lo:hi], g_lp[lo:hi])
             else:
                 logp.copy_(g_lp[lo:hi].unsqueeze(-1).expand_as(logp))
             gx = logp.mul_(p).neg_()
