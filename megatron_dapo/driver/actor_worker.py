@@ -221,26 +221,11 @@ class ActorWorker:
         return None if record is None else record["trainer_state"]
 
     def export_hf(self, out_dir: str) -> str | None:
-        """Write the current weights as an HF checkpoint at `out_dir` (atomically, from rank 0)."""
-        import tempfile
+        """Write the current weights as an HF checkpoint at `out_dir` (atomically; only the first
+        DP replica gathers, global rank 0 writes)."""
+        from megatron_dapo.weights.save_hf import export_hf_checkpoint
 
-        import torch.distributed as dist
-
-        from megatron_dapo.weights.atomic import atomic_directory
-        from megatron_dapo.weights.save_hf import save_hf_checkpoint
-
-        hf_meta = self.cfg["model"]["path"]
-        if dist.get_rank() == 0:
-            with atomic_directory(out_dir, overwrite=True) as tmp:
-                save_hf_checkpoint(self.actor.model, tmp, hf_metadata_dir=hf_meta)
-            result = str(out_dir)
-        else:
-            # other DP replicas' holders also receive the buckets: keep their copy out of the way
-            with tempfile.TemporaryDirectory(prefix="megatron_dapo_export_") as tmp:
-                save_hf_checkpoint(self.actor.model, tmp, hf_metadata_dir=hf_meta)
-            result = None
-        dist.barrier()
-        return result
+        return export_hf_checkpoint(self.actor.model, out_dir, hf_metadata_dir=self.cfg["model"]["path"])
 
     def shutdown(self) -> None:
         from megatron_dapo.actor.parallel import destroy_parallel

@@ -54,3 +54,27 @@ def _set_config_dtype(config_file: Path, dtype: str) -> None:
     for k in keys:
         data[k] = dtype
     config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def export_hf_checkpoint(
+    model_chunks: list[Any], out_dir: str | os.PathLike, hf_metadata_dir: str | os.PathLike | None = None
+) -> str | None:
+    """Collective over every actor rank: write the model as an HF checkpoint at ``out_dir``
+    (atomically). Only the first data-parallel replica gathers; global rank 0, its bucket holder,
+    writes. Other replicas hold the same weights, so gathering there would only repeat the whole
+    transfer (once per DP replica). Returns ``out_dir`` on global rank 0, None elsewhere."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_dapo.weights.atomic import atomic_directory
+
+    result = None
+    if dist.get_rank() == 0:
+        with atomic_directory(out_dir, overwrite=True) as tmp:
+            save_hf_checkpoint(model_chunks, tmp, hf_metadata_dir=hf_metadata_dir)
+        result = str(out_dir)
+    elif ps.get_data_parallel_rank(with_context_parallel=True) == 0:
+        # TP/PP peers of rank 0: they take part in the gather; only the holder writes files.
+        save_hf_checkpoint(model_chunks, out_dir, hf_metadata_dir=hf_metadata_dir)
+    dist.barrier()
+    return result
