@@ -26,6 +26,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # Torch-pinning packages without their dependencies (see above), then their runtime requirements:
 # SGLang's own list for this version, pinned where SGLang pins them and left to pip where it does not.
+# transformers is the exception: the project calls from_pretrained(..., dtype=), new in 4.56.
 # hadolint ignore=DL3013
 RUN pip install --no-deps \
         "sglang==${SGLANG_VERSION}" \
@@ -34,7 +35,7 @@ RUN pip install --no-deps \
         "megatron-core==${MEGATRON_CORE_VERSION}" \
         "torchao==0.9.0" \
     && pip install \
-        "transformers==4.51.1" "xgrammar==0.1.19" "llguidance>=0.7.11,<0.8.0" "outlines>=0.0.44,<=0.1.11" \
+        "transformers==4.57.1" "xgrammar==0.1.19" "llguidance>=0.7.11,<0.8.0" "outlines>=0.0.44,<=0.1.11" \
         "blobfile==3.0.0" "soundfile==0.13.1" "pyzmq>=25.1.2" "prometheus-client>=0.20.0" \
         compressed-tensors datasets fastapi hf_transfer huggingface_hub interegular modelscope msgspec \
         ninja orjson partial_json_parser pillow psutil pydantic pynvml python-multipart uvicorn uvloop \

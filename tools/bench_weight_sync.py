@@ -31,6 +31,14 @@ QWEN25_05B = dict(
 )
 
 
+def gather_buffers(param, world: int) -> list:
+    """Receive buffers for ``dist.gather`` of ``param`` from ``world`` ranks, on the parameter's
+    own device: NCCL gathers into CUDA tensors only, gloo into CPU ones."""
+    import torch
+
+    return list(torch.empty((world, *param.shape), dtype=param.dtype, device=param.device).unbind(0))
+
+
 def _bench_rank(rank, world, layers, repeats, bucket_bytes):
     import torch
     import torch.distributed as dist
@@ -84,7 +92,7 @@ def _bench_rank(rank, world, layers, repeats, bucket_bytes):
         for p in chunks[0].parameters():
             if world == 1:
                 continue
-            out = list(torch.empty((world, *p.shape), dtype=p.dtype).unbind(0)) if rank == 0 else None
+            out = gather_buffers(p, world) if rank == 0 else None
             dist.gather(p.detach(), gather_list=out, dst=0, group=group)
         dist.barrier()
         floor_s.append(time.perf_counter() - t0)
