@@ -427,3 +427,26 @@ def test_connect_resumes_a_server_a_crashed_trainer_left_paused(server, engine_f
     server.script["/get_server_info"].append(_info("0.5.23"))
     assert e.run(e.client.on_connect()) == (0, 5, 23)
     assert server.paths() == ["/get_server_info", "/continue_generation"]
+
+
+def test_health_waits_for_the_generation_it_runs(server, engine_factory):
+    # SGLang 0.5.x answers /health after a one-token generation; a busy server takes seconds
+    e = engine_factory(server.url)
+    server.script["/health"].append(("sleep", 6.0))
+    assert e.health() is True
+
+
+def test_engines_given_by_url_are_version_checked_and_resumed(server):
+    from megatron_dapo.driver.sglang_engines import connect_sglang_engines, stop_sglang_engines
+
+    server.script["/get_server_info"].extend([_info("0.5.23")] * 2)
+    engines = connect_sglang_engines([server.url], tp_size=1, api_key=None, health_timeout_s=30)
+    try:
+        assert "/continue_generation" in server.paths()
+    finally:
+        stop_sglang_engines(engines)
+    server.script["/get_server_info"].append(_info("0.4.6.post5"))
+    with pytest.raises(
+        SGLangError, match=r"SGLang 0.4.6 is not supported; this release needs sglang>=0.5.21"
+    ):
+        connect_sglang_engines([server.url], tp_size=1, api_key=None, health_timeout_s=30)

@@ -63,7 +63,7 @@ class FakeSGLangServer:
                 if self.path == "/_log":
                     return self._send(200, fake.log())
                 if self.path == "/get_server_info":
-                    return self._send(200, {"tp_size": fake.tp_size, "version": "fake"})
+                    return self._send(200, {"tp_size": fake.tp_size, "version": "0.5.23"})
                 self._send(200, {} if self.path == "/health" else {"status": "ok"})
 
             def do_POST(self):
@@ -117,7 +117,7 @@ class FakeSGLangServer:
         if path == "/update_weights_from_disk":
             self.disk_files = sorted(os.listdir(body["model_path"]))
             return 200, {"success": True, "message": "reloaded"}
-        if path == "/update_weights_from_tensor":
+        if path in ("/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update"):
             return 200, {"success": True, "message": "loaded"}
         return 200, {}
 

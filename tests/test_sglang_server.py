@@ -108,3 +108,36 @@ def test_never_healthy_times_out_with_log_tail(tmp_path):
         pytest.raises(SGLangStartupError, match=r"(?s)not healthy after 1.5s.*HTTP 503.*loading weights"),
     ):
         server.wait_healthy(timeout_s=1.5)
+
+
+def _fake_python(tmp_path, version: str) -> str:
+    """An 'interpreter' whose installed sglang reports ``version`` (answers the metadata probe)."""
+    exe = tmp_path / "python"
+    exe.write_text(f"#!/bin/sh\necho {version}\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+@pytest.mark.parametrize("version", ["0.4.6.post5", "0.6.0"])
+def test_launch_refuses_unsupported_sglang(tmp_path, version):
+    cfg = SGLangServerConfig(model_path="m", port=free_port(), log_file=str(tmp_path / "s.log"))
+    cfg.python = _fake_python(tmp_path, version)
+    with pytest.raises(SGLangStartupError, match=r"not supported; this release needs sglang>=0.5.21,<0.6"):
+        SGLangServer(cfg).start()
+    assert not (tmp_path / "s.log").exists()  # refused before anything started
+
+
+def test_launch_accepts_the_supported_release(tmp_path):
+    from megatron_dapo.rollout.sglang_server import check_launchable
+
+    assert check_launchable(_fake_python(tmp_path, "0.5.23")) == (0, 5, 23)
+
+
+def test_default_server_python_is_the_repo_sglang_venv_when_built():
+    from megatron_dapo.rollout.sglang_server import REPO_SGLANG_PYTHON, default_server_python
+
+    expected = str(REPO_SGLANG_PYTHON) if REPO_SGLANG_PYTHON.exists() else sys.executable
+    assert default_server_python() == expected
+    cfg = SGLangServerConfig(model_path="m", python="/opt/sg/bin/python", max_total_tokens=4096)
+    cmd = build_launch_command(cfg)
+    assert cmd[0] == "/opt/sg/bin/python" and cmd[cmd.index("--max-total-tokens") + 1] == "4096"

@@ -3,6 +3,10 @@ receiver, and a receiver that never shows up -> a timeout naming the engine and 
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -47,3 +51,55 @@ def test_broadcast_bucket_reaches_the_receiver():
 def test_missing_receiver_times_out_naming_engine_and_bucket():
     with pytest.raises(RankFailed, match=r"(?s)engine sg-1.*bucket 5 \(3 tensors"):
         run_ranks(_sync, 2, free_port(), True, timeout_s=120)
+
+
+_LOAD_LIKE_SGLANG = """
+import base64, sys
+from multiprocessing.reduction import ForkingPickler
+named = ForkingPickler.loads(base64.b64decode(sys.stdin.read()))
+print({name: [str(t.dtype), t.float().sum().item()] for name, t in named})
+"""
+
+
+def test_cpu_bucket_serialized_for_update_weights_from_tensor_loads_in_another_process():
+    # a CPU server on this host reads /update_weights_from_tensor payloads like this (base64 +
+    # ForkingPickler); with the default file_descriptor strategy the handles are useless to it
+    import ast
+    import subprocess
+    import sys
+
+    from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
+
+    before = torch.multiprocessing.get_sharing_strategy()
+    marker = f"{os.getpid()}-{id(before)}"
+    os.environ["MEGATRON_DAPO_TEST_SHM"] = marker  # inherited by the torch_shm_manager we start
+    b = bucket(2.0)
+    payloads = serialize_bucket_for_ipc(b, tp_size=2)
+    try:
+        assert len(payloads) == 2 and torch.multiprocessing.get_sharing_strategy() == before
+        out = subprocess.run(
+            [sys.executable, "-c", _LOAD_LIKE_SGLANG],
+            input=payloads[1],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = ast.literal_eval(out.stdout.strip())
+        assert got == {k: [str(v.dtype), v.float().sum().item()] for k, v in b.items()}
+    finally:
+        del payloads
+        _end_shm_managers_started_with(marker)
+
+
+def _end_shm_managers_started_with(marker: str) -> None:
+    """SIGTERM the torch_shm_manager daemons whose environment carries ``marker`` (ours only)."""
+    os.environ.pop("MEGATRON_DAPO_TEST_SHM", None)
+    for d in Path("/proc").iterdir():
+        try:
+            if (d / "comm").read_text().strip() != "torch_shm_manag":
+                continue
+            if f"MEGATRON_DAPO_TEST_SHM={marker}".encode() in (d / "environ").read_bytes().split(b"\0"):
+                os.kill(int(d.name), signal.SIGTERM)
+        except (OSError, ValueError):
+            continue

@@ -56,7 +56,19 @@ def server_config(cfg, i: int, gpus: Sequence[int], log_dir: str | Path, host: s
         extra_args=[str(a) for a in s.extra_args],
         startup_timeout_s=float(s.startup_timeout_s),
         log_file=str(Path(log_dir) / f"engine_{i}.log"),
+        python=s.python,
+        max_total_tokens=kv_pool_tokens(cfg),
     )
+
+
+def kv_pool_tokens(cfg) -> int:
+    """``--max-total-tokens``: ``rollout.sglang.max_total_tokens``, else room for every concurrent
+    request at full length. SGLang takes the smaller of this and what its memory fraction holds,
+    so the cap only stops it sizing the pool from whatever memory is free at its start."""
+    if cfg.rollout.sglang.max_total_tokens is not None:
+        return int(cfg.rollout.sglang.max_total_tokens)
+    per_request = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+    return per_request * int(cfg.rollout.max_concurrency_per_engine)
 
 
 def server_configs(cfg, gpu_groups: list[list[int]], log_dir: str | Path) -> list:
@@ -104,6 +116,8 @@ def connect_sglang_engines(
                 url, name=name, tp_size=tp_size, api_key=api_key, timeout_s=request_timeout_s
             )
             engines.append(engine)
+            # refuses an unsupported SGLang; resumes a server a crashed trainer left paused
+            engine.run(engine.client.on_connect(), timeout=request_timeout_s)
             engine.tp_size = _server_tp_size(engine, tp_size)
     except BaseException:
         stop_sglang_engines(engines)

@@ -215,6 +215,7 @@ class SGLangClient:
         max_retries: retries after the first attempt on connection errors and 5xx.
         backoff_s: first retry delay, doubled each time.
         flush_timeout_s: how long :meth:`flush_cache` retries while the server drains requests.
+        health_timeout_s: read timeout of ``/health`` (it runs a generation in SGLang 0.5.x).
     """
 
     def __init__(
@@ -228,6 +229,7 @@ class SGLangClient:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         flush_timeout_s: float = 120.0,
+        health_timeout_s: float = 120.0,
     ):
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
@@ -235,6 +237,7 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
         self.flush_timeout_s = flush_timeout_s
+        self.health_timeout_s = health_timeout_s
         self.server_version: tuple[int, ...] | None = None
         self._update_session = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -457,9 +460,15 @@ class SGLangClient:
         await self.call("POST", "/resume_memory_occupation", payload_memory(tags), expect_json=False)
 
     async def health(self) -> bool:
-        """``GET /health`` answers 200 (one attempt, short timeout)."""
+        """``GET /health`` answers 200 (one attempt) within ``health_timeout_s``.
+
+        In SGLang 0.5.x ``/health`` runs a one-token generation behind the queued work, so a busy
+        server needs far more than a ping's timeout to answer.
+        """
         try:
-            r = await self._http.get("/health", timeout=5.0)
+            r = await self._http.get(
+                "/health", timeout=httpx.Timeout(self.health_timeout_s, connect=self.connect_timeout_s)
+            )
         except httpx.HTTPError:
             return False
         return r.status_code == 200
@@ -562,7 +571,7 @@ class SGLangEngine:
     def health(self) -> bool:
         if self.server is not None and not self.server.alive():
             return False
-        return bool(self._loop.run(self.client.health(), timeout=30))
+        return bool(self._loop.run(self.client.health(), timeout=self.client.health_timeout_s + 30))
 
     def close(self) -> None:
         self._loop.run(self.client.close())

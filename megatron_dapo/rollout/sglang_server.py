@@ -80,6 +80,39 @@ def default_server_python() -> str:
     return str(REPO_SGLANG_PYTHON) if REPO_SGLANG_PYTHON.exists() else sys.executable
 
 
+def installed_sglang_version(python: str, timeout_s: float = 120.0) -> tuple[int, ...]:
+    """The sglang version installed for ``python`` (from its package metadata; no import of sglang)."""
+    from megatron_dapo.rollout.sglang_client import parse_version
+
+    probe = "from importlib.metadata import version; print(version('sglang'))"
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SGLangStartupError(
+            f"cannot run the SGLang interpreter {python} (rollout.sglang.python): {e}"
+        ) from e
+    if out.returncode != 0:
+        raise SGLangStartupError(
+            f"sglang is not installed for {python} (rollout.sglang.python): {out.stderr.strip()[-300:]}"
+        )
+    return parse_version(out.stdout.strip())
+
+
+def check_launchable(python: str) -> tuple[int, ...]:
+    """Refuse to launch an SGLang release outside the supported range, naming that range."""
+    from megatron_dapo.rollout.sglang_client import SUPPORTED_SGLANG, SUPPORTED_SGLANG_TEXT
+
+    version = installed_sglang_version(python)
+    low, high = SUPPORTED_SGLANG
+    if not version or not (low <= version < high):
+        shown = ".".join(map(str, version)) if version else "unknown"
+        raise SGLangStartupError(
+            f"{python} has SGLang {shown}, which is not supported; this release needs "
+            f"{SUPPORTED_SGLANG_TEXT} (pip install 'megatron-dapo[gpu]', or `make setup-sglang` for the CPU tests)"
+        )
+    return version
+
+
 def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> list[str]:
     """The ``python -m sglang.launch_server ...`` argv for ``cfg``."""
     cmd = [python or cfg.python or default_server_python(), "-m", "sglang.launch_server"]
@@ -110,6 +143,8 @@ class SGLangServer:
 
     def __init__(self, cfg: SGLangServerConfig, command: list[str] | None = None, poll_s: float = 1.0):
         self.cfg = cfg
+        # a stand-in command (tests) is not SGLang: only the real launcher is version-checked
+        self.check_version = command is None
         self.command = command or build_launch_command(cfg)
         self.poll_s = poll_s
         self.log_path = Path(cfg.log_file or f"sglang_{cfg.port}.log")
@@ -123,6 +158,8 @@ class SGLangServer:
     def start(self) -> SGLangServer:
         if self.proc is not None and self.proc.poll() is None:
             raise SGLangStartupError(f"{self.name} is already running (pid {self.proc.pid})")
+        if self.check_version:
+            check_launchable(self.command[0])
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         env = {**os.environ, **self.cfg.env}

@@ -14,7 +14,11 @@ handles), base64-encoded, one copy per server TP rank, and posted to
 them. SGLang's own reduction patch (device UUIDs instead of indices, for differing
 ``CUDA_VISIBLE_DEVICES``) is applied when sglang is importable; sglang is imported only there.
 
-Both sides run ``pause_generation`` -> ``flush_cache`` -> updates -> ``continue_generation``.
+Both sides run ``pause_generation`` -> ``flush_cache`` (once per sync, retried while requests
+drain) -> updates -> ``continue_generation``. SGLang >= 0.5.21 refuses tensor/distributed updates
+outside ``/begin_weight_update`` .. ``/end_weight_update``; the client opens that session with the
+first update and closes it in ``continue_generation``. CPU tensors (a CPU server on the same host)
+go through ``/update_weights_from_tensor`` as shared-memory files (``file_system`` strategy).
 """
 
 from __future__ import annotations
@@ -109,7 +113,20 @@ def serialize_bucket_for_ipc(bucket: dict[str, torch.Tensor], tp_size: int = 1) 
     """SGLang's ``serialized_named_tensors``: base64 ForkingPickler bytes of [(name, tensor)], per TP rank."""
     _patch_reductions_like_sglang()
     buf = io.BytesIO()
-    ForkingPickler(buf).dump([(name, t.detach()) for name, t in bucket.items()])
+    # CPU tensors are copied: pickling moves a storage into shared memory in place
+    named = [
+        (name, t.detach().clone() if t.device.type == "cpu" else t.detach()) for name, t in bucket.items()
+    ]
+    # CPU tensors travel as shared-memory files the server opens by name; the default strategy
+    # passes file descriptors over a multiprocessing connection, which HTTP is not. Only the
+    # pickling needs it (the files live as long as the tensors), so the process setting is restored.
+    # The sender keeps a torch_shm_manager daemon; whoever owns the process ends it.
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buf).dump(named)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
     data = base64.b64encode(buf.getvalue()).decode("ascii")
     return [data] * tp_size
 
@@ -135,11 +152,7 @@ def push_weights_ipc(engine, buckets: Iterable[dict[str, torch.Tensor]], version
     sent = 0
     try:
         for bucket in buckets:
-            if any(t.device.type != "cuda" for t in bucket.values()):
-                raise EngineError(
-                    f"weight sync to engine {engine.name}: CUDA IPC needs CUDA tensors, {describe(sent, bucket)} is "
-                    "on the CPU; use the disk or NCCL transport"
-                )
+            # CUDA tensors go as IPC handles, CPU tensors (a CPU server on this host) as shm files
             # the tensors must stay alive until the server has copied them: the reply comes after that
             engine.run(
                 client.update_weights_from_tensor(serialize_bucket_for_ipc(bucket, engine.tp_size), version)
