@@ -77,6 +77,9 @@ class SGLangConfig:
     # KV pool size in tokens (--max-total-tokens). None: derived from the run's lengths; never
     # left to SGLang, which sizes the pool from the memory free at its start.
     max_total_tokens: Optional[int] = None
+    # --enable-deterministic-inference: without it SGLang ignores each request's sampling_seed,
+    # so the rollouts of a seeded run are not reproducible.
+    deterministic: bool = True
 
 
 @dataclass

@@ -58,7 +58,31 @@ def server_config(cfg, i: int, gpus: Sequence[int], log_dir: str | Path, host: s
         log_file=str(Path(log_dir) / f"engine_{i}.log"),
         python=s.python,
         max_total_tokens=kv_pool_tokens(cfg),
+        deterministic=seeds_apply(s),
     )
+
+
+# SGLang 0.5.23 refuses --enable-deterministic-inference with these attention backends (it
+# names the ones it accepts: ascend, fa3, fa4, flashinfer, intel_xpu, triton).
+_NO_DETERMINISTIC_BACKENDS = ("torch_native",)
+
+
+def seeds_apply(s) -> bool:
+    """Whether the servers get ``--enable-deterministic-inference`` (the only way SGLang applies
+    ``sampling_seed``). Not with an attention backend SGLang refuses it for (the CPU one): then
+    the sampled tokens vary run to run, and a warning says so."""
+    if not s.deterministic:
+        return False
+    args = [str(a) for a in s.extra_args]
+    backend = args[args.index("--attention-backend") + 1] if "--attention-backend" in args[:-1] else None
+    if backend in _NO_DETERMINISTIC_BACKENDS:
+        log.warning(
+            "SGLang refuses --enable-deterministic-inference with --attention-backend %s: it ignores "
+            "sampling_seed, so rollouts are not reproducible run to run (log-probs still are)",
+            backend,
+        )
+        return False
+    return True
 
 
 def kv_pool_tokens(cfg) -> int:

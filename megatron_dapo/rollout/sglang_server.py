@@ -41,6 +41,8 @@ class SGLangServerConfig:
         log_file: where stdout/stderr go (default: ``sglang_<port>.log`` in the cwd).
         env: extra environment variables for the server process.
         python: interpreter that runs the server; None: :func:`default_server_python`.
+        deterministic: ``--enable-deterministic-inference``; SGLang applies a request's
+            ``sampling_seed`` only with it.
         max_total_tokens: KV pool size in tokens (``--max-total-tokens``); None leaves SGLang to
             size it from the memory free at its start (callers should not).
     """
@@ -61,6 +63,7 @@ class SGLangServerConfig:
     env: dict[str, str] = field(default_factory=dict)
     python: str | None = None
     max_total_tokens: int | None = None
+    deterministic: bool = False
 
     @property
     def url(self) -> str:
@@ -127,6 +130,8 @@ def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> 
         cmd.append("--enable-memory-saver")
     if cfg.skip_server_warmup:
         cmd.append("--skip-server-warmup")
+    if cfg.deterministic:
+        cmd.append("--enable-deterministic-inference")
     if cfg.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(int(cfg.max_total_tokens))]
     return cmd + list(cfg.extra_args)
