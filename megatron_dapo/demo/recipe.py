@@ -42,6 +42,7 @@ seed from fresh assets (`megatron-dapo demo --seed S`), held-out avg@4 at steps 
 
     seed 0 (warm start stops at 425 steps): 42.6 53.8 60.1 64.2 63.9 69.4 67.6 65.5 70.8
         -> +28.1, MISSES the bar (the issue-11 report: 42.6 -> 71.8 / 73.1)
+    seed 2 (475 steps): 45.0 54.8 57.5 61.6 62.6 67.2 65.8 70.0 76.4 -> +31.4, MISSES (< 80%)
     seed 3 (825 steps): 49.2 69.4 75.9 76.1 72.5 77.6 78.2 80.9 82.4 -> +33.1, meets it
     So the prototype's seed-0 result (51.0 -> 81.8) does not carry over: with the locked
     packages its warm start stops at 425 steps instead of 450 and starts seed 0 at 42.6%. The open lever is
