@@ -1,0 +1,75 @@
+"""tools/gpu_check.sh and its checks (tools/gpu_checks): the shell parses, the CPU dry mode runs
+the checks that need no CUDA (bf16 vs fp32 update, defect 1) and reports the CUDA ones NOT RUN, a
+failure stops the run naming the check, and the MFU FLOP count matches a hand computation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CUDA_ONLY = {"te_vs_local_logits", "fp8_step_odd_lengths", "offload_roundtrip", "mfu_bf16_1.5B"}
+
+
+def test_gpu_check_sh_parses():
+    subprocess.run(["bash", "-n", str(REPO / "tools" / "gpu_check.sh")], check=True)
+
+
+def test_dry_mode_runs_the_cpu_checks(tmp_path):
+    out = tmp_path / "figures.json"
+    proc = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "--dry", "--json", str(out)],
+        cwd=REPO, env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    assert {n for n, c in checks.items() if c["status"] == "NOT RUN"} == CUDA_ONLY
+    assert {n for n, c in checks.items() if c["status"] == "PASS"} == set(checks) - CUDA_ONLY
+    assert checks["load_then_step_keeps_weights"]["values"]["max_moved"] == 0.0
+    assert checks["bf16_step_vs_fp32"]["values"]["relative_update_error"] < 0.1
+    for name in checks:
+        assert f"{name}" in proc.stdout
+
+
+def test_first_failure_stops_and_is_named(tmp_path):
+    from tools.gpu_checks.runner import Check, CheckFailed, Figure, run_checks
+
+    def bad(ctx):
+        raise CheckFailed("figure 3.0 > bound 1.0")
+
+    ran = []
+    checks = [
+        Check("a", False, lambda ctx: Figure("ok", {"x": 1})),
+        Check("b", False, bad),
+        Check("c", False, lambda ctx: ran.append(1) or Figure("ok")),
+        Check("d", True, lambda ctx: Figure("ok")),
+    ]
+    lines = []
+    results = run_checks(
+        None, checks, tmp_path / "f.json", dry=False, print_fn=lambda s, **k: lines.append(s)
+    )
+    assert [r.status for r in results] == ["PASS", "FAIL", "NOT RUN", "NOT RUN"] and not ran
+    assert "figure 3.0 > bound 1.0" in lines[1] and lines[1].startswith("FAIL")
+    saved = json.loads((tmp_path / "f.json").read_text())
+    assert saved["checks"][0]["values"] == {"x": 1}
+
+
+@pytest.mark.parametrize("size", ["0.5B", "1.5B"])
+def test_mfu_flops_by_hand(size):
+    from tools.gpu_checks.shapes import QWEN25, train_step_flops
+
+    s = QWEN25[size]
+    h, i, L, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
+    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]
+    # Qwen2 layer: q (h*h + h), k and v (h*kv + kv each), o (h*h), 3 MLP matrices, 2 norms.
+    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+    n = v * h + L * layer + h  # tied embedding, final norm
+    assert {"0.5B": 0.494e9, "1.5B": 1.544e9}[size] == pytest.approx(n, rel=2e-3)  # published sizes
+    seq, tokens = 4096, 4 * 4096
+    assert train_step_flops(n, L, h, seq, tokens) == (6 * n + 12 * L * h * seq) * tokens
