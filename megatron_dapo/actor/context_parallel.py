@@ -1,0 +1,79 @@
+"""The pure pieces of context parallelism (CP): how a sequence is cut across CP ranks and how the
+per-token reductions are normalised. No process groups here; the actor's CP path (GPU only, TE
+attention with a CP group) is built on these.
+
+Megatron-core's CP attention (Transformer Engine's ring attention) expects each sequence cut into
+``2 * cp`` equal chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``: with a causal
+mask, early chunks attend to little and late chunks to much, so pairing chunk ``r`` with its
+mirror gives every rank the same attention work. RoPE positions and the next-token labels are
+taken from the full sequence before the cut, so a chunk boundary loses no target.
+
+Reductions: a rank holds a subset of a sequence's tokens, so a token-mean over the mini-batch
+divides the CP-summed numerator by the token count of the whole sequences (summed over CP and DP),
+never by a rank's own count; a per-sequence mean (seq-mean-token-mean) sums its numerator and its
+count over CP before dividing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cp_pad_multiple(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Sequence lengths must be multiples of this: ``2 * cp`` chunks per sequence, and each
+    rank's share must split evenly over TP when sequence parallelism shards it."""
+    if cp < 1 or tp < 1:
+        raise ValueError(f"cp={cp} and tp={tp} must be >= 1")
+    return 2 * cp * (tp if sequence_parallel else 1) if cp > 1 else (tp if sequence_parallel else 1)
+
+
+def cp_chunk_ids(cp: int, rank: int) -> tuple[int, int]:
+    """The two of the ``2 * cp`` chunks rank ``rank`` holds: ``rank`` and its mirror."""
+    if not 0 <= rank < cp:
+        raise ValueError(f"CP rank {rank} outside [0, {cp})")
+    return rank, 2 * cp - 1 - rank
+
+
+def cp_split(x: torch.Tensor, cp: int, rank: int, dim: int = -1) -> torch.Tensor:
+    """This rank's share of ``x`` along ``dim`` (length divisible by ``2 * cp``)."""
+    if cp == 1:
+        return x
+    n = x.shape[dim]
+    if n % (2 * cp):
+        raise ValueError(f"sequence length {n} is not a multiple of 2*cp={2 * cp}; pad it first")
+    chunks = x.chunk(2 * cp, dim=dim)
+    a, b = cp_chunk_ids(cp, rank)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def cp_unsplit(shares: list[torch.Tensor], dim: int = -1) -> torch.Tensor:
+    """Inverse of :func:`cp_split`: the full tensor from every rank's share, in rank order."""
+    cp = len(shares)
+    if cp == 1:
+        return shares[0]
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, share in enumerate(shares):
+        first, second = share.chunk(2, dim=dim)
+        a, b = cp_chunk_ids(cp, rank)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=dim)
+
+
+def cp_split_inputs(tokens: torch.Tensor, cp: int, rank: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """``tokens`` ``[b, s]`` (s a multiple of ``2 * cp``) -> this rank's ``input_ids``, ``labels``
+    (the next token, from the full row; the last position gets ``pad_id``) and ``position_ids``
+    (positions in the full row, for RoPE)."""
+    labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], pad_id)], dim=1)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return {
+        "input_ids": cp_split(tokens, cp, rank, dim=1),
+        "labels": cp_split(labels, cp, rank, dim=1),
+        "position_ids": cp_split(positions, cp, rank, dim=1),
+    }
+
+
+def cp_token_mean(local_sums: list[torch.Tensor], local_counts: list[torch.Tensor]) -> torch.Tensor:
+    """Token-mean over all CP ranks' tokens: sum of the ranks' numerators over the sum of their
+    counts (what the all-reduces over the CP group compute); a rank's own mean is wrong whenever
+    the loss tokens are not spread evenly across ranks."""
+    return torch.stack(local_sums).sum(0) / torch.stack(local_counts).sum(0).clamp(min=1)
