@@ -1,4 +1,4 @@
-"""The Dockerfile's structure (it cannot be built here): pinned NGC base, pinned SGLang /
+"""The Dockerfile's structure (it cannot be built here): pinned CUDA 13 base, pinned SGLang /
 megatron-core / Ray, the project installed, a non-root user, the megatron-dapo entrypoint; hadolint
 when it is installed."""
 
@@ -37,11 +37,35 @@ def _args() -> dict[str, str]:
     return dict(a.split("=", 1) for i, a in instructions() if i == "ARG" and "=" in a)
 
 
-def test_base_image_is_a_pinned_ngc_pytorch_tag():
+def test_base_image_is_a_pinned_cuda13_cudnn_devel_tag():
+    # SGLang 0.5.23 needs torch 2.14.1 for CUDA 13 (its wheel's cu13 requirements); TE compiles
+    # against the toolkit, so a devel image with cuDNN
     args = _args()
     (frm,) = [a for i, a in instructions() if i == "FROM"]
     image = args["BASE_IMAGE"] if frm == "${BASE_IMAGE}" else frm
-    assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", image), image
+    assert re.fullmatch(r"nvcr\.io/nvidia/cuda:13\.\d+\.\d+-cudnn-devel-ubuntu\d\d\.\d\d", image), image
+
+
+def test_sglang_pins_agree_with_the_supported_range_and_its_wheel():
+    from megatron_dapo.rollout.sglang_client import SUPPORTED_SGLANG, SUPPORTED_SGLANG_TEXT, parse_version
+
+    args = _args()
+    low, high = SUPPORTED_SGLANG
+    assert low <= parse_version(args["SGLANG_VERSION"]) < high
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"{SUPPORTED_SGLANG_TEXT}"' in pyproject, "gpu extra must pin the supported sglang range"
+    wheel = json.loads((REPO / "tests" / "fixtures" / "sglang" / "wheel.json").read_text())
+    assert wheel["version"] == args["SGLANG_VERSION"]
+    assert f"torch=={args['TORCH_VERSION']}" in wheel["requires"], (
+        "torch must be the one the sglang wheel pins"
+    )
+    assert any(r.startswith("torch_memory_saver") for r in wheel["requires"])
+    (transformers,) = re.findall(r'"(transformers==[^"]+)"', DOCKERFILE.read_text())
+    assert transformers in wheel["requires"], "transformers must be the one the sglang wheel pins"
+    runs = " ".join(a for i, a in instructions() if i == "RUN")
+    # sglang with its requirements (torch_memory_saver for --enable-memory-saver), not --no-deps
+    assert re.search(r'pip install "sglang==\$\{SGLANG_VERSION\}"', runs)
+    assert "import torch_memory_saver" in runs
 
 
 def test_key_packages_are_pinned_and_the_project_installed():
