@@ -1,0 +1,200 @@
+"""The real SGLang 0.5.23 server (CPU, fp32, tiny Qwen2) driven by the project's client.
+
+One server for the module (start-up is minutes on a loaded 2-core machine); tests that change its
+weights say which checkpoint it serves afterwards (``served``), and every log-prob check compares
+the server's ``return_logprob`` output with an HF transformers forward of that checkpoint.
+Skips when ``.venv-sglang`` is not built (``make setup-sglang``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from helpers import hf_state_dict
+
+from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.rollout.sglang_client import SGLangEngine, SGLangError
+from megatron_dapo.rollout.sglang_weight_sync import (
+    init_custom_group,
+    push_weights_distributed,
+    push_weights_ipc,
+)
+from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 77, 12, 9]]
+TOL = 1e-5
+LONG = 120  # new tokens; prompt + LONG stays inside the tiny model's 128 positions
+
+_hf_cache: dict[str, torch.nn.Module] = {}
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    key = str(path)
+    if key not in _hf_cache:
+        _hf_cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    return _hf_cache[key]
+
+
+def hf_logprobs(path, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Log-probs of ``output`` after ``prompt`` under an HF forward of ``path`` (fp32)."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logp = hf_model(path)(ids).logits[0].float().log_softmax(-1)
+    steps = logp[len(prompt) - 1 : len(prompt) - 1 + len(output)]
+    return steps.gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def req(i: int, prompt: list[int], max_new_tokens: int = 8, **kw) -> GenerationRequest:
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, **kw)
+    return GenerationRequest(f"r{i}-{time.monotonic_ns()}", list(prompt), sampling)
+
+
+def assert_serves(engine, path) -> None:
+    """The server's sampled tokens and log-probs are those of the checkpoint at ``path``."""
+    results = engine.generate([req(i, p) for i, p in enumerate(PROMPTS)])
+    for prompt, res in zip(PROMPTS, results):
+        assert res.finish_reason in ("length", "stop") and res.output_ids, res
+        ref = hf_logprobs(path, prompt, res.output_ids)
+        diff = (ref - torch.tensor(res.logprobs)).abs().max().item()
+        assert diff < TOL, f"log-probs differ from HF {path} by {diff:.3g}"
+
+
+@pytest.fixture(scope="module")
+def models(tiny_hf_checkpoint):
+    """The served start checkpoint and a changed one with the same architecture."""
+    return {"base": tiny_hf_checkpoint(), "changed": tiny_hf_checkpoint(seed=1)}
+
+
+@pytest.fixture(scope="module")
+def engine(sglang_cpu_server):
+    eng = SGLangEngine(sglang_cpu_server.url, name="real-sglang-0", timeout_s=600.0)
+    yield eng
+    eng.close()
+
+
+def test_generate_logprobs_equal_hf_forward(engine, models):
+    assert_serves(engine, models["base"])
+
+
+def test_connect_reads_version_and_resumes_a_paused_server(engine, models):
+    # a crashed trainer can leave a server paused: generation would wait forever
+    engine.run(engine.client.pause_generation("abort"))
+    version = engine.run(engine.client.on_connect(), timeout=120)
+    assert version[:3] == (0, 5, 23)
+    assert_serves(engine, models["base"])
+
+
+def test_update_from_disk_then_logprobs_match_the_new_weights(engine, models):
+    engine.load_from_disk(str(models["changed"]), version=1)
+    assert_serves(engine, models["changed"])
+    engine.load_from_disk(str(models["base"]), version=2)
+    assert_serves(engine, models["base"])
+
+
+def test_update_from_tensor_changes_the_served_model(engine, models):
+    changed = hf_state_dict(models["changed"])
+    half = len(changed) // 2
+    buckets = [dict(list(changed.items())[:half]), dict(list(changed.items())[half:])]
+    # 0.5.23 refuses this outside /begin_weight_update../end_weight_update: the client wraps it
+    push_weights_ipc(engine, buckets, version=3)
+    assert_serves(engine, models["changed"])
+
+
+def test_update_from_distributed_over_gloo_changes_the_served_model(engine, models):
+    group = f"sync-{os.getpid()}"
+    port = free_port()
+    joined = engine.submit(
+        engine.client.init_weights_update_group(
+            master_address="127.0.0.1",
+            master_port=port,
+            rank_offset=1,
+            world_size=2,
+            group_name=group,
+            backend="gloo",
+        )
+    )
+    pg = init_custom_group("127.0.0.1", port, 0, 2, group, backend="gloo", timeout_s=300)
+    joined.result(timeout=300)
+    base = hf_state_dict(models["base"])
+    names = list(base)
+    buckets = [{n: base[n] for n in names[:5]}, {n: base[n] for n in names[5:]}]
+    try:
+        assert push_weights_distributed([engine], buckets, 4, pg, group, timeout_s=300) == 2
+        assert_serves(engine, models["base"])
+    finally:
+        engine.run(engine.client.call("POST", "/destroy_weights_update_group", {"group_name": group}))
+        torch.distributed.destroy_process_group(pg)
+
+
+def _submit_many(engine, n: int, max_new_tokens: int):
+    reqs = [req(i, PROMPTS[i % len(PROMPTS)], max_new_tokens, ignore_eos=True) for i in range(n)]
+
+    async def many():
+        return await asyncio.gather(*(engine.client.generate(r) for r in reqs), return_exceptions=True)
+
+    return engine.submit(many())
+
+
+def _wait_for_log(path, start: int, pattern: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    rx = re.compile(pattern)
+    while time.monotonic() < deadline:
+        with open(path, "rb") as f:
+            f.seek(start)
+            if rx.search(f.read().decode(errors="replace")):
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"server log {path} never showed {pattern!r} within {timeout_s}s")
+
+
+def test_abort_of_running_and_queued_requests(engine, sglang_cpu_server, models):
+    # 12 requests on a server that runs at most 8 (--max-running-requests 8): 4 wait in its queue
+    start = sglang_cpu_server.log_path.stat().st_size
+    pending = _submit_many(engine, 12, LONG)
+    _wait_for_log(sglang_cpu_server.log_path, start, r"#queue-req: [1-9]")
+    engine.abort()
+    results = pending.result(timeout=300)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, f"aborted requests must come back as results, got {errors[:2]}"
+    assert all(r.finish_reason == "abort" for r in results), [r.finish_reason for r in results]
+    # the queued ones never ran: SGLang sends no output_token_logprobs for them
+    assert any(len(r.output_ids) == 0 for r in results)
+    assert all(len(r.output_ids) < LONG and len(r.output_ids) == len(r.logprobs) for r in results)
+    assert_serves(engine, models["base"])
+
+
+def test_flush_while_requests_run_waits_for_them(engine, models):
+    pending = _submit_many(engine, 8, LONG)
+    engine.run(engine.client.flush_cache(), timeout=600)
+    results = pending.result(timeout=600)
+    assert all(not isinstance(r, BaseException) and r.finish_reason == "length" for r in results)
+    assert_serves(engine, models["base"])
+
+
+def test_release_and_resume_memory_round_trip(engine, models):
+    engine.release_memory()
+    engine.resume_memory()
+    assert_serves(engine, models["base"])
+
+
+def test_hung_server_ends_in_a_named_timeout(sglang_cpu_server):
+    pgid = sglang_cpu_server.server.proc.pid
+    hung = SGLangEngine(
+        sglang_cpu_server.url, name="hung-engine", timeout_s=5.0, max_retries=1, health_timeout_s=5.0
+    )
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        with pytest.raises(SGLangError, match=r"hung-engine.*/generate"):
+            hung.generate([req(0, PROMPTS[0])])
+        assert hung.health() is False
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+        hung.close()
