@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import zlib
 from dataclasses import asdict
@@ -61,13 +62,45 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def write_manifest(ckpt_dir: Path) -> None:
-    """Record every file under ``ckpt_dir`` (size, CRC-32) in the manifest, written last."""
+_RANK_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def manifest_owner(rel: str, world: int) -> int:
+    """The rank that checksums file ``rel``: the writer of a torch_dist shard ``__R_N.distcp``
+    (R is its global rank), rank 0 for everything else (metadata, common state, HF files)."""
+    match = _RANK_SHARD.fullmatch(Path(rel).name)
+    return int(match.group(1)) % world if match else 0
+
+
+def manifest_entries(ckpt_dir: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files under ``ckpt_dir`` that ``rank`` owns (all when world == 1).
+    Each rank reads back only what it wrote, so the checksums of a large checkpoint are computed
+    by all ranks in parallel instead of by rank 0 alone while the others wait in a barrier."""
     files = {}
     for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[str(path.relative_to(ckpt_dir))] = {"size": path.stat().st_size, "crc32": _crc32(path)}
+        rel = str(path.relative_to(ckpt_dir))
+        if manifest_owner(rel, world) == rank:
+            files[rel] = {"size": path.stat().st_size, "crc32": _crc32(path)}
+    return files
+
+
+def _gathered_manifest_entries(ckpt_dir: Path) -> dict[str, dict[str, int]] | None:
+    """Every rank's :func:`manifest_entries`, merged on rank 0 (None elsewhere). Collective."""
+    mine = manifest_entries(ckpt_dir, dist.get_rank(), dist.get_world_size())
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    if parts is None:
+        return None
+    return {rel: info for part in parts for rel, info in part.items()}
+
+
+def write_manifest(ckpt_dir: Path, files: dict[str, dict[str, int]] | None = None) -> None:
+    """Record ``files`` (default: every file under ``ckpt_dir``, size and CRC-32) in the manifest,
+    written last, in sorted order."""
+    if files is None:
+        files = manifest_entries(ckpt_dir)
     tmp = ckpt_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"files": files}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1) + "\n")
     os.replace(tmp, ckpt_dir / MANIFEST)
 
 
@@ -223,8 +256,9 @@ def save_checkpoint(
         },
     }
     save_model_checkpoint(actor.model, tmp, hf_dir=hf_dir, extra=extra)
+    entries = _gathered_manifest_entries(tmp)
     if dist.get_rank() == 0:
-        write_manifest(tmp)
+        write_manifest(tmp, entries)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
