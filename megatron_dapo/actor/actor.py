@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.actor import compat
+from megatron_dapo.actor import compat, gpu_settings
 from megatron_dapo.actor.batch import ActorBatch, BatchError
 from megatron_dapo.actor.micro_batches import (
     collate,
@@ -129,8 +129,11 @@ class Actor:
         self.state = ActorState()
         last = unwrap(model_chunks[-1])
         self.vocab_size = int(getattr(last, "hf_vocab_size", None) or last.vocab_size)
-        # Sequence parallelism splits the sequence over TP: pad lengths to a multiple of TP.
-        self._pad_multiple = layout.tp_size if config.sequence_parallel else 1
+        # Sequence parallelism splits the sequence over TP (pad to a multiple of TP); FP8 GEMMs
+        # also need 16-aligned shards (32 for MXFP8): see gpu_settings.seq_pad_multiple.
+        self._pad_multiple = gpu_settings.seq_pad_multiple(
+            layout.tp_size, config.sequence_parallel, config.fp8, config.fp8_recipe or "delayed"
+        )
         self._micro_multiple = layout.pp_size if len(model_chunks) > 1 else 1
         if len(model_chunks) > 1:
             if compat.on_cpu():
@@ -388,7 +391,12 @@ def build_actor(
     )
     if load_weights:
         load_hf_weights(chunks, hf_dir)
-    chunks = wrap_ddp(chunks, use_distributed_optimizer=optim.use_distributed_optimizer)
+    chunks = wrap_ddp(
+        chunks,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+        overlap_grad_reduce=optim.overlap_grad_reduce,
+        overlap_param_gather=optim.overlap_param_gather,
+    )
     optimizer = build_optimizer(chunks, optim)
     scheduler = build_scheduler(optimizer, optim, total_updates)
     return Actor(chunks, optimizer, scheduler, layout, cfg)

@@ -147,23 +147,17 @@ def te_available() -> bool:
 
 
 def _check_fp8(fp8: str, fp8_recipe: str) -> None:
+    from megatron_dapo.actor import gpu_settings
+
     if fp8 not in FP8_FORMATS:
         raise ModelConfigError(f"fp8={fp8!r} is not a valid FP8 format; use one of {FP8_FORMATS}")
     if fp8_recipe not in FP8_RECIPES:
         raise ModelConfigError(f"fp8_recipe={fp8_recipe!r} is not valid; use one of {FP8_RECIPES}")
-    if compat.on_cpu():
-        raise ModelConfigError("fp8 needs a CUDA GPU with compute capability >= 8.9; none is present")
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        raise ModelConfigError(
-            f"fp8 needs compute capability >= 8.9 (Ada/Hopper); this GPU is {major}.{minor}"
-        )
-    if fp8_recipe == "mxfp8" and major < 10:
-        raise ModelConfigError(
-            f"fp8_recipe=mxfp8 needs a Blackwell GPU (>= 10.0); this GPU is {major}.{minor}"
-        )
-    if not te_available():
-        raise ModelConfigError("fp8 needs Transformer Engine (pip install transformer-engine[pytorch])")
+    capability = None if compat.on_cpu() else tuple(torch.cuda.get_device_capability())
+    te_version = gpu_settings.te_version() if te_available() else None
+    problem = gpu_settings.fp8_recipe_problem(fp8_recipe, te_version, capability)
+    if problem:
+        raise ModelConfigError(problem)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
@@ -185,6 +179,7 @@ def transformer_config_from_hf(
     vpp: int | None = None,
     cp: int | None = None,
     perform_initialization: bool = True,
+    use_te: bool | None = None,
     **overrides: Any,
 ) -> Any:
     """A megatron ``TransformerConfig`` equivalent to the HF architecture.
@@ -249,12 +244,16 @@ def transformer_config_from_hf(
         use_cpu_initialization=compat.on_cpu(),
         perform_initialization=perform_initialization,
         attention_softmax_in_fp32=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+    )
+    # Fusions only where their kernels exist (gpu_settings.fusion_flags says which needs what).
+    from megatron_dapo.actor import gpu_settings
+
+    kwargs.update(
+        gpu_settings.fusion_flags(
+            on_cuda=not compat.on_cpu(),
+            use_te=te_available() if use_te is None else use_te and te_available(),
+            have_apex=gpu_settings.apex_available(),
+        )
     )
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe)
@@ -308,8 +307,15 @@ def build_gpt_model(
     if vpp is None:
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     vpp = vpp if vpp and vpp > 1 else None
+    if use_te is None:
+        use_te = te_available()
     config = transformer_config_from_hf(
-        hf_config, params_dtype=params_dtype, vpp=vpp, **config_kwargs, **(config_overrides or {})
+        hf_config,
+        params_dtype=params_dtype,
+        vpp=vpp,
+        use_te=use_te,
+        **config_kwargs,
+        **(config_overrides or {}),
     )
     transformer_layer_spec = layer_spec(config, use_te)
     tp = ps.get_tensor_model_parallel_world_size()

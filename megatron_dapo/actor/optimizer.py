@@ -41,9 +41,18 @@ def training_config_overrides() -> dict[str, Any]:
     }
 
 
-def wrap_ddp(model_chunks: list[Any], *, use_distributed_optimizer: bool = False) -> list[Any]:
-    """Wrap each chunk in megatron-core's DistributedDataParallel (fp32 grad buffers, summed)."""
+def wrap_ddp(
+    model_chunks: list[Any],
+    *,
+    use_distributed_optimizer: bool = False,
+    overlap_grad_reduce: bool | None = None,
+    overlap_param_gather: bool | None = None,
+) -> list[Any]:
+    """Wrap each chunk in megatron-core's DistributedDataParallel (fp32 grad buffers, summed).
+    The overlap knobs resolve through :func:`gpu_settings.ddp_overlap` (None = its default)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_dapo.actor import gpu_settings
 
     config = model_chunks[0].config
     if not config.calculate_per_token_loss:
@@ -51,10 +60,15 @@ def wrap_ddp(model_chunks: list[Any], *, use_distributed_optimizer: bool = False
             "the model config needs calculate_per_token_loss=True so DDP sums gradients; build it with "
             "build_gpt_model(..., config_overrides=optimizer.training_config_overrides())"
         )
+    distributed = use_distributed_optimizer and not compat.on_cpu()
+    overlap = gpu_settings.ddp_overlap(
+        not compat.on_cpu(), distributed, overlap_grad_reduce, overlap_param_gather
+    )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer and not compat.on_cpu(),
+        overlap_grad_reduce=overlap.overlap_grad_reduce,
+        overlap_param_gather=overlap.overlap_param_gather,
+        use_distributed_optimizer=distributed,
         average_in_collective=False,
     )
     wrapped = []
@@ -96,6 +110,9 @@ class OptimizerSettings:
     # Optimizer updates the cosine decays over (after warmup ends it reaches min_lr here).
     lr_decay_steps: int | None = None
     use_distributed_optimizer: bool = True
+    # None: the machine's default (gpu_settings.ddp_overlap).
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
 
 
 def build_optimizer(model_chunks: list[Any], settings: OptimizerSettings) -> Any:
@@ -225,7 +242,12 @@ def set_schedule_hooks(model_chunks: list[Any], optimizer: Any) -> None:
     config.no_sync_func = (
         [c.no_sync for c in model_chunks] if len(model_chunks) > 1 else model_chunks[0].no_sync
     )
-    config.grad_sync_func = None
+    # With overlap_grad_reduce the schedule starts each chunk's grad reduction as soon as its
+    # last micro-batch's backward is done (megatron's training loop sets the same hooks).
+    overlapped = model_chunks[0].ddp_config.overlap_grad_reduce
+    config.grad_sync_func = [c.start_grad_sync for c in model_chunks] if overlapped else None
+    if overlapped and len(model_chunks) == 1:
+        config.grad_sync_func = config.grad_sync_func[0]
     config.param_sync_func = None
     config.finalize_model_grads_func = finalize_grads_without_token_scaling
     config.grad_scale_func = optimizer.scale_loss

@@ -40,6 +40,10 @@ class ParallelConfig:
     # Actor world size; data parallel = world / (tp * pp * cp).
     actor_world_size: int = 1
     use_distributed_optimizer: bool = True
+    # DP communication overlap on GPU (ignored on CPU); null = the default: grad reduce on, param
+    # gather off (the weight sync reads parameters right after the step; see actor/gpu_settings.py).
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: Optional[bool] = None
 
 
 @dataclass

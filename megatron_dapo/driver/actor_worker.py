@@ -40,8 +40,12 @@ def optimizer_settings_from(cfg: dict) -> Any:
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
     # config.optim's keys are OptimizerSettings' names on purpose
+    par = cfg["parallel"]
     return OptimizerSettings(
-        **cfg["optim"], use_distributed_optimizer=cfg["parallel"]["use_distributed_optimizer"]
+        **cfg["optim"],
+        use_distributed_optimizer=par["use_distributed_optimizer"],
+        overlap_grad_reduce=par.get("overlap_grad_reduce"),
+        overlap_param_gather=par.get("overlap_param_gather"),
     )
 
 
@@ -75,8 +79,14 @@ class ActorWorker:
             seed=cfg["trainer"]["seed"],
         )
         dtype = cfg["model"]["dtype"]
-        impl = cfg["model"]["transformer_impl"]
-        use_te = {"auto": None, "transformer_engine": True, "local": False}[impl]
+        from megatron_dapo.actor import gpu_settings
+
+        # On a GPU a missing TE is an error unless the local spec was asked for (defect 5).
+        use_te = gpu_settings.choose_te(
+            cfg["model"]["transformer_impl"],
+            on_cuda=not compat.on_cpu(),
+            te_import_error=None if compat.on_cpu() else gpu_settings.te_import_error(),
+        )
         model_kwargs: dict[str, Any] = {
             "make_vocab_size_divisible_by": cfg["model"]["make_vocab_size_divisible_by"]
         }
