@@ -146,7 +146,7 @@ class Placement:
             # CPU servers (tests, the demo): on this node, no GPUs, free ports
             here = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
             plans = [EnginePlan(i, *here, (), 0) for i in range(int(cfg.rollout.num_engines))]
-            return launch_planned_engines(cfg, plans, log_dir)
+            return launch_planned_engines(cfg, plans, log_dir, cpu=True)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         plans = plan_engines(
             cfg.trainer.placement,

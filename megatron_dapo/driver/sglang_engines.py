@@ -36,8 +36,45 @@ log = logging.getLogger(__name__)
 _SGLANG_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def server_config(cfg, i: int, gpus: Sequence[int], log_dir: str | Path, host: str | None = None, port=None):
-    """The `SGLangServerConfig` of engine i: model, TP, address, base GPU, memory settings."""
+# SGLang on a CPU (tests, `megatron-dapo demo --engine sglang`): torch-native attention and
+# sampling, no CUDA graphs, no overlap scheduler (it needs streams).
+CPU_SERVER_ARGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--grammar-backend",
+    "none",
+    "--disable-cuda-graph",
+    "--disable-overlap-schedule",
+]
+# The stand-ins for the two CUDA-only imports of the CPU server (tests/sglang_cpu/README.md); a
+# source checkout has them, and only the server's PYTHONPATH gets them.
+CPU_STANDINS = Path(__file__).resolve().parents[2] / "tests" / "sglang_cpu"
+
+
+def cpu_server_env() -> dict[str, str]:
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+    if CPU_STANDINS.is_dir():
+        env["PYTHONPATH"] = str(CPU_STANDINS)
+    return env
+
+
+def server_config(
+    cfg,
+    i: int,
+    gpus: Sequence[int],
+    log_dir: str | Path,
+    host: str | None = None,
+    port=None,
+    cpu: bool = False,
+):
+    """The `SGLangServerConfig` of engine i: model, TP, address, base GPU, memory settings.
+
+    `cpu`: a server without GPUs (CPU flags and environment above, memory fraction kept small).
+    """
     from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 
     s = cfg.rollout.sglang
@@ -47,18 +84,20 @@ def server_config(cfg, i: int, gpus: Sequence[int], log_dir: str | Path, host: s
         tp_size=len(gpus) or int(cfg.rollout.tensor_parallel_size),
         host=host or s.host,
         port=int(s.base_port) + i if port is None else int(port),
-        mem_fraction_static=float(s.mem_fraction_static),
+        mem_fraction_static=min(float(s.mem_fraction_static), 0.05) if cpu else float(s.mem_fraction_static),
         api_key=s.api_key,
         # release/resume of memory between rollout and training only matters when sharing GPUs
-        enable_memory_saver=bool(colocated and s.enable_memory_saver),
+        enable_memory_saver=bool(colocated and s.enable_memory_saver and not cpu),
         dtype=_SGLANG_DTYPES.get(cfg.model.dtype, "auto"),
         base_gpu_id=gpus[0] if gpus else None,
-        extra_args=[str(a) for a in s.extra_args],
+        extra_args=(CPU_SERVER_ARGS if cpu else []) + [str(a) for a in s.extra_args],
         startup_timeout_s=float(s.startup_timeout_s),
         log_file=str(Path(log_dir) / f"engine_{i}.log"),
+        env=cpu_server_env() if cpu else {},
         python=s.python,
         max_total_tokens=kv_pool_tokens(cfg),
-        deterministic=seeds_apply(s),
+        # the CPU flags choose torch_native attention, for which SGLang refuses determinism
+        deterministic=seeds_apply(s) and not cpu,
     )
 
 
@@ -244,7 +283,9 @@ def start_sglang_engines(cfg) -> list:
     return launch_sglang_engines(cfg, groups, Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / "sglang")
 
 
-def launch_planned_engines(cfg, plans: Sequence[Any], log_dir: str | Path, commands=None) -> list:
+def launch_planned_engines(
+    cfg, plans: Sequence[Any], log_dir: str | Path, commands=None, cpu: bool = False
+) -> list:
     """Under Ray: every plan's server started on its own node (`sglang_node_host`); their engines.
 
     Each engine keeps its plan (`engine.plan`: node, GPUs, and the trainer ranks on them) and a
@@ -253,7 +294,9 @@ def launch_planned_engines(cfg, plans: Sequence[Any], log_dir: str | Path, comma
     from megatron_dapo.driver.sglang_node_host import launch_on_nodes
     from megatron_dapo.rollout.sglang_client import SGLangEngine
 
-    configs = [server_config(cfg, p.index, p.gpus, log_dir, host=p.node_ip, port=p.port) for p in plans]
+    configs = [
+        server_config(cfg, p.index, p.gpus, log_dir, host=p.node_ip, port=p.port, cpu=cpu) for p in plans
+    ]
     _, servers = launch_on_nodes(
         plans, configs, startup_timeout_s=float(cfg.rollout.sglang.startup_timeout_s), commands=commands
     )
