@@ -25,6 +25,7 @@ from megatron_dapo.actor.batch import ActorBatch, BatchError
 from megatron_dapo.actor.micro_batches import (
     collate,
     pack_by_token_budget,
+    pack_fixed_shape,
     positions_to_response,
     split_over_ranks,
 )
@@ -172,12 +173,18 @@ class Actor:
     def _my_micro_batches(self, batch: ActorBatch, indices: list[int]) -> list:
         lengths = batch.seq_lens.tolist()
         mine = split_over_ranks(lengths, indices, self.layout.dp_size)[self.layout.dp_rank]
-        groups = pack_by_token_budget(lengths, mine, self.cfg.micro_batch_max_tokens, self._micro_multiple)
-        shape: dict[str, int] = {}
+        budget = self.cfg.micro_batch_max_tokens
         if len(self.model) > 1:
             # The interleaved (virtual pipeline) schedule needs equal micro-batch shapes.
-            shape = dict(rows=max(map(len, groups)), length=max(lengths[i] for i in mine))
-        return [collate(batch, g, self.cfg.pad_token_id, self._pad_multiple, **shape) for g in groups]
+            groups, rows, length = pack_fixed_shape(
+                lengths, mine, budget, self._micro_multiple, self._pad_multiple
+            )
+            return [
+                collate(batch, g, self.cfg.pad_token_id, self._pad_multiple, rows=rows, length=length)
+                for g in groups
+            ]
+        groups = pack_by_token_budget(lengths, mine, budget, self._micro_multiple)
+        return [collate(batch, g, self.cfg.pad_token_id, self._pad_multiple) for g in groups]
 
     def _reports(self) -> bool:
         """The one rank per DP replica whose numbers enter world-wide sums."""

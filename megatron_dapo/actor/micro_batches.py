@@ -87,6 +87,35 @@ def pack_by_token_budget(
     return groups
 
 
+def pack_fixed_shape(
+    lengths: list[int], indices: list[int], max_tokens: int, multiple_of: int = 1, pad_multiple: int = 1
+) -> tuple[list[list[int]], int, int]:
+    """Micro-batches of one shape ``rows x length`` within ``max_tokens`` (megatron's interleaved
+    pipeline schedule needs equal shapes). ``length`` is the longest sequence (padded to
+    ``pad_multiple``) and ``rows = max_tokens // length``: packing by the budget first and padding
+    afterwards would give every micro-batch the row count of the shortest samples' micro-batch
+    and the length of the longest sample (one 22k-token response made every micro-batch 16 x 22k).
+    Returns ``(groups, rows, length)``; the count of groups is a multiple of ``multiple_of``."""
+    groups = pack_by_token_budget(lengths, indices, max_tokens, 1)  # validates the budget
+    order = [i for g in groups for i in g]
+    if not order:
+        return [], 0, 0
+    length = -(-max(lengths[i] for i in order) // pad_multiple) * pad_multiple
+    rows = max(1, max_tokens // length)
+    groups = [order[k : k + rows] for k in range(0, len(order), rows)]
+    while len(groups) % multiple_of:
+        biggest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+        if len(groups[biggest]) < 2:
+            raise BatchError(
+                f"{len(indices)} samples cannot form a multiple of {multiple_of} micro-batches "
+                "(the interleaved pipeline schedule needs one); give each DP rank more samples"
+            )
+        g = groups.pop(biggest)
+        half = (len(g) + 1) // 2
+        groups[biggest:biggest] = [g[:half], g[half:]]
+    return groups, rows, length
+
+
 @dataclass
 class MicroBatch:
     """One padded micro-batch in token-position layout.
