@@ -165,6 +165,8 @@ def check_against_contract(method: str, path: str, body):
 def test_every_payload_the_client_sends_matches_sglang(server, engine_factory):
     e = engine_factory(server.url, api_key="sekret")
     c = e.client
+    server.script["/get_server_info"].append(_info("0.5.23"))  # 0.5.21+: updates in a session
+    assert e.run(c.on_connect()) == (0, 5, 23)
     e.generate([req(0, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[2]), req(1)])
     e.abort()
     e.run(c.flush_cache())
@@ -179,6 +181,7 @@ def test_every_payload_the_client_sends_matches_sglang(server, engine_factory):
     bucket = {"model.norm.weight": torch.ones(4, dtype=torch.bfloat16), "lm_head.weight": torch.zeros(8, 4)}
     e.run(c.update_weights_from_distributed(bucket, 3, "dapo_sync"))
     e.run(c.update_weights_from_tensor(serialize_bucket_for_ipc(bucket, 2), 3))
+    e.run(c.continue_generation())
     e.release_memory(["kv_cache", "weights"])
     e.resume_memory(["weights"])
     e.resume_memory()
@@ -199,6 +202,8 @@ def test_every_payload_the_client_sends_matches_sglang(server, engine_factory):
         "/resume_memory_occupation",
         "/get_server_info",
         "/health",
+        "/begin_weight_update",
+        "/end_weight_update",
     } <= sent
     for method, path, body, headers in server.log:
         check_against_contract(method, path, body)
