@@ -455,3 +455,13 @@ def test_engines_given_by_url_are_version_checked_and_resumed(server):
         SGLangError, match=r"SGLang 0.4.6 is not supported; this release needs sglang>=0.5.21"
     ):
         connect_sglang_engines([server.url], tp_size=1, api_key=None, health_timeout_s=30)
+
+
+def test_generation_resumes_even_when_closing_the_update_session_fails(server, engine_factory):
+    e = engine_factory(server.url)
+    server.script["/get_server_info"].append(_info("0.5.23"))
+    e.run(e.client.update_weights_from_tensor(["x"], 1))
+    server.script["/end_weight_update"].append(("status", 400, {"success": False, "message": "no session"}))
+    with pytest.raises(SGLangError, match=r"/end_weight_update -> HTTP 400"):
+        e.run(e.client.continue_generation())
+    assert server.paths()[-2:] == ["/end_weight_update", "/continue_generation"]

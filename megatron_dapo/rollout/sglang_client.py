@@ -368,8 +368,11 @@ class SGLangClient:
         await self.call("POST", "/pause_generation", payload_pause(mode))
 
     async def continue_generation(self) -> None:
-        await self.end_weight_update()
-        await self.call("POST", "/continue_generation", {})
+        """Close an open weight-update session, then resume; resumes even when closing failed."""
+        try:
+            await self.end_weight_update()
+        finally:
+            await self.call("POST", "/continue_generation", {})
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> dict:
         return self._checked(
