@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 # Order is the order shown by --help.
 COMMANDS = ["train", "demo", "ablate", "eval", "config", "convert", "verify_model", "plot", "plan"]
@@ -16,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-dapo",
         description="DAPO reinforcement learning: Megatron-core actor, SGLang (or HF on CPU) rollouts.",
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="print full tracebacks here instead of a one-line error"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
@@ -31,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is accepted anywhere on the line, also after the subcommand
+    debug = "--debug" in argv
+    args = parser.parse_args([a for a in argv if a != "--debug"])
+    args.debug = debug
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -40,6 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - every failure ends as one line (and a log file)
+        from megatron_dapo.errors import report
+
+        if args.debug:
+            traceback.print_exc()
+        status, line = report(e, debug=args.debug)
+        print(line, file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    stop = StopFlag().install()
+    # rank 0 bounds its stop like the Ray driver; the others only wait for its calls
+    stop = StopFlag(cfg.trainer.stop_timeout_s if rank == 0 else None).install()
     worker = ActorWorker(to_container(cfg))
     try:
         worker.setup()

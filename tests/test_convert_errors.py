@@ -116,5 +116,5 @@ def test_cli_reports_errors_with_exit_code(tmp_path, capsys):
             str(tmp_path / "m"),
         ]
     )
-    assert code == 1
+    assert code == 2  # bad input
     assert "error: HF config not found" in capsys.readouterr().err

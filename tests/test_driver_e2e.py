@@ -93,45 +93,93 @@ def _train_cmd(args):
     return [sys.executable, "-m", "megatron_dapo.cli", "train", str(REPO / "configs/demo.yaml"), *args]
 
 
-def test_sigkill_and_resume_reproduces_the_uninterrupted_run(assets, tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    steps = 3
-    common = {"trainer.val_before_train": "false", "trainer.test_freq": 0, "logging.plots_at_end": "false"}
-    ref = _overrides(assets, tmp_path, "ref", steps, **common)
-    subprocess.run(_train_cmd(ref), check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+STEPS = 3
+COMMON = {"trainer.val_before_train": "false", "trainer.test_freq": 0, "logging.plots_at_end": "false"}
+ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
-    killed = _overrides(assets, tmp_path, "killed", steps, **common, **{"trainer.resume": "auto"})
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """An uninterrupted 3-step run: what every interrupted-and-resumed run must reproduce."""
+    runs = tmp_path_factory.mktemp("ref_runs")
+    subprocess.run(
+        _train_cmd(_overrides(assets, runs, "ref", STEPS, **COMMON)),
+        check=True,
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        timeout=600,
+    )
+    return runs / "ref"
+
+
+def _start_and_wait_for_step(args, metrics: Path, step: int) -> subprocess.Popen:
+    """Start a training run in its own process group; return once `step` is in its metrics."""
     proc = subprocess.Popen(
-        _train_cmd(killed),
-        env=env,
+        _train_cmd(args),
+        env=ENV,
         cwd=REPO,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
-        if metrics.is_file() and '"step": 2' in metrics.read_text():
-            break
-        assert proc.poll() is None, "the run ended before it could be killed"
+        if metrics.is_file() and any(r["step"] >= step for r in _metrics(metrics.parent)):
+            return proc
+        assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.stderr.read()
         time.sleep(0.2)
-    else:
-        pytest.fail("the run did not reach step 2 in time")
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started
-    proc.wait(timeout=30)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"the run did not reach step {step} in time")
 
-    subprocess.run(_train_cmd(killed), check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
-    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
-    assert summary["resumed_from"] == 2, "the second run must continue from the step-2 checkpoint"
-    a = load_file(str(tmp_path / "ref" / "hf" / f"step_{steps}" / "model.safetensors"))
-    b = load_file(str(tmp_path / "killed" / "hf" / f"step_{steps}" / "model.safetensors"))
+
+def _assert_same_as_reference(reference: Path, run: Path) -> None:
+    a = load_file(str(reference / "hf" / f"step_{STEPS}" / "model.safetensors"))
+    b = load_file(str(run / "hf" / f"step_{STEPS}" / "model.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] == b[name]).all(), f"{name} differs after resume"
-    ref_records, res_records = _metrics(tmp_path / "ref"), _metrics(tmp_path / "killed")
-    assert [r["step"] for r in res_records] == [1, 2, 3]
-    assert [r["rollout/reward/mean"] for r in res_records] == [r["rollout/reward/mean"] for r in ref_records]
+    ref_records, res_records = _metrics(reference), _metrics(run)
+    assert [r["step"] for r in res_records] == list(range(1, STEPS + 1)), "a step was repeated or skipped"
+    for key in ("rollout/reward/mean", "actor/pg_loss", "actor/grad_norm", "train/prompts_consumed"):
+        assert [r[key] for r in res_records] == [r[key] for r in ref_records], key
+
+
+def test_sigkill_and_resume_reproduces_the_uninterrupted_run(assets, reference, tmp_path):
+    killed = _overrides(assets, tmp_path, "killed", STEPS, **COMMON, **{"trainer.resume": "auto"})
+    proc = _start_and_wait_for_step(killed, tmp_path / "killed" / "metrics.jsonl", 2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started
+    proc.wait(timeout=30)
+
+    subprocess.run(_train_cmd(killed), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert summary["resumed_from"] == 2, "the second run must continue from the step-2 checkpoint"
+    _assert_same_as_reference(reference, tmp_path / "killed")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_to_the_process_group_saves_and_resumes_exactly(assets, reference, tmp_path, sig):
+    """Slurm's preemption: the signal reaches every process of the job, Ray's included. The run
+    must checkpoint its last finished step (save_freq is far away) and exit 0 in bounded time;
+    the resumed run then equals the uninterrupted one."""
+    args = _overrides(
+        assets, tmp_path, "stopped", STEPS, **COMMON, **{"trainer.save_freq": 100, "trainer.resume": "auto"}
+    )
+    run = tmp_path / "stopped"
+    proc = _start_and_wait_for_step(args, run / "metrics.jsonl", 1)
+    os.killpg(proc.pid, sig)
+    _, stderr = proc.communicate(timeout=120)  # the default trainer.stop_timeout_s is 90
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
+    last = max(r["step"] for r in _metrics(run))
+    assert last < STEPS, "the signal came too late to test anything"
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
+    assert json.loads((run / "summary.json").read_text())["stopped_by"] == sig.name
+
+    subprocess.run(_train_cmd(args), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == last
+    _assert_same_as_reference(reference, run)
 
 
 def test_eval_command_on_an_hf_checkpoint(assets, tmp_path):

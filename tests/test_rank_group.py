@@ -5,10 +5,9 @@ import os
 import time
 
 import pytest
+import ray  # a hard dependency: a missing Ray fails the suite instead of skipping it
 
-ray = pytest.importorskip("ray")
-
-from megatron_dapo.driver.rank_group import RankCallError, RayRankGroup  # noqa: E402
+from megatron_dapo.driver.rank_group import RankCallError, RayRankGroup
 
 
 class SumWorker:
@@ -40,6 +39,7 @@ def ray_local():
     # workers import this test module by name
     env = {"PYTHONPATH": os.path.dirname(__file__)}
     ray.init(
+        address="local",  # never join a cluster another process left running on this machine
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,

@@ -139,14 +139,21 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name[len(_PREFIX) :]), reverse=True)
 
 
+class NoUsableCheckpointError(CheckpointError):
+    """Checkpoints exist but none of them can be resumed from: never start over silently."""
+
+
 def find_resume_checkpoint(
-    root: str | os.PathLike, resume: str = "auto", verify_checksums: bool = True
+    root: str | os.PathLike, resume: str = "auto", verify_checksums: bool = True, strict: bool = False
 ) -> Path | None:
     """The checkpoint to resume from.
 
     ``resume``: "never" -> None; "auto" -> the one ``latest`` names, or, when it fails to
     verify, the newest older one that does (each rejection is logged); None when there is none;
     anything else is a checkpoint directory (or a root with ``latest``) that must verify.
+    ``strict``: with "auto", checkpoints present but none usable raise
+    :class:`NoUsableCheckpointError` naming each one and why it was rejected (the driver's
+    choice; starting over would overwrite the run's history).
     """
     if resume == "never":
         return None
@@ -155,7 +162,10 @@ def find_resume_checkpoint(
         if (path / LATEST).is_file():
             path = path / (path / LATEST).read_text().strip()
         if not path.is_dir():
-            raise CheckpointError(f"resume checkpoint {path} does not exist")
+            raise CheckpointError(
+                f"trainer.resume={resume}: checkpoint {path} does not exist; point it at a step_* directory "
+                "(or a checkpoints/ folder with a `latest` file), or use trainer.resume=auto"
+            )
         verify_checkpoint(path, verify_checksums)
         return path
     root = Path(root)
@@ -164,12 +174,25 @@ def find_resume_checkpoint(
     if pointer.is_file():
         named = root / pointer.read_text().strip()
         candidates = [named] + [c for c in candidates if c != named and _step_of(c) < _step_of(named)]
+    rejected: list[str] = []
     for path in candidates:
         try:
             verify_checkpoint(path, verify_checksums)
-            return path
         except CheckpointError as e:
-            log.warning("resume: skipping checkpoint %s: %s", path, e)
+            rejected.append(f"{path.name}: {e}")
+            continue
+        for why in rejected:
+            log.warning("resume: skipping checkpoint %s", why)
+        return path
+    if rejected and not strict:
+        log.warning("resume: no usable checkpoint under %s: %s", root, "; ".join(rejected))
+    if strict and rejected:
+        raise NoUsableCheckpointError(
+            f"trainer.resume=auto found {len(rejected)} checkpoint(s) under {root} and none is usable ("
+            + "; ".join(rejected)
+            + "); repair or remove them, point trainer.resume=PATH at a good one, or start over with "
+            "trainer.resume=never (the old metrics.jsonl is moved aside, not overwritten)"
+        )
     return None
 
 
@@ -255,19 +278,53 @@ def save_checkpoint(
             "layout": _layout_key(actor),
         },
     }
-    save_model_checkpoint(actor.model, tmp, hf_dir=hf_dir, extra=extra)
-    entries = _gathered_manifest_entries(tmp)
+    error = None
+    try:
+        save_model_checkpoint(actor.model, tmp, hf_dir=hf_dir, extra=extra)
+    except OSError as e:  # a full disk, a quota: this rank's files are incomplete
+        error = str(e)
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    error = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+    # collective: every rank agrees on `error`, so all of them take part or none
+    entries = _gathered_manifest_entries(tmp) if error is None else None
     if dist.get_rank() == 0:
-        write_manifest(tmp, entries)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / (LATEST + ".tmp")
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / LATEST)
-        _prune(root, keep_last)
-    dist.barrier()
+        try:
+            if error is None:
+                _publish(root, tmp, final, keep_last, entries)
+        except OSError as e:
+            error = f"rank 0: {e}"
+        if error is not None:
+            # the partial copy would only fill the disk further; `latest` still names the last good one
+            shutil.rmtree(tmp, ignore_errors=True)
+    error = _agreed(error)
+    if error is not None:
+        previous = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+        raise CheckpointError(
+            f"saving checkpoint {final} failed ({error}); "
+            + (
+                f"the previous checkpoint {root / previous} is intact"
+                if previous
+                else "no earlier checkpoint exists"
+            )
+            + "; free space under trainer.runs_dir, then resume with trainer.resume=auto"
+        )
     return final
+
+
+def _publish(root: Path, tmp: Path, final: Path, keep_last: int, entries: dict | None) -> None:
+    """Make a fully written ``tmp`` the checkpoint ``final`` and point ``latest`` at it.
+
+    Each step is atomic (rename), in an order that keeps a usable ``latest`` at every instant:
+    the manifest marks ``tmp`` complete, the rename publishes it, then the pointer moves."""
+    write_manifest(tmp, entries)
+    if final.exists():  # a re-save of the same step (a repeated stop): the pointer never names it twice
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = root / (LATEST + ".tmp")
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST)
+    _prune(root, keep_last)
 
 
 def _agreed(value: Any) -> Any:

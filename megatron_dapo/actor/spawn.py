@@ -25,7 +25,25 @@ def free_port() -> int:
 
 
 class RankFailed(RuntimeError):
-    """A spawned rank raised; the message carries its traceback."""
+    """A spawned rank raised; the message carries its traceback, `cause` a stand-in for the
+    rank's exception (its class name and message) for one-line reports."""
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.causes = [cause] if cause is not None else []
+
+
+class RankError(Exception):
+    """Stands for a spawned rank's exception in this process: `type_names` are its class and
+    base class names (the class itself may not be importable here)."""
+
+    def __init__(self, message: str, type_names: list[str]):
+        super().__init__(message)
+        self.type_names = type_names
+
+
+def _stand_in(type_names: list[str], message: str) -> BaseException:
+    return RankError(message, type_names)
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, threads: int) -> None:
@@ -42,8 +60,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     torch.set_num_threads(threads)
     try:
         queue.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        names = [c.__name__ for c in type(e).__mro__]
+        queue.put((rank, False, (traceback.format_exc(), names, str(e))))
     finally:
         import torch.distributed as dist
 
@@ -104,7 +123,8 @@ def run_ranks(
                     f"no result from some rank within {timeout_s:.0f}s (got ranks {sorted(results)})"
                 ) from e
             if not ok:
-                raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
+                text, names, message = value
+                raise RankFailed(f"rank {rank} of {world_size} failed:\n{text}", _stand_in(names, message))
             results[rank] = _from_bytes(value)
     finally:
         for p in procs:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_hf_to_megatron_args(p: argparse.ArgumentParser) -> None:
@@ -48,17 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _report_errors(fn):
     def run(args: argparse.Namespace) -> int:
-        from megatron_dapo.actor.spawn import RankFailed
-
-        try:
-            out = fn(args)
-        except (ValueError, FileNotFoundError, FileExistsError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except RankFailed as e:
-            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-            print(f"error: {lines[-1]}\n\n{e}", file=sys.stderr)
-            return 1
+        # failures (also those of the spawned ranks) become one line in megatron_dapo.cli
+        out = fn(args)
         print(f"wrote {out}")
         return 0
 

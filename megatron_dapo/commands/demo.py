@@ -6,6 +6,7 @@ with GRPO settings for comparison."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -79,12 +80,15 @@ def run(args: argparse.Namespace) -> int:
     ]
     if args.algo == "grpo":
         overrides += GRPO_OVERRIDES
+    from megatron_dapo.errors import set_log_dir
+
     try:
         cfg = load_for_cli(str(demo_config_path()), overrides + list(args.overrides))
         env.write(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)
+        set_log_dir(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)
         summary = run_train(cfg)
     except ConfigError as e:
-        console.print(f"[red]config error:[/] {e}")
+        print(f"config error: {e}", file=sys.stderr)  # one line: no console wrapping
         return 2
     key = f"val/avg@{cfg.rollout.val.n}"
     before = (summary.get("val_before") or {}).get(key)

@@ -115,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dapo.eval.runner import evaluate
     from megatron_dapo.rewards.scorer import Scorer
 
+    if args.url:
+        from megatron_dapo.eval.openai_endpoint import check_reachable
+
+        check_reachable(args.url)  # before the data and tokenizer: a wrong port is the usual mistake
     tok_path = args.tokenizer or args.hf_dir
     if tok_path is None and not args.no_chat_template:
         print("eval: --url needs --tokenizer (for the chat template) or --no-chat-template", file=sys.stderr)
@@ -122,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.data).exists():
         print(
             f"eval: --data {args.data} not found; point it at the AIME 2024 parquet (DAPO layout)",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.url and not (Path(args.hf_dir) / "config.json").is_file():
+        print(
+            f"eval: --hf-dir {args.hf_dir} has no config.json; point it at an HF checkpoint directory",
             file=sys.stderr,
         )
         return 2

@@ -16,13 +16,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_dapo.driver.plots import plot_run
+    from pathlib import Path
 
+    from megatron_dapo.driver.plots import plot_run
+    from megatron_dapo.driver.run_dir import read_metrics_report
+
+    metrics = Path(args.run_dir) / "metrics.jsonl"
     try:
         written = plot_run(args.run_dir, args.out)
     except FileNotFoundError as e:
         print(f"plot: {e}", file=sys.stderr)
         return 2
+    records, skipped = read_metrics_report(metrics)
+    if skipped:
+        shown = "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
+        print(
+            f"plot: skipped {len(skipped)} of {len(records) + len(skipped)} lines of {metrics} ({shown})",
+            file=sys.stderr,
+        )
     for path in written:
         print(path)
     return 0

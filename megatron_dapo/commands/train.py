@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,9 +23,11 @@ def run(args: argparse.Namespace) -> int:
     from megatron_dapo.config import ConfigError
     from megatron_dapo.data.types import DataError
     from megatron_dapo.driver.launch import load_for_cli, run_train
+    from megatron_dapo.errors import set_log_dir
 
     try:
         cfg = load_for_cli(args.config, list(args.overrides))
+        set_log_dir(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)  # a failure's traceback goes there
         summary = run_train(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

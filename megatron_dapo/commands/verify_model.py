@@ -91,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
             args.spec,
         )
     except RankFailed as e:
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        print(f"error: {lines[-1]}\n\n{e}", file=sys.stderr)
-        return 2
+        from megatron_dapo.errors import report
+
+        status, line = report(e)
+        print(line, file=sys.stderr)
+        return status
     diff = max(d for d in results if d is not None)
     source = args.megatron_dir or args.hf_dir
     print(

@@ -68,7 +68,7 @@ def _read_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str,
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)

@@ -212,6 +212,9 @@ class TrainerConfig:
     save_freq: int = 20
     keep_last: int = 3
     resume: str = "auto"  # auto | never | PATH
+    # SIGTERM/SIGINT: the longest the stop (abandon the rollout or finish the update, save, shut
+    # down) may take before the process exits anyway; below Slurm's usual 120 s grace.
+    stop_timeout_s: float = 90.0
     test_freq: int = 10
     val_before_train: bool = True
     hf_export_at_end: bool = True

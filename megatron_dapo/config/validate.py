@@ -188,6 +188,24 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.placement=disaggregated needs trainer.rollout_gpus >= 1 for the engines")
     if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0 and 0 <= optim.min_lr <= optim.lr")
+    if cfg.trainer.stop_timeout_s <= 0:
+        raise ConfigError(
+            f"trainer.stop_timeout_s={cfg.trainer.stop_timeout_s} must be > 0 (seconds a SIGTERM stop may take)"
+        )
+    if (
+        alg.filter_groups.enable
+        and not alg.allow_partial_batch
+        and alg.filter_groups.max_num_gen_batches > 0
+        and (not ro.over_sample or alg.filter_groups.max_num_gen_batches == 1)
+        and alg.filter_groups.max_num_gen_batches * ro.gen_batch_size < cfg.trainer.train_batch_size
+    ):
+        budget = alg.filter_groups.max_num_gen_batches * ro.gen_batch_size
+        raise ConfigError(
+            f"algorithm.filter_groups.max_num_gen_batches={alg.filter_groups.max_num_gen_batches} x "
+            f"rollout.gen_batch_size={ro.gen_batch_size} = {budget} prompts can never fill "
+            f"trainer.train_batch_size={cfg.trainer.train_batch_size}; raise max_num_gen_batches (0 = unlimited) "
+            "or rollout.gen_batch_size, or algorithm.allow_partial_batch=true"
+        )
     if cfg.optim.clip_grad < 0 or cfg.optim.lr_warmup_steps < 0:
         raise ConfigError("optim.clip_grad and optim.lr_warmup_steps must be >= 0")
 

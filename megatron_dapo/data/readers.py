@@ -58,8 +58,21 @@ def _read_parquet(path: Path) -> list[dict]:
         raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
 
 
+def read_utf8(path: Path) -> str:
+    """A text file's contents; bytes that are not UTF-8 are a DataError naming file, byte and line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(
+            f"{path}: not UTF-8 text at byte offset {e.start} (line {line}: {e.reason}); "
+            "re-encode the file as UTF-8, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
 def _read_jsonl(path: Path) -> tuple[list, list[str]]:
-    text = path.read_text(encoding="utf-8")
+    text = read_utf8(path)
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)

@@ -223,11 +223,11 @@ class ActorWorker:
         )
         return str(path)
 
-    def load_checkpoint(self, root: str, resume: str = "auto") -> dict | None:
+    def load_checkpoint(self, root: str, resume: str = "auto", verify_checksums: bool = True) -> dict | None:
         """The saved trainer state (None when there is nothing to resume)."""
         from megatron_dapo.actor.checkpoint import load_checkpoint
 
-        record = load_checkpoint(self.actor, root, resume)
+        record = load_checkpoint(self.actor, root, resume, verify_checksums=verify_checksums)
         return None if record is None else record["trainer_state"]
 
     def export_hf(self, out_dir: str) -> str | None:

@@ -92,8 +92,16 @@ def val_problems(cfg: DictConfig, tokenizer) -> list[EvalProblem]:
 
 
 def make_scorer(cfg: DictConfig) -> Scorer:
-    return Scorer(
-        custom_fn=cfg.reward.custom_fn,
-        timeout_s=cfg.reward.timeout_s,
-        boxed_fallback=cfg.reward.boxed_fallback,
-    )
+    from megatron_dapo.rewards.scorer import RewardWorkerError
+
+    try:
+        return Scorer(
+            custom_fn=cfg.reward.custom_fn,
+            timeout_s=cfg.reward.timeout_s,
+            boxed_fallback=cfg.reward.boxed_fallback,
+        )
+    except RewardWorkerError as e:
+        if not cfg.reward.custom_fn:
+            raise
+        # the worker only fails to start on the user's reward file
+        raise ConfigError(f"reward.custom_fn={cfg.reward.custom_fn}: {e}") from e

@@ -24,7 +24,7 @@ from megatron_dapo.driver import cpu_warnings
 from megatron_dapo.driver.actor_worker import ActorWorker
 from megatron_dapo.driver.datasets import load_tokenizer, make_scorer, train_dataset, val_problems
 from megatron_dapo.driver.run_dir import RunDir
-from megatron_dapo.driver.stop import StopFlag
+from megatron_dapo.driver.stop import StopFlag, blocked_signals
 from megatron_dapo.driver.trainer import DAPOTrainer
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,15 @@ def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
     # batches on the CPU path. address="local": always our own, since with no address Ray joins
     # the newest cluster on the machine (RAY_ADDRESS, or /tmp/ray/ray_current_cluster, which any
     # other run writes) and then refuses num_cpus; joining one is what trainer.ray_address is for.
+    # Its processes are started with SIGTERM/SIGINT blocked: a signal to the whole process group
+    # (Slurm) must reach only the driver, which stops them after the checkpoint.
+    with blocked_signals():
+        _init_local_ray(num_cpus, device)
+
+
+def _init_local_ray(num_cpus: int, device: str) -> None:
+    import ray
+
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -197,12 +206,17 @@ class Placement:
 
             stop_sglang_engines(self.engines)
 
-    def shutdown(self) -> None:
+    def shutdown(self, failed: bool = False) -> None:
+        """Stop ranks and engines. After a failure a rank may be stuck in a collective with a
+        peer that is gone, so the ranks are killed rather than asked to tidy up."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         try:
-            self.ranks.call("shutdown", timeout_s=60)
+            if failed:
+                self.ranks.shutdown()
+            else:
+                self.ranks.call("shutdown", timeout_s=60)
         except Exception as e:  # noqa: BLE001 - best effort on the way out
             log.warning("actor shutdown: %s", e)
         self._stop_sglang()
@@ -224,7 +238,10 @@ class RunInputs:
 
 def prepare_run(cfg: DictConfig) -> RunInputs:
     """The run directory (with the resolved config), tokenizer, training data, validation set, scorer."""
+    from megatron_dapo.driver.preflight import preflight
+
     run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
+    preflight(cfg, run.checkpoints)
     run.config.write_text(to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
     dataset = train_dataset(cfg, tokenizer)
@@ -290,19 +307,33 @@ def run_train(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(cfg)
     engine_kind = resolve_engine(cfg, device)
     inputs = prepare_run(cfg)
-    stop = StopFlag().install()
-    placement = Placement(cfg, device, engine_kind)
+    stop = StopFlag(cfg.trainer.stop_timeout_s, lambda: _resume_hint(inputs.run)).install()
     try:
-        transport = placement.weight_transport()
-        if getattr(transport, "every_rank", False):
-            placement.ranks.call("attach_transport", transport, timeout_s=300)
-        else:
-            placement.ranks.workers[0].attach_transport.remote(transport)
-        return drive(cfg, inputs, placement.ranks, placement.engines, stop)
+        placement = Placement(cfg, device, engine_kind)
+        # ray.init replaced the SIGTERM handler with its own (sys.exit): take it back
+        stop.install()
+        failed = True
+        try:
+            transport = placement.weight_transport()
+            if getattr(transport, "every_rank", False):
+                placement.ranks.call("attach_transport", transport, timeout_s=300)
+            else:
+                placement.ranks.workers[0].attach_transport.remote(transport)
+            summary = drive(cfg, inputs, placement.ranks, placement.engines, stop)
+            failed = False
+            return summary
+        finally:
+            inputs.scorer.close()
+            placement.shutdown(failed)
     finally:
         stop.uninstall()
-        inputs.scorer.close()
-        placement.shutdown()
+
+
+def _resume_hint(run: RunDir) -> str:
+    latest = run.checkpoints / "latest"
+    if latest.is_file():
+        return f"trainer.resume=auto continues from {run.checkpoints / latest.read_text().strip()}"
+    return f"no checkpoint under {run.checkpoints} yet"
 
 
 def _stop_ids(tokenizer) -> list[int]:

@@ -25,7 +25,18 @@ CONTROL_TIMEOUT = datetime.timedelta(hours=24)
 
 
 class RankCallError(RuntimeError):
-    """A rank method failed or timed out; names the method and the ranks concerned."""
+    """A rank method failed or timed out; names the method and the ranks concerned.
+
+    `causes` holds each failed rank's own exception (the CLI reports the one a user can act
+    on); a rank process that died is named with its pid."""
+
+    def __init__(self, message: str, causes: list[BaseException] | None = None):
+        super().__init__(message)
+        self.causes = list(causes or [])
+
+
+class RankDied(RuntimeError):
+    """A rank's process is gone (killed, out of memory, a crash in native code)."""
 
 
 def node_address() -> tuple[str, int]:
@@ -88,6 +99,7 @@ class RayRankGroup:
             if env:
                 options["runtime_env"] = {"env_vars": dict(env)}
             self.workers.append(remote_cls.options(**options).remote(*init_args))
+        self.pids = ray.get([w.__ray_call__.remote(lambda self: os.getpid()) for w in self.workers])
         addr, port = ray.get(self.workers[0].__ray_call__.remote(lambda self: node_address()))
         # On GPU nodes Ray sets CUDA_VISIBLE_DEVICES per actor, so every rank's local device is 0.
         ray.get(
@@ -113,14 +125,26 @@ class RayRankGroup:
             late = [r for r, ref in enumerate(refs) if ref not in ready]
             raise RankCallError(f"{method}: ranks {late} did not finish within {timeout_s:.0f}s") from e
         except (RayTaskError, RayActorError) as e:
-            failed = []
+            failed, causes = [], []
             for rank, ref in enumerate(refs):
                 try:
                     ray.get(ref, timeout=5)
+                except RayActorError:
+                    cause = RankDied(
+                        f"training rank {rank} (pid {self.pids[rank]}) died during {method} "
+                        "(killed, out of memory, or a crash in native code; see its log under /tmp/ray/session_latest/logs)"
+                    )
+                    causes.insert(0, cause)  # the dead process, not the peers it left waiting
+                    failed.append(f"rank {rank}: {cause}")
+                except GetTimeoutError:
+                    failed.append(f"rank {rank}: still running (waiting for a peer)")
                 except Exception as err:  # noqa: BLE001 - collecting every rank's failure
                     cause = getattr(err, "cause", None) or err
+                    causes.append(cause)
                     failed.append(f"rank {rank}: {type(cause).__name__}: {cause}")
-            raise RankCallError(f"{method} failed on {len(failed)} rank(s): " + "; ".join(failed)) from e
+            raise RankCallError(
+                f"{method} failed on {len(failed)} rank(s): " + "; ".join(failed), causes
+            ) from e
 
     def shutdown(self) -> None:
         import ray

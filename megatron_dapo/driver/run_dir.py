@@ -7,10 +7,13 @@ checkpoints/, hf/ (exports), rollouts/ (optional sample dumps), plots/, tensorbo
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,18 +60,39 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _free_name(path: Path) -> Path:
+    """metrics.jsonl -> metrics.1.jsonl (or the first number not taken)."""
+    n = 1
+    while (aside := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    return aside
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All step records of a metrics.jsonl; a torn last line (crash mid-write) is ignored."""
+    """All step records of a metrics.jsonl; lines that are not JSON records (a torn last line
+    after a crash, a corrupt one) are left out: see `read_metrics_report` for which."""
+    return read_metrics_report(path)[0]
+
+
+def read_metrics_report(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """(records, why each skipped line was skipped, as "line N: reason")."""
     path = Path(path)
     if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
+        return [], []
+    records, skipped = [], []
+    for lineno, line in enumerate(path.read_bytes().decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            skipped.append(f"line {lineno}: not JSON ({e.msg})")
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            skipped.append(f"line {lineno}: not a step record (no integer 'step')")
+            continue
+        records.append(record)
+    return records, skipped
 
 
 class MetricsLogger:
@@ -91,8 +115,11 @@ class MetricsLogger:
         if resume_step is not None:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        elif self.path.exists():
-            self.path.unlink()
+        elif self.path.exists() and self.path.stat().st_size:
+            # a fresh start in a used run directory keeps the earlier history beside the new one
+            aside = _free_name(self.path)
+            self.path.rename(aside)
+            log.warning("starting over: the previous %s is kept as %s", self.path.name, aside.name)
         self._tb = None
         if tensorboard:
             try:

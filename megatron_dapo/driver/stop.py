@@ -1,37 +1,115 @@
-"""Graceful stop on SIGTERM / SIGINT (Slurm preemption, Ctrl-C).
+"""Graceful stop on SIGTERM / SIGINT (Slurm preemption, Kubernetes eviction, Ctrl-C).
 
-The first signal only sets a flag: the step loop finishes the step in flight, saves a checkpoint
-and exits 0, so `--requeue` + `resume: auto` continue where it stopped. A second signal restores
-the default handler and interrupts at once.
+The first signal only sets a flag: the step loop abandons a rollout in flight (or finishes an
+update in flight), saves a checkpoint of the last finished step and exits 0, so `--requeue` +
+`resume: auto` continue where it stopped. A watchdog bounds the whole stop: when the process is
+still running `timeout_s` after the first signal it exits at once (status 1), naming the last
+checkpoint, so that the scheduler's SIGKILL never lands in the middle of a save. A second
+signal exits at once too.
+
+Slurm and `kill -- -PGID` deliver the signal to the whole process group, not only to the
+driver. The helpers below keep every other process of ours out of it: the local Ray cluster
+(its daemons and every worker they start inherit a blocked SIGTERM/SIGINT, see
+`blocked_signals`) and the reward worker (`ignore_stop_signals`). They are stopped by the
+driver on its way out instead, so nothing dies before the checkpoint is written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import signal
+import sys
 import threading
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def blocked_signals() -> Iterator[None]:
+    """Block SIGTERM/SIGINT in this thread while child processes are started.
+
+    A signal mask survives fork and exec, so processes started inside (Ray's GCS and raylet,
+    and the workers the raylet forks in turn) never receive the process group's SIGTERM; Ray
+    stops them itself (terminate, then kill) at `ray.shutdown()`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_stop_signals() -> None:
+    """For helper processes the driver stops itself (reward worker, follower ranks)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class StopFlag:
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float | None = None, on_timeout: Callable[[], str] | None = None) -> None:
+        """timeout_s: the longest a stop may take after the first signal (None: unbounded).
+        on_timeout: returns the line printed when that time is up (e.g. naming the last checkpoint)."""
         self._event = threading.Event()
+        self._done = threading.Event()
         self.signal_name: str | None = None
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
         self._previous: dict[int, object] = {}
 
     def install(self) -> StopFlag:
+        """Take SIGTERM/SIGINT (again: `ray.init` replaces the SIGTERM handler with its own)."""
         if threading.current_thread() is not threading.main_thread():
             return self
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        for sig in STOP_SIGNALS:
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
         return self
 
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self._event.is_set():
-            self.uninstall()
-            raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signum).name
+            # the user (or the scheduler) insists: no cleanup that could hang
+            sys.stderr.write(f"second {name}: exiting now; resume continues from the last checkpoint\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        self.signal_name = name
         self._event.set()
+        sys.stderr.write(
+            f"{name} received: stopping after a checkpoint of the last finished step "
+            f"(within {self.timeout_s:g}s, trainer.stop_timeout_s); send it again to exit at once\n"
+            if self.timeout_s
+            else f"{name} received: stopping after a checkpoint of the last finished step\n"
+        )
+        sys.stderr.flush()
+        if self.timeout_s:
+            threading.Thread(target=self._watchdog, name="stop-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        if self._done.wait(self.timeout_s):
+            return
+        line = f"stop did not finish within trainer.stop_timeout_s={self.timeout_s:g}s; exiting now"
+        if self.on_timeout is not None:
+            with contextlib.suppress(Exception):  # the exit must happen whatever the message does
+                line += "; " + self.on_timeout()
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    def finished(self) -> None:
+        """The stop is complete (or the run ended): the watchdog stands down."""
+        self._done.set()
 
     def uninstall(self) -> None:
+        self.finished()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

@@ -11,10 +11,10 @@ the pieces; the loop is the same for all of them.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -25,6 +25,7 @@ from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.run_dir import MetricsLogger, RunDir
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.timing import PhaseTimer
+from megatron_dapo.rollout.manager import RolloutAbandoned
 
 log = logging.getLogger(__name__)
 
@@ -92,39 +93,65 @@ class DAPOTrainer:
         self.sync = transport_sync
         self.validate = validate
         self.stop = stop or StopFlag()
+        if hasattr(manager, "should_stop"):
+            manager.should_stop = lambda: self.stop.requested
         self.dump_rollouts = dump_rollouts
         self.colocated_engines = list(colocated_engines)
         self.state = TrainerState()
+        self._saved_step: int | None = None
 
     # ---------------------------------------------------------------- resume
     def resume(self) -> bool:
-        """Restore the latest good checkpoint per `trainer.resume`; True when one was loaded."""
+        """Restore the checkpoint `trainer.resume` names; True when one was loaded.
+
+        The choice is made here, once, before any rank loads anything: with "auto", checkpoints
+        present but none usable stop the run (naming each and why) instead of starting over."""
+        from megatron_dapo.actor.checkpoint import find_resume_checkpoint
+
         mode = self.cfg.trainer.resume
         if mode == "never":
             return False
-        root = self.run.checkpoints if mode == "auto" else Path(mode)
-        loaded = self.ranks.call("load_checkpoint", str(root), "auto" if mode == "auto" else str(root))[0]
-        if loaded is None:
-            if mode != "auto":
-                raise FileNotFoundError(f"trainer.resume={mode}: no checkpoint found there")
+        path = find_resume_checkpoint(self.run.checkpoints, mode, strict=True)
+        if path is None:
             return False
+        # the ranks re-check sizes; the checksums were just verified here
+        loaded = self.ranks.call("load_checkpoint", str(path), str(path), False)[0]
         self.state = TrainerState(**loaded)
         self.dataset.load_state_dict(self.state.data_cursor)
         if self.state.manager_state and hasattr(self.manager, "load_state_dict"):
             self.manager.load_state_dict(self.state.manager_state)
+        self._saved_step = self.state.step
         return True
 
     def save(self) -> str:
         self.state.data_cursor = self.dataset.state_dict()
         if hasattr(self.manager, "state_dict"):
             self.state.manager_state = self.manager.state_dict()
-        return self.ranks.call(
+        path = self.ranks.call(
             "save_checkpoint",
             str(self.run.checkpoints),
             self.state.step,
             asdict(self.state),
             self.cfg.trainer.keep_last,
         )[0]
+        self._saved_step = self.state.step
+        return path
+
+    def last_checkpoint(self) -> str:
+        """For messages: the checkpoint a resume would start from now."""
+        latest = self.run.checkpoints / "latest"
+        if latest.is_file():
+            return str(self.run.checkpoints / latest.read_text().strip())
+        return f"none under {self.run.checkpoints}"
+
+    def _abandon_step(self, cursor: dict, manager_state: dict | None) -> None:
+        """A stop during rollout: forget the step in flight (its prompts go back to the data
+        cursor) and checkpoint the last finished step, which the actor still holds unchanged."""
+        self.dataset.load_state_dict(cursor)
+        if manager_state is not None:
+            self.manager.load_state_dict(manager_state)
+        if self.state.step > 0 and self._saved_step != self.state.step:
+            self.save()
 
     # ---------------------------------------------------------------- colocation
     def _to_training(self) -> None:
@@ -184,8 +211,17 @@ class DAPOTrainer:
             while self.state.step < total and not self.stop.requested:
                 step = self.state.step + 1
                 timer = PhaseTimer()
-                with timer.phase("gen"), progress.phase(step, "rollout"):
-                    rollout = self.manager.collect(self.dataset, self.state.weight_version)
+                cursor = copy.deepcopy(self.dataset.state_dict())
+                manager_state = (
+                    copy.deepcopy(self.manager.state_dict()) if hasattr(self.manager, "state_dict") else None
+                )
+                try:
+                    with timer.phase("gen"), progress.phase(step, "rollout"):
+                        rollout = self.manager.collect(self.dataset, self.state.weight_version)
+                except RolloutAbandoned:
+                    with progress.phase(self.state.step, "checkpoint"):
+                        self._abandon_step(cursor, manager_state)
+                    break
                 with timer.phase("adv"):
                     batch, batch_metrics = build_actor_batch(
                         rollout.samples,
@@ -225,7 +261,8 @@ class DAPOTrainer:
                 if (
                     self.validate
                     and cfg.trainer.test_freq > 0
-                    and (step % cfg.trainer.test_freq == 0 or last)
+                    and (step % cfg.trainer.test_freq == 0 or step == total)
+                    and not self.stop.requested  # a stop must fit the scheduler's grace period
                 ):
                     with timer.phase("val"), progress.phase(step, "validation"):
                         metrics.update(self.validate(step))
@@ -237,9 +274,14 @@ class DAPOTrainer:
                 summary["last"] = metrics
             if self.stop.requested:
                 progress.log(
-                    f"stopped by {self.stop.signal_name} after step {self.state.step}; checkpoint saved"
+                    f"stopped by {self.stop.signal_name} after step {self.state.step}; "
+                    f"resume continues from {self.last_checkpoint()}"
                 )
                 summary["stopped_by"] = self.stop.signal_name
+        except Exception as e:
+            # the CLI's one line names what failed; this says what is left of the run
+            e.megatron_dapo_context = f"during step {self.state.step + 1}; trainer.resume=auto continues from {self.last_checkpoint()}"
+            raise
         finally:
             logger.close()
         summary["step"] = self.state.step

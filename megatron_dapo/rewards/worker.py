@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--custom-fn", default=None)
     parser.add_argument("--boxed-fallback", action="store_true")
     args = parser.parse_args(argv)
+    # a signal to the whole process group (Slurm's SIGTERM, Ctrl-C) is the driver's to handle:
+    # it still needs rewards while it finishes, and it ends this worker by closing its input
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)

@@ -72,6 +72,10 @@ TIMING_DEPENDENT_METRICS = (
 _POLL_S = 0.5
 
 
+class RolloutAbandoned(Exception):
+    """The run is stopping (SIGTERM): the step in flight was given up; nothing of it is kept."""
+
+
 class NoEngineAliveError(EngineError):
     """Every rollout engine is down; the step cannot finish."""
 
@@ -268,6 +272,8 @@ class RolloutManager:
         self.down: dict[str, str] = {}  # engine name -> why it was marked down
         self._keep_rate: float | None = None  # last observed, drives over-sampling
         self._zombies: dict[Future, _Call] = {}  # timed-out calls whose threads have not returned
+        # set by the trainer: True once the run must stop; a step in flight is then abandoned
+        self.should_stop: Any = None
 
     # -- public ---------------------------------------------------------------------------
 
@@ -284,6 +290,7 @@ class RolloutManager:
         ledger = _Ledger([e.name for e in self.engines], cfg.train_batch_size)
         t0 = time.perf_counter()
         while ledger.cut is None:
+            self._check_stop()
             if cfg.max_num_gen_batches and ledger.rounds >= cfg.max_num_gen_batches:
                 # every round ran to completion: all drawn groups are scored
                 if cfg.allow_partial_batch and ledger.prefix_kept:
@@ -366,6 +373,9 @@ class RolloutManager:
         score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         try:
             while queue or calls or scoring:
+                if self.should_stop is not None and self.should_stop():
+                    self._abort_engines(calls)
+                    self._check_stop()
                 if ledger.cut is not None:
                     self._stop(queue, calls, scoring, ledger)
                     return
@@ -387,6 +397,17 @@ class RolloutManager:
         finally:
             gen_pool.shutdown(wait=False, cancel_futures=True)
             score_pool.shutdown(wait=True)
+
+    def _check_stop(self) -> None:
+        if self.should_stop is not None and self.should_stop():
+            raise RolloutAbandoned("the run is stopping: rollout abandoned")
+
+    def _abort_engines(self, calls: dict[Future, _Call]) -> None:
+        for engine in {c.engine.name: c.engine for c in calls.values()}.values():
+            try:
+                engine.abort()
+            except Exception as e:  # noqa: BLE001 - stopping anyway
+                logger.warning("rollout: abort on engine %s failed: %s", engine.name, e)
 
     @property
     def _slots(self) -> int:

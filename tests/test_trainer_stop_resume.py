@@ -1,0 +1,245 @@
+"""The step loop's stop and resume decisions, with stand-in ranks, data and rollouts (no Ray,
+no Megatron): a stop during rollout checkpoints the last finished step with the data cursor of
+that step; checkpoints that are all bad stop the run before any rank loads anything, naming
+each; `trainer.resume=never` keeps the old metrics.jsonl beside the new one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.actor.checkpoint import MANIFEST, NoUsableCheckpointError
+from megatron_dapo.config import load_config
+from megatron_dapo.driver.run_dir import RunDir
+from megatron_dapo.driver.stop import StopFlag
+from megatron_dapo.driver.trainer import DAPOTrainer
+from megatron_dapo.rollout.manager import RolloutAbandoned
+
+
+class FakeRanks:
+    def __init__(self):
+        self.calls = []
+
+    def call(self, method, *args, **kwargs):
+        self.calls.append((method, args))
+        if method == "save_checkpoint":
+            root, step, state, _keep = args
+            path = Path(root) / f"step_{step:08d}"
+            path.mkdir(parents=True)
+            (path / "state.json").write_text(json.dumps(state))
+            (Path(root) / "latest").write_text(path.name + "\n")
+            return [str(path)]
+        return [None]
+
+
+class FakeDataset:
+    def __init__(self):
+        self.index = 0
+
+    def next_batch(self, n):
+        self.index += n
+        return list(range(n))
+
+    def state_dict(self):
+        return {"index": self.index}
+
+    def load_state_dict(self, state):
+        self.index = state["index"]
+
+
+class StoppingManager:
+    """Draws prompts, then finds the run stopping mid-rollout (as a SIGTERM would arrive)."""
+
+    def __init__(self, stop: StopFlag):
+        self.stop = stop
+        self.should_stop = None
+        self.keep_rate = 0.5
+
+    def state_dict(self):
+        return {"keep_rate": self.keep_rate}
+
+    def load_state_dict(self, state):
+        self.keep_rate = state["keep_rate"]
+
+    def collect(self, dataset, version):
+        dataset.next_batch(8)
+        self.keep_rate = 0.1  # the abandoned round's observation must not be kept
+        self.stop.set("SIGTERM")
+        assert self.should_stop(), "the trainer must hand the manager its stop flag"
+        raise RolloutAbandoned("stopping")
+
+
+def _cfg(tmp_path, **over):
+    base = {
+        "model.path": str(tmp_path / "no_model"),
+        "trainer.runs_dir": str(tmp_path),
+        "trainer.run_name": "r",
+        "trainer.total_steps": 5,
+        "trainer.train_batch_size": 4,
+        "rollout.gen_batch_size": 4,
+        "rollout.n": 2,
+        "actor.ppo_mini_batch_size": 4,
+        "trainer.val_before_train": "false",
+        "logging.progress": "false",
+    }
+    base.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def _trainer(cfg, ranks, manager, dataset, stop):
+    run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
+    return DAPOTrainer(
+        cfg, run=run, ranks=ranks, manager=manager, dataset=dataset, transport_sync=lambda v: {}, stop=stop
+    )
+
+
+def test_stop_during_rollout_checkpoints_the_last_finished_step(tmp_path):
+    cfg = _cfg(tmp_path, **{"trainer.resume": "never"})
+    stop = StopFlag()
+    ranks, dataset = FakeRanks(), FakeDataset()
+    trainer = _trainer(cfg, ranks, StoppingManager(stop), dataset, stop)
+    # as after a finished step 3 whose checkpoint is not due (save_freq 20)
+    trainer.state.step = trainer.state.weight_version = 3
+    dataset.index = 12
+    summary = trainer.fit()
+    saves = [a for m, a in ranks.calls if m == "save_checkpoint"]
+    assert len(saves) == 1
+    _root, step, state, _ = saves[0]
+    assert step == 3
+    assert state["data_cursor"] == {"index": 12}, "the abandoned step's prompts must be drawn again on resume"
+    assert state["manager_state"] == {"keep_rate": 0.5}
+    assert not [m for m, _ in ranks.calls if m == "train_step"]
+    assert summary["stopped_by"] == "SIGTERM" and summary["step"] == 3
+
+
+def test_stop_before_any_step_saves_nothing(tmp_path):
+    cfg = _cfg(tmp_path, **{"trainer.resume": "never"})
+    stop = StopFlag()
+    ranks = FakeRanks()
+    _trainer(cfg, ranks, StoppingManager(stop), FakeDataset(), stop).fit()
+    assert not [m for m, _ in ranks.calls if m == "save_checkpoint"]
+
+
+def _bad_checkpoints(root: Path) -> None:
+    (root / "step_00000001").mkdir(parents=True)  # a save that died before its manifest
+    bad = root / "step_00000002"
+    bad.mkdir()
+    (bad / "common.pt").write_bytes(b"x" * 10)
+    (bad / MANIFEST).write_text(json.dumps({"files": {"common.pt": {"size": 99, "crc32": 0}}}))
+    (root / "latest").write_text("step_00000002\n")
+
+
+def test_only_bad_checkpoints_stop_the_run_before_any_rank_loads(tmp_path):
+    cfg = _cfg(tmp_path)
+    run = RunDir.create(tmp_path, "r")
+    _bad_checkpoints(run.checkpoints)
+    history = '{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n'
+    run.metrics.write_text(history)
+    ranks = FakeRanks()
+    trainer = _trainer(cfg, ranks, StoppingManager(StopFlag()), FakeDataset(), StopFlag())
+    with pytest.raises(NoUsableCheckpointError) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert "\n" not in message
+    assert "step_00000001" in message and "incomplete" in message
+    assert "step_00000002" in message and "truncated" in message
+    assert "trainer.resume=never" in message
+    assert ranks.calls == [], "no rank may load anything when the driver found nothing to resume"
+    assert run.metrics.read_text() == history, "the run's history must survive"
+
+
+def test_resume_never_keeps_the_old_metrics_aside(tmp_path):
+    cfg = _cfg(tmp_path, **{"trainer.resume": "never"})
+    run = RunDir.create(tmp_path, "r")
+    _bad_checkpoints(run.checkpoints)
+    run.metrics.write_text('{"step": 1}\n')
+    stop = StopFlag()
+    _trainer(cfg, FakeRanks(), StoppingManager(stop), FakeDataset(), stop).fit()
+    assert (run.root / "metrics.1.jsonl").read_text() == '{"step": 1}\n'
+    assert not run.metrics.exists() or run.metrics.read_text() == ""
+
+
+def test_driver_chooses_a_good_checkpoint_and_ranks_load_exactly_it(tmp_path):
+    from megatron_dapo.actor.checkpoint import write_manifest
+
+    cfg = _cfg(tmp_path)
+    run = RunDir.create(tmp_path, "r")
+    _bad_checkpoints(run.checkpoints)
+    good = run.checkpoints / "step_00000001"
+    (good / "common.pt").write_bytes(b"ok")
+    write_manifest(good)
+
+    class Ranks(FakeRanks):
+        def call(self, method, *args, **kwargs):
+            if method == "load_checkpoint":
+                self.calls.append((method, args))
+                return [{"step": 1, "weight_version": 1, "data_cursor": {"index": 4}}]
+            return super().call(method, *args, **kwargs)
+
+    ranks, dataset, stop = Ranks(), FakeDataset(), StopFlag()
+    trainer = _trainer(cfg, ranks, StoppingManager(stop), dataset, stop)
+    trainer.fit()
+    loads = [a for m, a in ranks.calls if m == "load_checkpoint"]
+    assert loads == [(str(good), str(good), False)]
+    assert trainer.state.step == 1
+
+
+_WATCHDOG = """
+import sys, time
+from megatron_dapo.driver.stop import StopFlag
+stop = StopFlag(float(sys.argv[1]), lambda: "resume from step_7").install()
+print("ready", flush=True)
+while True:  # a step that never finishes
+    time.sleep(0.05)
+"""
+
+
+def test_a_stop_that_cannot_finish_exits_within_the_timeout(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "trainer.stop_timeout_s=2" in err and "resume from step_7" in err
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, "600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    first = proc.stderr.readline()
+    assert "SIGTERM received" in first
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "second SIGTERM" in err
+
+
+def test_signal_blocked_while_starting_children_does_not_reach_them():
+    """What keeps Ray's daemons and workers alive through the group's SIGTERM."""
+    from megatron_dapo.driver.stop import blocked_signals
+
+    echo = "import sys\nfor line in sys.stdin:\n    print('alive', flush=True)"
+    with blocked_signals():
+        child = subprocess.Popen(
+            [sys.executable, "-c", echo], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            child.send_signal(sig)
+            child.stdin.write("ping\n")
+            child.stdin.flush()
+            # a pending signal is delivered before the read returns: a child it reached is gone
+            assert child.stdout.readline().strip() == "alive", sig.name
+    finally:
+        child.kill()
+        child.wait(timeout=30)
