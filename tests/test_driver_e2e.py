@@ -57,8 +57,26 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# dynamic sampling (unbounded rounds: the batch always fills) and overlong shaping on, as in DAPO
+DAPO_ON = {
+    "algorithm.filter_groups.enable": "true",
+    "algorithm.filter_groups.max_num_gen_batches": 0,
+    "algorithm.overlong_buffer.enable": "true",
+}
+
+
+def _assert_engine_matches_trainer(records: list[dict]) -> None:
+    """At EVERY step the trainer (Megatron TP=2) scores the engine's samples as the engine did:
+    a broken or skipped weight sync only shows from step 2 on, when the weights have changed."""
+    steps = [r for r in records if r["step"] >= 1]
+    assert len(steps) >= 2
+    for r in steps:
+        assert r["actor/rollout_logprob_abs_diff"] < 1e-4, (r["step"], r["actor/rollout_logprob_abs_diff"])
+        assert abs(r["actor/rollout_k3_kl"]) < 1e-6, (r["step"], r["actor/rollout_k3_kl"])
+
+
 def test_two_steps_end_to_end(assets, tmp_path):
-    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), _overrides(assets, tmp_path, "e2e", 2))
+    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), _overrides(assets, tmp_path, "e2e", 2, **DAPO_ON))
     summary = run_train(cfg)
     run = Path(summary["run_dir"])
     records = _metrics(run)
@@ -81,12 +99,37 @@ def test_two_steps_end_to_end(assets, tmp_path):
         assert key in first, key
     # one mini-batch per step: pi_old is the current policy, so no clipping and no KL at step 1
     assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0
-    # the trainer (Megatron TP=2) scores the engine's samples as the engine did
-    assert first["actor/rollout_logprob_abs_diff"] < 1e-4
+    _assert_engine_matches_trainer(records)
+    assert records[2]["rollout/gen_rounds"] >= 1 and "rollout/keep_rate" in records[2]
     assert -2.0 <= first["rollout/reward/mean"] <= 1.0 and first["actor/grad_norm"] > 0
     assert (run / "checkpoints" / "latest").is_file()
     assert (Path(summary["hf_export"]) / "config.json").is_file()
     assert (run / "plots" / "reward.png").is_file()
+
+
+def test_the_mismatch_check_catches_a_skipped_weight_sync(assets, tmp_path, monkeypatch):
+    """The check above can fail: with the sync skipped the engine samples from the step-0 weights
+    while the trainer moved on, and step 2 shows it."""
+    from megatron_dapo.driver.trainer import DAPOTrainer
+
+    fit = DAPOTrainer.fit
+
+    def fit_without_sync(self):
+        self.sync = lambda version: {}
+        return fit(self)
+
+    monkeypatch.setattr(DAPOTrainer, "fit", fit_without_sync)
+    over = {
+        **DAPO_ON,
+        "trainer.val_before_train": "false",
+        "trainer.test_freq": 0,
+        "trainer.hf_export_at_end": "false",
+    }
+    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), _overrides(assets, tmp_path, "nosync", 2, **over))
+    records = _metrics(Path(run_train(cfg)["run_dir"]))
+    assert records[0]["actor/rollout_logprob_abs_diff"] < 1e-4  # step 1: nothing to sync yet
+    with pytest.raises(AssertionError):
+        _assert_engine_matches_trainer(records)
 
 
 def _train_cmd(args):
@@ -220,3 +263,40 @@ def test_eval_command_on_an_hf_checkpoint(assets, tmp_path):
     # avg@4 is exactly the fraction of dumped responses the reward accepted
     assert m["avg@4"] == pytest.approx(sum(x["acc"] for x in lines) / 20)
     assert main(["eval", "--hf-dir", str(assets.hf_dir), "--data", str(tmp_path / "missing.parquet")]) == 2
+
+
+def test_a_killed_rank_stops_the_run_with_one_line(assets, tmp_path):
+    """A training rank killed by pid mid-run (as the OOM killer would): the run ends, exit 1,
+    with one line naming the rank, its pid and the checkpoint a resume would use; never a hang."""
+    import psutil
+
+    args = _overrides(assets, tmp_path, "rank_killed", 6, **COMMON)
+    run = tmp_path / "rank_killed"
+    proc = _start_and_wait_for_step(args, run / "metrics.jsonl", 1)
+    ranks = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any("ActorWorker" in part for part in (p.info["cmdline"] or [])) and _in_group(p, proc.pid)
+    ]
+    assert len(ranks) == 2, [p.info["cmdline"] for p in ranks]
+    victim = ranks[-1].pid
+    os.kill(victim, signal.SIGKILL)
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    line = [x for x in stderr.splitlines() if x.startswith("failed:")]
+    assert len(line) == 1, stderr
+    assert f"pid {victim}" in line[0] and "died" in line[0]
+    assert "trainer.resume=auto continues from" in line[0] and "step_0000000" in line[0]
+    assert (run / "error.log").is_file()
+
+
+def _in_group(p, pgid: int) -> bool:
+    try:
+        return os.getpgid(p.pid) == pgid
+    except ProcessLookupError:
+        return False

@@ -94,6 +94,7 @@ esac
 echo "megatron-dapo $*" >>"$FAKE_LOG"
 if [[ $1 == train && -n ${FAKE_TRAIN_SLEEP:-} ]]; then
   trap 'echo "trainer: checkpoint saved" >>"$FAKE_LOG"; exit 0' TERM
+  echo "trainer: ready" >>"$FAKE_LOG"
   for _ in $(seq 1 200); do sleep 0.1; done
 fi
 """,
@@ -176,11 +177,12 @@ def test_sigterm_checkpoints_then_requeues(tmp_path):
         start_new_session=True,
     )
     try:
-        deadline = time.time() + 30
-        while "megatron-dapo train" not in (_log(tmp_path) if (tmp_path / "log").exists() else ""):
-            assert time.time() < deadline, "trainer never started"
+        # the stub trainer says "ready" once its TERM trap is set: signal only then
+        deadline = time.monotonic() + 120
+        while "trainer: ready" not in (_log(tmp_path) if (tmp_path / "log").exists() else ""):
+            assert proc.poll() is None, "the job script ended before the trainer started"
+            assert time.monotonic() < deadline, "trainer never started"
             time.sleep(0.1)
-        time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     finally:

@@ -4,7 +4,6 @@ stop tokens / max_new_tokens / finish reasons, abort, and weight loading from HF
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -111,15 +110,23 @@ def test_stop_tokens_max_new_tokens_and_finish_reasons(model):
         model.generation_config.eos_token_id = None
 
 
-def test_abort_returns_partial_responses(model):
+def test_abort_returns_partial_responses(model, monkeypatch):
     engine = HFEngine(model=model)
     reqs = [GenerationRequest("long", [3, 4, 5], SamplingParams(max_new_tokens=100, seed=1))]
+    # abort only once decoding is under way (an abort before the call starts is a different case)
+    decoding, forward = threading.Event(), model.forward
+
+    def forward_and_tell(*args, **kwargs):
+        decoding.set()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward_and_tell)
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("r", engine.generate(reqs)))
     t.start()
-    time.sleep(0.05)
+    assert decoding.wait(timeout=120), "generation never started"
     engine.abort()
-    t.join(timeout=30)
+    t.join(timeout=120)
     res = out["r"][0]
     assert res.finish_reason == "abort" and len(res.output_ids) < 100
     assert engine.generate(requests(1, max_new_tokens=2))[0].finish_reason == "length"  # later calls run
