@@ -273,12 +273,11 @@ def test_a_killed_rank_stops_the_run_with_one_line(assets, tmp_path):
     args = _overrides(assets, tmp_path, "rank_killed", 6, **COMMON)
     run = tmp_path / "rank_killed"
     proc = _start_and_wait_for_step(args, run / "metrics.jsonl", 1)
+    # the rank processes descend from the driver (driver -> raylet -> worker)
     ranks = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if any("ActorWorker" in part for part in (p.info["cmdline"] or [])) and _in_group(p, proc.pid)
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "ActorWorker" in " ".join(_cmdline(p))
     ]
-    assert len(ranks) == 2, [p.info["cmdline"] for p in ranks]
+    assert len(ranks) == 2, [_cmdline(p) for p in ranks]
     victim = ranks[-1].pid
     os.kill(victim, signal.SIGKILL)
     try:
@@ -295,8 +294,8 @@ def test_a_killed_rank_stops_the_run_with_one_line(assets, tmp_path):
     assert (run / "error.log").is_file()
 
 
-def _in_group(p, pgid: int) -> bool:
+def _cmdline(p) -> list[str]:
     try:
-        return os.getpgid(p.pid) == pgid
-    except ProcessLookupError:
-        return False
+        return p.cmdline()
+    except Exception:  # noqa: BLE001 - a process that just ended
+        return []
