@@ -218,7 +218,8 @@ def test_nccl_transport_times_out_naming_engine_and_bucket(child_server):
     start = time.monotonic()
     with pytest.raises(EngineError, match=r"engine fake-stuck.*bucket 0 \(2 tensors"):
         t.send(0, bucket(1.0))
-    assert time.monotonic() - start < 10
+    # the 2 s deadline ends the wait; the bound is loose so that a loaded machine cannot fail it
+    assert time.monotonic() - start < 120
 
 
 def test_refused_group_surfaces_at_once_naming_the_engine():
@@ -226,14 +227,14 @@ def test_refused_group_surfaces_at_once_naming_the_engine():
     try:
         t = SGLangNCCLTransport(
             [EngineEndpoint("fake-refuses", server.url)],
-            timeout_s=30,
+            timeout_s=600,
             backend="gloo",
             master_address="127.0.0.1",
         )
         start = time.monotonic()
         with pytest.raises(EngineError, match=r"engine fake-refuses.*init_weights_update_group.*HTTP 400"):
             t.begin(1)
-        assert time.monotonic() - start < 10  # not the 30 s rendezvous deadline
+        assert time.monotonic() - start < 300  # not the 600 s rendezvous deadline
         t.calls.close()
     finally:
         server.close()

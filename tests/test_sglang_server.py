@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from megatron_dapo.actor.spawn import free_port
@@ -101,13 +103,28 @@ def test_crash_during_startup_reports_exit_code_and_log_tail(tmp_path):
         server.wait_healthy(timeout_s=30)
 
 
+def _wait_until_answering(url: str, deadline_s: float = 120.0) -> None:
+    """Block until the stand-in answers HTTP at all (its start-up is slow on a loaded machine)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            httpx.get(f"{url}/health_generate", timeout=5.0)
+            return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise AssertionError(f"stand-in at {url} never answered in {deadline_s:g}s")
+
+
 def test_never_healthy_times_out_with_log_tail(tmp_path):
     server = standin(tmp_path, unhealthy_polls=-1)
-    with (
-        server,
-        pytest.raises(SGLangStartupError, match=r"(?s)not healthy after 1.5s.*HTTP 503.*loading weights"),
-    ):
-        server.wait_healthy(timeout_s=1.5)
+    with server:
+        # The short timeout is the behaviour under test; start it only once the stand-in answers,
+        # so the error always carries its 503 and its log line, however loaded the machine is.
+        _wait_until_answering(server.cfg.url)
+        with pytest.raises(
+            SGLangStartupError, match=r"(?s)not healthy after 1.5s.*HTTP 503.*loading weights"
+        ):
+            server.wait_healthy(timeout_s=1.5)
 
 
 def _fake_python(tmp_path, version: str) -> str:
