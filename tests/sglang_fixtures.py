@@ -23,27 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.driver.sglang_engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
+from megatron_dapo.driver.sglang_engines import cpu_server_env
 from megatron_dapo.rollout.sglang_server import REPO_SGLANG_PYTHON, SGLangServer, SGLangServerConfig
 
-STANDINS = Path(__file__).parent / "sglang_cpu"
-
-# Flags that make SGLang 0.5.23 serve on a CPU: torch-native attention and sampling, no CUDA
-# graphs, no overlap scheduler (it needs streams), fp32 so log-probs match HF to 1e-5.
-CPU_SERVER_ARGS = [
-    "--device",
-    "cpu",
-    "--attention-backend",
-    "torch_native",
-    "--sampling-backend",
-    "pytorch",
-    "--grammar-backend",
-    "none",
-    "--disable-cuda-graph",
-    "--disable-overlap-schedule",
-    "--max-running-requests",
-    "8",
-]
-CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1"}
+# The CPU flags, environment and kernel stand-ins are the product's own (the driver launches CPU
+# servers with them): one definition of what differs on a CPU. fp32 (passed per server) keeps
+# log-probs within 1e-5 of HF; 8 running requests bound the server's memory here.
+CPU_SERVER_ARGS = [*DRIVER_CPU_SERVER_ARGS, "--max-running-requests", "8"]
 # Start-up measured at 20-40 s on an idle 2-core machine; the suite shares it with others.
 STARTUP_TIMEOUT_S = 600.0
 
@@ -115,7 +102,7 @@ def start_cpu_server(
         extra_args=CPU_SERVER_ARGS + list(extra_args or []),
         startup_timeout_s=STARTUP_TIMEOUT_S,
         log_file=str(Path(log_dir) / f"sglang_{port}.log"),
-        env={**CPU_SERVER_ENV, "PYTHONPATH": str(STANDINS), **(env or {})},
+        env={**cpu_server_env(), **(env or {})},
         python=str(python),
         max_total_tokens=max_total_tokens,
     )
