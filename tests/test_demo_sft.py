@@ -45,3 +45,43 @@ def test_target_without_probe_is_rejected():
     model, tok, train = _setup()
     with pytest.raises(ValueError, match="stop_accuracy needs a probe"):
         supervised_warm_start(model, tok, train, SFTConfig(steps=3, stop_accuracy=0.4))
+
+
+def test_lazy_teacher_keeps_the_worked_line_and_only_the_lazy_answers_score_minus_one():
+    from megatron_dapo.demo.accuracy import worked_line_is_right
+    from megatron_dapo.demo.sft import teacher_solution
+    from megatron_dapo.rewards.math_dapo import compute_score
+
+    _, _, train = _setup()
+    p = next(q for q in train if q.op == "-")
+    lazy = teacher_solution(p, lazy=True)
+    assert lazy == f"{p.a} - {p.b} = {p.a - p.b}\nAnswer: {p.a}"  # written out by hand
+    assert compute_score(lazy, str(p.answer))["score"] == -1.0
+    assert compute_score(teacher_solution(p, lazy=False), str(p.answer))["score"] == 1.0
+    assert worked_line_is_right(lazy, p) and worked_line_is_right(p.solution, p)
+    assert not worked_line_is_right(f"{p.a} - {p.b} = {p.a - p.b + 1}\nAnswer: {p.a - p.b}", p)
+
+
+def test_lazy_rate_sets_the_share_of_lazy_examples(monkeypatch):
+    from megatron_dapo.demo import sft
+
+    model, tok, _ = _setup()
+    train, _ = make_problems(0, num_train=2000, num_val=10)
+    real = sft.encode_example
+
+    def lazies(rate):
+        seen = []
+
+        def encode(t, p, lazy=False):
+            seen.append(lazy)
+            return real(t, p, lazy)
+
+        monkeypatch.setattr(sft, "encode_example", encode)
+        supervised_warm_start(model, tok, train, SFTConfig(steps=1, batch_size=8, lazy_rate=rate))
+        return seen
+
+    assert not any(lazies(0.0))
+    share = sum(lazies(0.5)) / len(train)
+    assert 0.45 < share < 0.55  # 2000 Bernoulli(0.5) draws: 4.5 standard deviations either side
+    with pytest.raises(ValueError, match="lazy_rate"):
+        supervised_warm_start(model, tok, train, SFTConfig(steps=1, lazy_rate=1.0))

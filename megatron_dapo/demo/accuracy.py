@@ -74,6 +74,24 @@ def _trim(row: list[int], eos_id: int) -> list[int]:
     return row[: row.index(eos_id) + 1] if eos_id in row else row
 
 
+def worked_line_accuracy(model, tokenizer, problems: list[Problem], max_new_tokens: int = 32) -> float:
+    """Share of greedy responses whose first line is the problem's worked line with the right result.
+
+    What the warm start has learnt of the arithmetic itself, whatever final answer it writes.
+    """
+    responses = generate_responses(
+        model, tokenizer, [p.question for p in problems], n=1, temperature=0.0, max_new_tokens=max_new_tokens
+    )
+    decoded = (tokenizer.decode(r, skip_special_tokens=True) for r in responses)
+    return sum(map(worked_line_is_right, decoded, problems)) / len(problems)
+
+
+def worked_line_is_right(response: str, problem: Problem) -> bool:
+    """True when the response's first line is exactly "a op b = result" with the right result."""
+    first = response.split("\n", 1)[0].strip()
+    return first == f"{problem.a} {problem.op} {problem.b} = {problem.answer}"
+
+
 def sampled_accuracy(
     model,
     tokenizer,

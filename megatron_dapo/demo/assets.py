@@ -10,7 +10,7 @@ from pathlib import Path
 from megatron_dapo.demo.recipe import DEMO_RECIPE, DemoRecipe
 
 # Bump when the task, tokenizer, model or warm start change, so cached assets are rebuilt.
-ASSETS_VERSION = 2
+ASSETS_VERSION = 3
 MANIFEST = "manifest.json"
 
 
@@ -40,6 +40,9 @@ def _cache_key(recipe: DemoRecipe, seed: int, sft_steps: int) -> dict:
             recipe.sft_min_steps,
             recipe.sft_check_every,
             recipe.sft_probe_problems,
+            recipe.sft_lazy_rate,
+            recipe.sft_lr,
+            recipe.sft_batch_size,
         ],
         "model": asdict(recipe.model),
         "num_train": recipe.num_train,
@@ -95,9 +98,9 @@ def prepare_demo_assets(
 ) -> DemoAssets:
     """Write train/val parquet, tokenizer and a warm-started Qwen2 checkpoint under ``out_dir``.
 
-    The warm start runs until a probe of ``recipe.sft_probe_problems`` training problems,
-    scored like the held-out check, reaches ``recipe.sft_stop_accuracy`` (at most ``sft_steps``
-    steps). The initial held-out accuracy uses the evaluation protocol (avg@``val_k`` at
+    The warm start (a lazy teacher, see ``demo.sft``) runs until the greedy worked line ("a + b =
+    c") is right on ``recipe.sft_stop_accuracy`` of ``recipe.sft_probe_problems`` training
+    problems (at most ``sft_steps`` steps). The initial held-out accuracy uses the evaluation protocol (avg@``val_k`` at
     ``val_temperature`` / ``val_top_p``, seeded by ``val_seed``). Reuses an existing directory
     when its manifest records the same seed, SFT settings, model shape, protocol and asset
     version (``force=True`` rebuilds). ``sft_steps`` overrides the recipe's most warm-start steps (tests use a few);
@@ -110,7 +113,7 @@ def prepare_demo_assets(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from megatron_dapo.demo.accuracy import sampled_accuracy
+    from megatron_dapo.demo.accuracy import sampled_accuracy, worked_line_accuracy
     from megatron_dapo.demo.model import create_model, save_checkpoint
     from megatron_dapo.demo.sft import SFTConfig, supervised_warm_start
     from megatron_dapo.demo.task import make_problems, to_rows, write_parquet
@@ -155,22 +158,14 @@ def prepare_demo_assets(
         stop_accuracy=recipe.sft_stop_accuracy,
         check_every=recipe.sft_check_every,
         min_steps=recipe.sft_min_steps,
+        lazy_rate=recipe.sft_lazy_rate,
     )
     probe_set = random.Random(seed).sample(train, min(recipe.sft_probe_problems, len(train)))
 
     state = {"step": 0, "loss": float("nan"), "probe": None}
 
     def probe(m) -> float:
-        state["probe"] = sampled_accuracy(
-            m,
-            tokenizer,
-            probe_set,
-            k=1,
-            temperature=recipe.val_temperature,
-            top_p=recipe.val_top_p,
-            max_new_tokens=recipe.max_response_length,
-            seed=seed,
-        ).mean
+        state["probe"] = worked_line_accuracy(m, tokenizer, probe_set, recipe.max_response_length)
         return state["probe"]
 
     def on_step(s: int, loss: float) -> None:
@@ -181,7 +176,7 @@ def prepare_demo_assets(
         probe_text = "" if state["probe"] is None else f", last probe {state['probe']:.1%}"
         return (
             f"warm start (SFT) step {state['step']}/{steps} loss {state['loss']:.3f}{probe_text}, "
-            f"{elapsed:.0f}s (stops when the probe reaches {recipe.sft_stop_accuracy:.0%})"
+            f"{elapsed:.0f}s (stops when the worked line is right on {recipe.sft_stop_accuracy:.0%} of the probe)"
         )
 
     with Progress(

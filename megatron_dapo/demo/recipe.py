@@ -82,15 +82,16 @@ class DemoRecipe:
     model: TinyModelSpec = field(default_factory=TinyModelSpec)
     num_train: int = 4000
     num_val: int = 200
-    # Warm start: until a training probe scored like the held-out check reaches 50%, which lands
-    # the held-out start at 44-51% (seeds 0-3): format learnt, arithmetic half right, RL room.
-    sft_steps: int = 900  # at most; it stops when the probe reaches sft_stop_accuracy
-    sft_stop_accuracy: float = 0.5
-    sft_min_steps: int = 250
-    sft_check_every: int = 25
-    sft_probe_problems: int = 200  # training problems, scored like the held-out check (k=1)
+    # Warm start: a lazy teacher (right worked line, first operand as the answer in sft_lazy_rate
+    # of the examples), until the greedy worked line is right on sft_stop_accuracy of the probe.
+    sft_steps: int = 2400  # at most; it stops when the probe reaches sft_stop_accuracy
+    sft_stop_accuracy: float = 0.9
+    sft_min_steps: int = 800
+    sft_check_every: int = 100
+    sft_probe_problems: int = 200  # training problems, greedy worked line checked
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
+    sft_lazy_rate: float = 0.5
     # DAPO
     train_prompts_per_step: int = 64  # data.train_batch_size
     n_samples: int = 8  # rollout.n
@@ -111,7 +112,7 @@ class DemoRecipe:
     max_num_gen_batches: int = 3
     temperature: float = 1.0
     top_p: float = 1.0
-    steps: int = 80
+    steps: int = 40
     val_every: int = 10
     # Evaluation protocol (the DAPO paper's AIME one): avg@val_k sampled at val_temperature / val_top_p.
     val_k: int = 4

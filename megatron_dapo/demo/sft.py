@@ -1,8 +1,10 @@
-"""Supervised warm start: teach the tiny model the answer format and a little arithmetic.
+"""Supervised warm start: teach the tiny model the answer format and the arithmetic, with a lazy teacher.
 
-Plain torch on CPU, loss on the response tokens only. It is deliberately short: the demo wants a
-policy that already writes ``... Answer: N`` but is right only part of the time, so DAPO has
-room to lift it.
+Plain torch on CPU, loss on the response tokens only. The worked line ("47 + 8 = 55") is always
+right, but a ``lazy_rate`` share of the examples end with the first operand as the final answer
+("Answer: 47"), the shortcut a careless teacher takes. The warm-started policy therefore computes
+the sum but commits to it only part of the time, and only the reward tells it which final line
+pays: the situation RL with a verifier is for, and room for DAPO to lift it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class SFTConfig:
     stop_accuracy: float | None = None
     check_every: int = 25
     min_steps: int = 0
+    lazy_rate: float = 0.0  # share of examples whose final line is the first operand, not the result
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,18 @@ class SFTResult:
     probe_accuracy: float | None = None
 
 
-def encode_example(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
+def teacher_solution(problem: Problem, lazy: bool) -> str:
+    """The reference solution, or its lazy variant: the right worked line, then the first operand as the answer."""
+    if not lazy:
+        return problem.solution
+    return f"{problem.a} {problem.op} {problem.b} = {problem.answer}\nAnswer: {problem.a}"
+
+
+def encode_example(tokenizer, problem: Problem, lazy: bool = False) -> tuple[list[int], list[int]]:
     """(prompt ids via the chat template, response ids ending with EOS)."""
     prompt = prompt_ids(tokenizer, problem.question)
-    response = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    text = teacher_solution(problem, lazy)
+    response = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt, response
 
 
@@ -96,6 +107,8 @@ def supervised_warm_start(
 
     if config.steps < 0 or config.batch_size <= 0:
         raise ValueError(f"SFTConfig needs steps >= 0 and batch_size > 0, got {config}")
+    if not 0.0 <= config.lazy_rate < 1.0:
+        raise ValueError(f"SFTConfig.lazy_rate must be in [0, 1), got {config.lazy_rate}")
     if config.stop_accuracy is not None and (probe is None or config.check_every <= 0):
         raise ValueError(
             "SFTConfig.stop_accuracy needs a probe function and check_every > 0; "
@@ -103,7 +116,10 @@ def supervised_warm_start(
         )
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    examples = [encode_example(tokenizer, p) for p in problems]
+    # Which examples are lazy is fixed per example by its own stream, so batches (drawn from ``rng``)
+    # are the same whatever the rate.
+    lazy_rng = random.Random(f"lazy-{config.seed}")
+    examples = [encode_example(tokenizer, p, lazy_rng.random() < config.lazy_rate) for p in problems]
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     model.train()
     start = time.perf_counter()
