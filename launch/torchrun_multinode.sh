@@ -65,6 +65,9 @@ print(load_config(sys.argv[1], sys.argv[2:]).model.path)' "$CONFIG" "$@")}"
               "rollout.tensor_parallel_size=$SGLANG_TP" "parallel.actor_world_size=$(( NNODES * NPROC_PER_NODE ))")
 fi
 
+# On SIGTERM (Slurm's preemption) torchrun forwards the signal to its workers and SIGKILLs them
+# this many seconds later (30 by default): leave room for trainer.stop_timeout_s (90 s) to save.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}"
 exec_or_run=(torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
   -m megatron_dapo.train "$CONFIG" trainer.resume=auto "${OVERRIDES[@]}")

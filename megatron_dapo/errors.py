@@ -79,12 +79,12 @@ def one_line(exc: BaseException) -> str:
     return f"{text}; {context}" if context else text
 
 
-def write_traceback(exc: BaseException) -> Path | None:
+def write_traceback(exc: BaseException, log_name: str = "error.log") -> Path | None:
     """The full traceback in the run directory (or a temporary file); None if it cannot be written."""
     text = "".join(traceback.format_exception(exc))
     try:
         if _log_dir is not None and _log_dir.is_dir():
-            path = _log_dir / "error.log"
+            path = _log_dir / log_name
             path.write_text(text)
             return path
         fd, name = tempfile.mkstemp(prefix="megatron-dapo-error-", suffix=".log")
@@ -95,7 +95,7 @@ def write_traceback(exc: BaseException) -> Path | None:
         return None
 
 
-def report(exc: BaseException, debug: bool = False) -> tuple[int, str]:
+def report(exc: BaseException, debug: bool = False, log_name: str = "error.log") -> tuple[int, str]:
     """(exit status, the line to print) for a failure that reached the command line."""
     cause = root_cause(exc)
     if (
@@ -108,7 +108,7 @@ def report(exc: BaseException, debug: bool = False) -> tuple[int, str]:
     kind = "error" if status == 2 else "failed"
     line = f"{kind}: {one_line(cause)}"
     if not debug:
-        where = write_traceback(exc)
+        where = write_traceback(exc, log_name)
         if where is not None:
             line += f" (traceback: {where}; --debug prints it here)"
     return status, line

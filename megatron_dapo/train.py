@@ -145,12 +145,28 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"[rank {rank}] config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - every failure ends as one line, the traceback in a file
+        return _report_failure(e, rank, cfg)
     finally:
         stop.uninstall()
         if inputs is not None:
             inputs.scorer.close()
     print(json.dumps({k: summary.get(k) for k in ("run_dir", "step", "stopped_by", "hf_export")}, indent=2))
     return 0
+
+
+def _report_failure(exc: BaseException, rank: int, cfg) -> int:
+    """Rank 0 prints the one line the CLI would (`failed: ...` naming a dead rank and the
+    checkpoint a resume uses); a follower, which only saw its peers disappear, prints one line
+    prefixed with its rank. Tracebacks go to RUN/error.log (error.rankN.log for followers)."""
+    from pathlib import Path
+
+    from megatron_dapo.errors import report, set_log_dir
+
+    set_log_dir(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)
+    status, line = report(exc, log_name="error.log" if rank == 0 else f"error.rank{rank}.log")
+    print(line if rank == 0 else f"[rank {rank}] stopped, {line}", file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":  # the checkpoint writer's spawned helper re-imports this module

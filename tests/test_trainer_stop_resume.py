@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -192,36 +193,64 @@ def test_driver_chooses_a_good_checkpoint_and_ranks_load_exactly_it(tmp_path):
 _WATCHDOG = """
 import sys, time
 from megatron_dapo.driver.stop import StopFlag
-stop = StopFlag(float(sys.argv[1]), lambda: "resume from step_7").install()
+window = float(sys.argv[2]) if len(sys.argv) > 2 else 5.0
+stop = StopFlag(float(sys.argv[1]), lambda: "resume from step_7", duplicate_window_s=window).install()
 print("ready", flush=True)
+if sys.stdin.readline().strip() == "done":  # a step that finishes when told to
+    print("still here", flush=True)
+    sys.exit(0)
 while True:  # a step that never finishes
     time.sleep(0.05)
 """
 
 
-def test_a_stop_that_cannot_finish_exits_within_the_timeout(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WATCHDOG, "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+def _watchdog_process(*args):
+    return subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+
+
+def test_a_stop_that_cannot_finish_exits_within_the_timeout(tmp_path):
+    proc = _watchdog_process("2")
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate("\n", timeout=60)
     assert proc.returncode == 1
     assert "trainer.stop_timeout_s=2" in err and "resume from step_7" in err
 
 
 def test_a_second_signal_exits_at_once(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WATCHDOG, "600"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = _watchdog_process("600", "0.5")
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
     first = proc.stderr.readline()
     assert "SIGTERM received" in first
+    # the first signal's time is taken before its line is printed: past the window for sure
+    time.sleep(0.6)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate("\n", timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "second SIGTERM" in err
+
+
+def test_the_same_signal_delivered_twice_at_once_is_one_stop(tmp_path):
+    """Slurm signals every process of the job and torchrun's agent forwards the signal to its
+    workers again: one preemption, two SIGTERMs within milliseconds. The checkpoint must still
+    be written, so the repeat does not count as the user insisting."""
+    proc = _watchdog_process("600")
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert "SIGTERM received" in proc.stderr.readline()
+    proc.send_signal(signal.SIGTERM)
+    # the repeat is pending before "done" arrives, so its handler runs before the read returns
+    out, err = proc.communicate("done\n", timeout=60)
+    assert proc.returncode == 0, err
+    assert out.strip() == "still here"
+    assert "second" not in err
 
 
 def test_signal_blocked_while_starting_children_does_not_reach_them():

@@ -202,15 +202,31 @@ class SPMDRankGroup:
         self.world_size = dist.get_world_size()
         # gloo carries Python objects whatever the training backend is
         self._group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        self.peers = _exchange_peers(self._group, self.world_size)
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         import torch.distributed as dist
 
-        msg = [(method, args, kwargs)]
-        dist.broadcast_object_list(msg, src=0, group=self._group)
-        mine = getattr(self.worker, method)(*args, **kwargs)
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine, group=self._group)
+        try:
+            msg = [(method, args, kwargs)]
+            dist.broadcast_object_list(msg, src=0, group=self._group)
+            mine = getattr(self.worker, method)(*args, **kwargs)
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, mine, group=self._group)
+        except Exception as e:
+            # A peer that died surfaces here only as a broken collective ("Connection reset by
+            # peer"); name the dead process instead, as the Ray path does.
+            dead = dead_peers(self.peers)
+            if not dead:
+                raise
+            causes: list[BaseException] = [
+                RankDied(
+                    f"training rank {rank} (pid {pid}) died during {method} (killed, out of memory, "
+                    "or a crash in native code; torchrun's report names its exit code)"
+                )
+                for rank, pid in dead
+            ]
+            raise RankCallError(f"{method} failed: " + "; ".join(map(str, causes)), causes) from e
         return gathered
 
     def shutdown(self) -> None:
@@ -225,6 +241,7 @@ class SPMDRankGroup:
 
         group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         world = dist.get_world_size()
+        _exchange_peers(group, world)
         while True:
             msg: list[Any] = [None]
             dist.broadcast_object_list(msg, src=0, group=group)
@@ -233,3 +250,31 @@ class SPMDRankGroup:
                 return
             result = getattr(worker, method)(*args, **kwargs)
             dist.all_gather_object([None] * world, result, group=group)
+
+
+def _exchange_peers(group, world_size: int) -> list[tuple[str, int]]:
+    """(host, pid) of every rank, so that rank 0 can tell which peer died."""
+    import torch.distributed as dist
+
+    peers: list[Any] = [None] * world_size
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=group)
+    return [tuple(p) for p in peers]
+
+
+def dead_peers(peers: list[tuple[str, int]]) -> list[tuple[int, int]]:
+    """(rank, pid) of the ranks on this host whose process is gone (or a zombie torchrun has not
+    reaped yet). Ranks on other hosts cannot be checked from here; torchrun's agent there reports them."""
+    import psutil
+
+    host, me = socket.gethostname(), os.getpid()
+    dead = []
+    for rank, (peer_host, pid) in enumerate(peers):
+        if peer_host != host or pid == me:
+            continue
+        try:
+            gone = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            gone = True
+        if gone:
+            dead.append((rank, pid))
+    return dead

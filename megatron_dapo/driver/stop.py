@@ -5,7 +5,9 @@ update in flight), saves a checkpoint of the last finished step and exits 0, so 
 `resume: auto` continue where it stopped. A watchdog bounds the whole stop: when the process is
 still running `timeout_s` after the first signal it exits at once (status 1), naming the last
 checkpoint, so that the scheduler's SIGKILL never lands in the middle of a save. A second
-signal exits at once too.
+signal exits at once too, unless it follows the first within `duplicate_window_s`: Slurm signals
+every process of the job, and torchrun's agent then forwards the same signal to its workers
+again, so one preemption reaches a rank twice within milliseconds.
 
 Slurm and `kill -- -PGID` deliver the signal to the whole process group, not only to the
 driver. The helpers below keep every other process of ours out of it: the local Ray cluster
@@ -22,11 +24,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A repeat this soon after the first signal is the same stop delivered twice (scheduler + launcher).
+DUPLICATE_WINDOW_S = 5.0
 
 
 @contextlib.contextmanager
@@ -55,10 +60,18 @@ def ignore_stop_signals() -> None:
 
 
 class StopFlag:
-    def __init__(self, timeout_s: float | None = None, on_timeout: Callable[[], str] | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float | None = None,
+        on_timeout: Callable[[], str] | None = None,
+        duplicate_window_s: float = DUPLICATE_WINDOW_S,
+    ) -> None:
         """timeout_s: the longest a stop may take after the first signal (None: unbounded).
-        on_timeout: returns the line printed when that time is up (e.g. naming the last checkpoint)."""
+        on_timeout: returns the line printed when that time is up (e.g. naming the last checkpoint).
+        duplicate_window_s: a signal this soon after the first is the same stop, not a second one."""
         self._event = threading.Event()
+        self._first_at: float | None = None
+        self.duplicate_window_s = duplicate_window_s
         self._done = threading.Event()
         self.signal_name: str | None = None
         self.timeout_s = timeout_s
@@ -76,12 +89,15 @@ class StopFlag:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if self._first_at is not None and time.monotonic() - self._first_at < self.duplicate_window_s:
+            return  # the launcher forwarding the signal the scheduler sent us already
         if self._event.is_set():
             # the user (or the scheduler) insists: no cleanup that could hang
             sys.stderr.write(f"second {name}: exiting now; resume continues from the last checkpoint\n")
             sys.stderr.flush()
             os._exit(128 + signum)
         self.signal_name = name
+        self._first_at = time.monotonic()
         self._event.set()
         sys.stderr.write(
             f"{name} received: stopping after a checkpoint of the last finished step "

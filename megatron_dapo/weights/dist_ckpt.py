@@ -89,12 +89,34 @@ def save_model_checkpoint(
         if clash:
             raise ValueError(f"extra state uses reserved model keys {sorted(clash)}")
         state.update(extra)
+    _guard_writer_results_queue()
     dist_checkpointing.save(state, str(ckpt_dir))
     if dist.get_rank() == 0:
         (ckpt_dir / LAYOUT_FILE).write_text(json.dumps(_layout_record(model_chunks), indent=2) + "\n")
         if hf_dir is not None:
             copy_hf_metadata(hf_dir, ckpt_dir)
     dist.barrier()
+
+
+def _guard_writer_results_queue() -> None:
+    """Start megatron-core's writer results queue ourselves, in a Manager process that exits
+    with this rank (weights/orphan_guard.py says why); megatron then reuses it."""
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_dapo.weights.orphan_guard import exit_with_parent
+
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # already made (by us or by megatron), or a megatron-core without it
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(exit_with_parent, (os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _managers.append(manager)  # shut down at exit by its finalizer; the queue's proxy needs it alive
+
+
+_managers: list[Any] = []
 
 
 def is_dist_checkpoint(ckpt_dir: str | os.PathLike) -> bool:
