@@ -158,3 +158,58 @@ def test_default_server_python_is_the_repo_sglang_venv_when_built():
     cfg = SGLangServerConfig(model_path="m", python="/opt/sg/bin/python", max_total_tokens=4096)
     cmd = build_launch_command(cfg)
     assert cmd[0] == "/opt/sg/bin/python" and cmd[cmd.index("--max-total-tokens") + 1] == "4096"
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    import sys
+    from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
+    script, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    cfg = SGLangServerConfig(model_path="/m", port=port, log_file=log)
+    server = SGLangServer(cfg, command=[sys.executable, script, str(port), "0"], poll_s=0.1).start()
+    server.wait_healthy(timeout_s=300)
+    print(server.proc.pid, flush=True)
+    sys.stdin.read()  # until killed
+    """
+)
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_server_dies_with_the_process_that_launched_it(tmp_path):
+    """SIGKILL of the launching process (a trainer killed by the OOM killer or `kill -9`) takes its
+    server with it, although the server runs in its own session (out of the trainer's group)."""
+    import os
+    import signal
+    import subprocess
+
+    (tmp_path / "standin.py").write_text(STANDIN)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    port = free_port()
+    launcher = subprocess.Popen(
+        [sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "standin.py"), str(port),
+         str(tmp_path / "server.log")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    server_pid = None
+    try:
+        server_pid = int(launcher.stdout.readline())  # printed once the stand-in serves
+        assert os.getsid(server_pid) == server_pid != os.getsid(launcher.pid)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=60)
+        deadline = time.monotonic() + 120
+        while not _gone(server_pid):
+            assert time.monotonic() < deadline, f"server {server_pid} outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if server_pid is not None and not _gone(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,6 +138,34 @@ def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> 
     return cmd + list(cfg.extra_args)
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when the thread that started it dies.
+
+    A server runs in its own session (so a signal to the trainer's process group, as Slurm sends,
+    reaches only the trainer, which stops the servers after its checkpoint); without this it would
+    also outlive a trainer that is SIGKILLed or crashes, holding its GPUs and port. SGLang's own
+    scheduler and detokenizer processes die with the server (SGLang arms the same signal in them).
+    Linux ties the signal to the starting *thread*: start servers from a thread that lives as long
+    as they should (the main thread, or a Ray actor's). None on other systems.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before fork: nothing to load in the child
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != parent:  # the parent died between fork and prctl: no signal would come
+            os._exit(1)
+
+    return arm
+
+
 class SGLangServer:
     """A supervised server process. ``start()`` launches it, ``wait_healthy()`` blocks until it serves.
 
@@ -168,9 +197,15 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         env = {**os.environ, **self.cfg.env}
-        # own process group: stop() must also end the scheduler/detokenizer children
+        # own session: the process group's SIGTERM reaches only the trainer, and stop() ends the
+        # scheduler/detokenizer children with it; killed by the kernel if its starter dies first
         self.proc = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         return self
 
