@@ -141,3 +141,30 @@ def real_sglang_server(model_path, log_dir, **kwargs):
         yield handle
     finally:
         stop_cpu_server(handle)
+
+
+def fixed_sequence_logprobs(url: str, sequence: list[int], timeout_s: float = 300.0) -> list[float]:
+    """The server's log-probs of tokens 1.. of ``sequence`` given the ones before (its prefill)."""
+    import httpx
+
+    body = {
+        "input_ids": list(sequence),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    reply = httpx.post(f"{url}/generate", json=body, timeout=timeout_s)
+    reply.raise_for_status()
+    return [float(item[0]) for item in reply.json()["meta_info"]["input_token_logprobs"][1:]]
+
+
+def hf_sequence_logprobs(model_path, sequence: list[int]):
+    """The same log-probs from an HF transformers fp32 forward of the checkpoint at ``model_path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    ids = torch.tensor([list(sequence)])
+    with torch.no_grad():
+        logp = model(ids).logits[0].float().log_softmax(-1)
+    return logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
