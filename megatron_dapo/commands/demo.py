@@ -24,6 +24,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo", help="DAPO on a tiny model on CPU, in minutes (what `make demo` runs)", description=__doc__
     )
     p.add_argument("--algo", choices=["dapo", "grpo"], default="dapo")
+    p.add_argument(
+        "--engine",
+        choices=["hf", "sglang"],
+        default="hf",
+        help="rollout engine: the in-process HF engine, or real SGLang servers on the CPU "
+        "(`make setup-sglang`; sampling there is not seeded, so runs vary)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the task, the warm start and the run")
     p.add_argument("--assets", default="runs/demo_assets", help="where the tiny model and data are cached")
     p.add_argument(
@@ -76,8 +83,10 @@ def run(args: argparse.Namespace) -> int:
         f"data.train_files=[{assets.train_file}]",
         f"data.val_files=[{assets.val_file}]",
         f"trainer.seed={args.seed}",
-        f"trainer.run_name=demo_{args.algo}",
+        f"trainer.run_name=demo_{args.algo}" + ("_sglang" if args.engine == "sglang" else ""),
     ]
+    if args.engine == "sglang":
+        overrides.append("rollout.engine=sglang")
     if args.algo == "grpo":
         overrides += GRPO_OVERRIDES
     from megatron_dapo.errors import set_log_dir

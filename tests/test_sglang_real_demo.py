@@ -1,0 +1,48 @@
+"""`megatron-dapo demo --engine sglang`: the demo command with the real SGLang server on the CPU.
+
+Two DAPO steps on a 5-step warm start (the asset builder's `sft_steps`/`eval_problems` options,
+passed in by wrapping it), 8 held-out problems: the command exits 0, its run used SGLang servers
+(their logs, the resolved config), and the trainer scored the servers' samples as they did at
+both steps (a broken weight sync shows at step 2). Accuracy is not checked here: the full demo's
+bar is measured separately (README). Skips without `make setup-sglang`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sglang_fixtures import require_sglang
+
+
+def test_demo_runs_on_real_sglang_servers(tmp_path, monkeypatch):
+    require_sglang()
+    import megatron_dapo.demo.assets as assets_module
+    from megatron_dapo.cli import main
+
+    build = assets_module.prepare_demo_assets
+
+    def tiny_warm_start(out_dir, seed=0, force=False, **kw):
+        return build(out_dir, seed, force, **{**kw, "sft_steps": 5, "eval_problems": 8})
+
+    monkeypatch.setattr(assets_module, "prepare_demo_assets", tiny_warm_start)
+    runs = tmp_path / "runs"
+    code = main(
+        ["demo", "--engine", "sglang", "--assets", str(tmp_path / "assets"), "--bar-gain", "0", "--bar-final", "0",
+         f"trainer.runs_dir={runs}", "trainer.total_steps=2", "trainer.train_batch_size=4",
+         "rollout.gen_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "data.val_max_samples=8",
+         "trainer.save_freq=0", "trainer.hf_export_at_end=false", "logging.plots_at_end=false",
+         "logging.progress=false", "algorithm.filter_groups.enable=false",
+         "algorithm.allow_partial_batch=false"]
+    )  # fmt: skip
+    assert code == 0
+    run = runs / "demo_dapo_sglang"
+    assert "engine: sglang" in (run / "config.yaml").read_text()
+    assert (run / "sglang" / "engine_0.log").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["actor/rollout_logprob_abs_diff"] < 1e-4, r["step"]
+    assert "val/avg@4" in steps[-1] and steps[-1]["val/num_problems"] == 8
+    assert Path(run / "summary.json").is_file()
