@@ -213,3 +213,29 @@ def test_server_dies_with_the_process_that_launched_it(tmp_path):
             launcher.kill()
         if server_pid is not None and not _gone(server_pid):
             os.killpg(server_pid, signal.SIGKILL)
+
+
+def test_server_does_not_inherit_the_torchrun_environment(tmp_path, monkeypatch):
+    """A rank under torchrun launches the servers (torchrun mode); with torchrun's variables SGLang's
+    own process-group init joins the agent's store as a client and hangs at start-up."""
+    torchrun_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                    "GROUP_RANK": "0", "ROLE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none"}  # fmt: skip
+    for k, v in torchrun_env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KEEP_ME", "1")
+    script = tmp_path / "env.py"
+    script.write_text("import json, os, sys\nprint('ENV=' + json.dumps(dict(os.environ)), flush=True)\n")
+    cfg = SGLangServerConfig(
+        model_path="/m",
+        port=free_port(),
+        log_file=str(tmp_path / "env.log"),
+        env={"SGLANG_USE_CPU_ENGINE": "1"},
+    )
+    server = SGLangServer(cfg, command=[sys.executable, str(script)]).start()
+    assert server.proc.wait(timeout=120) == 0
+    server.stop()
+    line = next(x for x in (tmp_path / "env.log").read_text().splitlines() if x.startswith("ENV="))
+    env = json.loads(line[4:])
+    assert not set(torchrun_env) & set(env), sorted(set(torchrun_env) & set(env))
+    assert env["KEEP_ME"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"

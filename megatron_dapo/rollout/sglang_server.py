@@ -138,6 +138,35 @@ def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> 
     return cmd + list(cfg.extra_args)
 
 
+# What torchrun sets for the trainer's ranks. A server started by a rank must not inherit it:
+# SGLang's own torch.distributed init (tcp://) then finds TORCHELASTIC_USE_AGENT_STORE and connects
+# to its own store as a client, waiting forever at "Init parallel begin"; the rest names the
+# trainer's group, not the server's.
+TRAINER_LAUNCH_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def server_environment(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment without the trainer's launcher variables, plus ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in TRAINER_LAUNCH_ENV and not k.startswith("TORCHELASTIC_")
+    }
+    return {**env, **extra}
+
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -196,7 +225,7 @@ class SGLangServer:
             check_launchable(self.command[0])
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
-        env = {**os.environ, **self.cfg.env}
+        env = server_environment(self.cfg.env)
         # own session: the process group's SIGTERM reaches only the trainer, and stop() ends the
         # scheduler/detokenizer children with it; killed by the kernel if its starter dies first
         self.proc = subprocess.Popen(
