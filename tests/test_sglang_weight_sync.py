@@ -48,6 +48,19 @@ def test_broadcast_bucket_reaches_the_receiver():
         assert dtype == str(ref.dtype) and values == ref.float().tolist()
 
 
+def _sync_from_torchrun_rank(rank, world_size, port):
+    if rank == 0:  # the trainer's sending rank runs under torchrun; the server does not
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return _sync(rank, world_size, port, False)
+
+
+def test_group_forms_when_the_sender_runs_under_torchrun():
+    """torchrun sets TORCHELASTIC_USE_AGENT_STORE in its ranks; a tcp:// rendezvous then makes the
+    sender a store client too, and the weight-update group never formed (torchrun + SGLang)."""
+    results = run_ranks(_sync_from_torchrun_rank, 2, free_port(), timeout_s=120)
+    assert results[1]["model.norm.weight"][1] == (bucket(3.0)["model.norm.weight"]).tolist()
+
+
 def test_missing_receiver_times_out_naming_engine_and_bucket():
     with pytest.raises(RankFailed, match=r"(?s)engine sg-1.*bucket 5 \(3 tensors"):
         run_ranks(_sync, 2, free_port(), True, timeout_s=120)

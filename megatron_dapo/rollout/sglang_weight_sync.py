@@ -91,17 +91,19 @@ def init_custom_group(
 ):
     """A process group outside the default one (the trainer's own world is untouched).
 
-    The same construction SGLang uses on its side of ``/init_weights_update_group``: a TCP
-    rendezvous at ``master_address:master_port``, a store prefixed by ``group_name``, and a
-    backend-specific group over all ``world_size`` ranks.
+    The same construction SGLang uses on its side of ``/init_weights_update_group``: a TCP store
+    at ``master_address:master_port`` that rank 0 hosts, prefixed by ``group_name``, and a
+    backend-specific group over all ``world_size`` ranks. The store is made directly, not by
+    ``rendezvous("tcp://...")``: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) that makes rank
+    0 a client of a store nobody hosts, and the group never forms.
     """
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    store = TCPStore(
+        master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
     )
-    store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(
         world_size, rank, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout
     )
