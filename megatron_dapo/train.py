@@ -47,12 +47,15 @@ def build_engines(cfg, engine_kind: str) -> tuple[list[Any], Any, Callable[[], N
             for i in range(cfg.rollout.num_engines)
         ]
         return engines, DirectTransport(engines), lambda: None
+    import torch
+
     from megatron_dapo.driver.sglang_engines import start_sglang_engines, stop_sglang_engines
     from megatron_dapo.driver.sglang_transports import sglang_transport
 
     engines = start_sglang_engines(cfg)
     try:
-        transport = sglang_transport(cfg, engines)
+        # on CPUs (servers launched without GPUs) the distributed update runs over gloo
+        transport = sglang_transport(cfg, engines, backend="nccl" if torch.cuda.is_available() else "gloo")
     except BaseException:
         stop_sglang_engines(engines)
         raise

@@ -6,7 +6,7 @@
 - otherwise, without Ray (torchrun): launch `rollout.num_engines` servers on this node
   (`python -m sglang.launch_server`, ports `base_port + i`, logs in RUN_DIR/sglang/) on the GPUs
   that `sglang_placement.engine_gpu_ids` picks. The actor's GPUs on this node are
-  0..LOCAL_WORLD_SIZE-1.
+  0..LOCAL_WORLD_SIZE-1. Without GPUs: CPU servers on free ports (SGLang's CPU flags).
 - under Ray, `launch_on_nodes` starts every node's servers from an `SGLangNodeHost` actor pinned to
   that node, as `sglang_placement.plan_engines` planned them.
 Launched servers stay attached to their engines (`engine.server`: `stop()`, `alive()`,
@@ -208,8 +208,8 @@ def _server_tp_size(engine, configured: int) -> int:
     return int(reported)
 
 
-def launch_sglang_engines(cfg, gpu_groups: list[list[int]], log_dir: str | Path) -> list:
-    """Start one server per GPU group, wait for all of them, and return their engines.
+def launch_sglang_engines(cfg, configs: Sequence[Any]) -> list:
+    """Start one server per `SGLangServerConfig` on this node, wait for all of them; their engines.
 
     The servers start together (loading weights in parallel); if any fails, all are stopped and
     the error carries the failing server's log tail.
@@ -220,14 +220,13 @@ def launch_sglang_engines(cfg, gpu_groups: list[list[int]], log_dir: str | Path)
     servers = []
     engines = []
     try:
-        for c in server_configs(cfg, gpu_groups, log_dir):
-            log.info(
-                "starting %s on GPUs %d..%d (log %s)",
-                c.url,
-                c.base_gpu_id,
-                c.base_gpu_id + c.tp_size - 1,
-                c.log_file,
+        for c in configs:
+            where = (
+                "the CPU"
+                if c.base_gpu_id is None
+                else f"GPUs {c.base_gpu_id}..{c.base_gpu_id + c.tp_size - 1}"
             )
+            log.info("starting %s on %s (log %s)", c.url, where, c.log_file)
             servers.append(SGLangServer(c).start())
         for srv in servers:
             srv.wait_healthy()
@@ -267,12 +266,17 @@ def start_sglang_engines(cfg) -> list:
             health_timeout_s=float(s.startup_timeout_s),
             request_timeout_s=float(cfg.rollout.request_timeout_s),
         )
+    log_dir = Path(cfg.trainer.runs_dir).resolve() / cfg.trainer.run_name / "sglang"
     total = torch.cuda.device_count()
     if total == 0:
-        raise ConfigError(
-            "rollout.engine=sglang launches servers on this node's GPUs and torch sees none; give "
-            "rollout.sglang.urls of running servers, or use rollout.engine=hf on CPU"
-        )
+        # CPU servers (tests, laptops): this node, SGLang's CPU flags, free ports
+        from megatron_dapo.actor.spawn import free_port
+
+        configs = [
+            server_config(cfg, i, (), log_dir, port=free_port(), cpu=True)
+            for i in range(int(cfg.rollout.num_engines))
+        ]
+        return launch_sglang_engines(cfg, configs)
     groups = engine_gpu_ids(
         cfg.trainer.placement,
         local_actor_gpus(int(cfg.parallel.actor_world_size), total),
@@ -280,7 +284,7 @@ def start_sglang_engines(cfg) -> list:
         int(cfg.rollout.num_engines),
         int(cfg.rollout.tensor_parallel_size),
     )
-    return launch_sglang_engines(cfg, groups, Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / "sglang")
+    return launch_sglang_engines(cfg, server_configs(cfg, groups, log_dir))
 
 
 def launch_planned_engines(
