@@ -44,5 +44,6 @@ def test_demo_runs_on_real_sglang_servers(tmp_path, monkeypatch):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["actor/rollout_logprob_abs_diff"] < 1e-4, r["step"]
+        assert r["rollout/engines_down"] == 0 and r["rollout/groups_in_batch"] == 4
     assert "val/avg@4" in steps[-1] and steps[-1]["val/num_problems"] == 8
     assert Path(run / "summary.json").is_file()

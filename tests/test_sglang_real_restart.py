@@ -1,10 +1,13 @@
 """A real SGLang server SIGKILLed mid-rollout inside the DAPO loop, recovered by the trainer's own
-restart path (`driver/engine_restart.py`): 2 real CPU servers, Ray local, TP=2 actor, fp32.
+restart path (`driver/engine_restart.py`): 2 real CPU servers, Ray local, TP=2 actor, fp32,
+weights by SGLang's distributed update over gloo after every step.
 
 The victim is engine 0's first call. Its detokenizer is stopped first (SIGSTOP), so the call's
 requests stay in flight: the server has received and prefilled them (its cumulative prefill
 counter in `/v1/loads` rises, the condition the kill waits on) but can never answer. Then the
 server's main process is SIGKILLed by pid; its scheduler and detokenizer die with it. Checked:
+- the trainer scores both steps' samples as the servers did (mismatch < 1e-4; at step 2 that
+  needs the sync after step 1, to the restarted server too);
 - step 1 completes on the other server: the batch is full, the manager's ledger accounts for every
   drawn group exactly once, the healthy engine returned exactly `gen_batch_size * n` samples;
 - the dead server is restarted and synced before it gets work again: every sample it returns after
@@ -168,7 +171,10 @@ def test_server_sigkilled_mid_rollout_is_restarted_and_resynced(assets, tmp_path
         shown = {k: v for k, v in m.items() if k.startswith("rollout/")}
         assert m["rollout/groups_in_batch"] == GROUPS and m["rollout/prompts_drawn"] == GROUPS, shown
         assert sum(m[f"rollout/{k}"] for k in ledger) == GROUPS, shown
-        assert m["actor/rollout_logprob_abs_diff"] < 1e-4, m["step"]
+        assert m["actor/rollout_logprob_abs_diff"] < 1e-4, m["step"]  # step 2: after the sync
+        assert m["sync/buckets"] >= 1
+    logs = sorted((run / "sglang").glob("engine_*.log"))
+    assert [p.name for p in logs] == ["engine_0.log", "engine_1.log"]
     assert "abort" not in victim.finished
     name0 = victim.engine.name
     # step 1 ran on the initial weights (a server loaded from disk reports no version): its
