@@ -14,15 +14,14 @@ import textwrap
 
 import httpx
 import pytest
+import ray  # a hard dependency: a missing Ray fails the suite instead of skipping it
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group, remove_placement_group
 
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
-
-from megatron_dapo.actor.spawn import free_port  # noqa: E402
-from megatron_dapo.config import load_config  # noqa: E402
-from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots  # noqa: E402
-from megatron_dapo.driver.sglang_placement import GpuSlot, plan_engines, rank_order  # noqa: E402
+from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.config import load_config
+from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
+from megatron_dapo.driver.sglang_placement import GpuSlot, plan_engines, rank_order
 
 NODES = 3
 
