@@ -77,3 +77,23 @@ def cp_token_mean(local_sums: list[torch.Tensor], local_counts: list[torch.Tenso
     counts (what the all-reduces over the CP group compute); a rank's own mean is wrong whenever
     the loss tokens are not spread evenly across ranks."""
     return torch.stack(local_sums).sum(0) / torch.stack(local_counts).sum(0).clamp(min=1)
+
+
+def cp_gather(local: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Every CP rank's share of a per-token tensor gathered back into sequence order (the driver
+    and the rollout log-prob check need whole rows)."""
+    import torch.distributed as dist
+
+    shares = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shares, local.contiguous(), group=group)
+    return cp_unsplit(shares, dim=dim)
+
+
+def cp_reduce_token_mean(local_sum: torch.Tensor, local_count: torch.Tensor, group) -> torch.Tensor:
+    """The exact global token-mean: numerator and token count summed over ``group`` (DP x CP)
+    before dividing, so uneven loss tokens per rank do not bias it."""
+    import torch.distributed as dist
+
+    both = torch.stack([local_sum.detach().to(torch.float64), local_count.to(torch.float64)])
+    dist.all_reduce(both, group=group)
+    return both[0] / both[1].clamp(min=1)
