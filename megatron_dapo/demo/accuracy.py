@@ -60,7 +60,7 @@ def generate_responses(
                 do_sample=temperature > 0,
                 temperature=temperature if temperature > 0 else None,
                 top_p=top_p if temperature > 0 else None,
-                top_k=0,
+                top_k=0 if temperature > 0 else None,  # greedy: no top_k, or transformers warns it is unused
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
             )
