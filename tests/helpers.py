@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny random HF checkpoints (Qwen2 with GQA + qkv bias, Llama).
+"""Shared test helpers: tiny random HF checkpoints (Qwen2 with GQA + qkv bias, Qwen3 with q/k norms
+and head_dim != hidden/heads, Llama).
 
 ``make_tiny_hf_checkpoint(path, ...)`` writes an HF model directory (config.json, safetensors,
 optionally sharded with model.safetensors.index.json, and a tiny word-level tokenizer) that
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "qwen3", "llama")
+# Qwen3 decouples head_dim from hidden/heads (128 everywhere); the tiny one does too (64/4 = 16).
+QWEN3_HEAD_DIM = 24
 
 
 def tiny_hf_config(
@@ -25,9 +28,11 @@ def tiny_hf_config(
     kv_heads: int = 2,
     vocab: int = 256,
     intermediate: int | None = None,
+    head_dim: int | None = None,
 ):
-    """The HF config object of a tiny model of ``family`` ("qwen2" or "llama")."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The HF config object of a tiny model of ``family`` (one of ``FAMILIES``); ``head_dim`` is
+    Qwen3's (default ``QWEN3_HEAD_DIM``), the other families derive it from hidden/heads."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab,
@@ -43,6 +48,13 @@ def tiny_hf_config(
     )
     if family == "qwen2":
         return Qwen2Config(rope_theta=10000.0, architectures=["Qwen2ForCausalLM"], **common)
+    if family == "qwen3":
+        return Qwen3Config(
+            rope_theta=1000000.0,
+            head_dim=head_dim or QWEN3_HEAD_DIM,
+            architectures=["Qwen3ForCausalLM"],
+            **common,
+        )
     if family == "llama":
         return LlamaConfig(rope_theta=500000.0, architectures=["LlamaForCausalLM"], **common)
     raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -75,6 +87,7 @@ def make_tiny_hf_checkpoint(
     seed: int = 0,
     max_shard_size: str | None = None,
     with_tokenizer: bool = True,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a random tiny HF checkpoint to ``path`` (created) and return it.
 
@@ -85,7 +98,9 @@ def make_tiny_hf_checkpoint(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_hf_config(family, tie_word_embeddings, num_layers, hidden, heads, kv_heads, vocab)
+    config = tiny_hf_config(
+        family, tie_word_embeddings, num_layers, hidden, heads, kv_heads, vocab, head_dim=head_dim
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)

@@ -37,21 +37,26 @@ def _dcp_tensors(ckpt_dir: Path, tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_hf_to_tp2_pp2_to_hf_is_bit_exact_and_reconverts_to_tp1(tiny_hf_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "family,arch", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")], ids=["qwen2", "qwen3"]
+)
+def test_hf_to_tp2_pp2_to_hf_is_bit_exact_and_reconverts_to_tp1(
+    tiny_hf_checkpoint, tmp_path, capsys, family, arch
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = tiny_hf_checkpoint(family="qwen2", num_layers=4, seed=11, max_shard_size="40KB")
+    src = tiny_hf_checkpoint(family=family, num_layers=4, seed=11, max_shard_size="40KB")
     m22, hf_back, m11 = tmp_path / "m_tp2_pp2", tmp_path / "hf_back", tmp_path / "m_tp1"
     hf_to_megatron(src, m22, tp=2, pp=2, progress=False)
     layout = json.loads((m22 / "megatron_dapo_model.json").read_text())
-    assert (layout["tp"], layout["pp"], layout["architecture"]) == (2, 2, "Qwen2ForCausalLM")
+    assert (layout["tp"], layout["pp"], layout["architecture"]) == (2, 2, arch)
     megatron_to_hf(m22, hf_back, max_shard_bytes=60_000, progress=False)
 
     _assert_same_state(hf_state_dict(src), hf_state_dict(hf_back))
     assert (hf_back / "model.safetensors.index.json").is_file()  # sharded like the source
     assert not list(tmp_path.glob(".*tmp-*")), "temporary directories must be renamed or removed"
     model = AutoModelForCausalLM.from_pretrained(hf_back)
-    assert type(model).__name__ == "Qwen2ForCausalLM" and model.dtype == torch.float32
+    assert type(model).__name__ == arch and model.dtype == torch.float32
     assert (
         AutoTokenizer.from_pretrained(hf_back)("ab").input_ids
         == AutoTokenizer.from_pretrained(src)("ab").input_ids

@@ -1,4 +1,5 @@
-"""Megatron (TP x PP layouts, CPU/gloo) vs HF transformers on the same tiny random checkpoints.
+"""Megatron (TP x PP layouts, CPU/gloo) vs HF transformers on the same tiny random checkpoints
+(Qwen2, Llama, Qwen3 tied and untied).
 
 One 4-process run builds every (model, layout) pair, since process start-up (importing megatron
 and transformers) dominates the cost; the tests below check its results:
@@ -18,6 +19,9 @@ MODELS = {
     "qwen2-untied": dict(family="qwen2", tie_word_embeddings=False, num_layers=4, seed=1),
     "qwen2-tied": dict(family="qwen2", tie_word_embeddings=True, num_layers=4, seed=2),
     "llama-untied": dict(family="llama", tie_word_embeddings=False, num_layers=4, seed=3),
+    # Qwen3: q/k norms, no qkv bias, head_dim 24 != hidden/heads 16, rope theta 1e6 from the config.
+    "qwen3-untied": dict(family="qwen3", tie_word_embeddings=False, num_layers=4, seed=4),
+    "qwen3-tied": dict(family="qwen3", tie_word_embeddings=True, num_layers=4, seed=5),
 }
 # (tp, pp, vpp) on a world of 4: the remaining factor is data parallel.
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (2, 2, 2)]

@@ -1,4 +1,4 @@
-"""A megatron-core GPTModel built from a Hugging Face config.json (Qwen2/Qwen2.5, Llama-3).
+"""A megatron-core GPTModel built from a Hugging Face config.json (Qwen2/Qwen2.5, Qwen3, Llama-3).
 
 The HF config decides the architecture; the parallel layout comes from megatron's parallel_state
 (call :func:`megatron_dapo.actor.parallel.init_parallel` first). The Transformer Engine layer spec
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from megatron_dapo.actor import compat
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
@@ -35,8 +35,9 @@ class ArchSpec:
     """What differs between the supported HF families, read from config.json."""
 
     architecture: str
-    family: str  # "qwen2" | "llama"
+    family: str  # "qwen2" | "qwen3" | "llama"
     qkv_bias: bool
+    qk_layernorm: bool  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
     tie_word_embeddings: bool
     head_dim: int
     rope_theta: float
@@ -69,7 +70,7 @@ def load_hf_config(hf_dir_or_config: Any) -> Any:
 def _architecture(hf_config: Any) -> str:
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not archs:
-        by_type = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+        by_type = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
         if hf_config.model_type in by_type:
             return by_type[hf_config.model_type]
         raise ModelConfigError(
@@ -109,14 +110,15 @@ def _rope(hf_config: Any) -> tuple[float, float | None]:
 def arch_spec(hf_config: Any) -> ArchSpec:
     """Validate ``hf_config`` and extract the family-specific switches."""
     arch = _architecture(hf_config)
-    family = "qwen2" if arch == "Qwen2ForCausalLM" else "llama"
+    family = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(arch, "llama")
+    if family in ("qwen2", "qwen3") and getattr(hf_config, "use_sliding_window", False):
+        raise ModelConfigError(f"{arch} with use_sliding_window=true is not supported")
     if family == "qwen2":
-        if getattr(hf_config, "use_sliding_window", False):
-            raise ModelConfigError("Qwen2 with use_sliding_window=true is not supported")
         qkv_bias = True
     else:
+        # Qwen3's and Llama's configs both carry attention_bias (False in every released model).
         if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-            raise ModelConfigError("Llama with attention_bias or mlp_bias is not supported")
+            raise ModelConfigError(f"{arch} with attention_bias or mlp_bias is not supported")
         qkv_bias = False
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
@@ -128,6 +130,7 @@ def arch_spec(hf_config: Any) -> ArchSpec:
         architecture=arch,
         family=family,
         qkv_bias=qkv_bias,
+        qk_layernorm=family == "qwen3",
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         head_dim=head_dim,
         rope_theta=theta,
@@ -229,6 +232,7 @@ def transformer_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -277,8 +281,8 @@ def layer_spec(config: Any, use_te: bool | None = None) -> Any:
     if config.fp8 and not use_te:
         raise ModelConfigError("fp8 needs the Transformer Engine layer spec (use_te)")
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
 def build_gpt_model(

@@ -5,13 +5,14 @@ Pure Python (no torch) so `megatron-dapo plan` runs anywhere, before a cluster i
 
 from megatron_dapo.plan.gpus import GPUS, gpu_for
 from megatron_dapo.plan.inputs import Assumptions, PlanInputs, inputs_from_config
-from megatron_dapo.plan.models import QWEN2_5, ModelShape, resolve_model_shape, shape_from_hf_config
+from megatron_dapo.plan.models import QWEN2_5, QWEN3, ModelShape, resolve_model_shape, shape_from_hf_config
 from megatron_dapo.plan.params import count_params, padded_vocab, params_per_gpu
 from megatron_dapo.plan.planner import Plan, make_plan
 
 __all__ = [
     "GPUS",
     "QWEN2_5",
+    "QWEN3",
     "Assumptions",
     "ModelShape",
     "Plan",

@@ -1,5 +1,5 @@
 """Model shapes for the planner: read from an HF `config.json`, or from a built-in table of the
-Qwen2.5 family so `megatron-dapo plan` works offline when `model.path` is a hub name."""
+Qwen2.5 family (and Qwen3-8B) so `megatron-dapo plan` works offline when `model.path` is a hub name."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ class ModelShape:
     head_dim: int
     qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
     gated_mlp: bool = True  # SwiGLU: gate + up + down projections.
+    qk_norm: bool = False  # Qwen3: an RMSNorm of head_dim weights on q and one on k per layer.
 
     @property
     def q_dim(self) -> int:
@@ -37,6 +38,15 @@ def _qwen(name, hidden, inter, layers, heads, kv, vocab, tied) -> ModelShape:
     return ModelShape(name, hidden, inter, layers, heads, kv, vocab, tied, hidden // heads)
 
 
+# Qwen/Qwen3-8B's config.json on the hub: head_dim 128 is its own field (4096/32 happens to agree),
+# no qkv bias, q/k norms, untied head.
+QWEN3: dict[str, ModelShape] = {
+    s.name: s
+    for s in (
+        ModelShape("Qwen3-8B", 4096, 12288, 36, 32, 8, 151936, False, 128, qkv_bias=False, qk_norm=True),
+    )
+}
+
 # From each model's config.json on the hub (Qwen/Qwen2.5-*; the -Instruct and -Math variants of the
 # same size share these shapes).
 QWEN2_5: dict[str, ModelShape] = {
@@ -50,6 +60,8 @@ QWEN2_5: dict[str, ModelShape] = {
         _qwen("Qwen2.5-32B", 5120, 27648, 64, 40, 8, 152064, False),
     )
 }
+
+_TABLE = {**QWEN2_5, **QWEN3}
 
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
@@ -75,13 +87,14 @@ def shape_from_hf_config(cfg: dict, name: str = "model") -> ModelShape:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         qkv_bias=qkv_bias,
+        qk_norm=model_type.startswith("qwen3"),
     )
 
 
 def _table_key(path: str) -> str | None:
     """'Qwen/Qwen2.5-32B-Instruct' or '/ckpt/qwen2.5-7b-math' -> the table's size entry."""
     base = path.rstrip("/").rsplit("/", 1)[-1].lower()
-    for key in sorted(QWEN2_5, key=len, reverse=True):
+    for key in sorted(_TABLE, key=len, reverse=True):
         stem = key.lower()
         if base == stem or base.startswith(stem + "-"):
             return key
@@ -98,9 +111,9 @@ def resolve_model_shape(path: str) -> ModelShape:
             raise ValueError(f"model.path: {f} is not valid JSON ({e})") from e
     key = _table_key(path)
     if key is None:
-        known = ", ".join(f"Qwen/{k}" for k in QWEN2_5)
+        known = ", ".join(f"Qwen/{k}" for k in _TABLE)
         raise ValueError(
             f"model.path={path!r}: no config.json there and not a known hub name; point model.path at an "
             f"HF checkpoint directory or use one of {known}"
         )
-    return QWEN2_5[key]
+    return _TABLE[key]

@@ -30,7 +30,8 @@ def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
 
     Attention: q (h x q_dim), k and v (h x kv_dim each, GQA), o (q_dim x h), plus q/k/v biases when
     the family has them (Qwen2). MLP: gate, up (h x ffn) and down (ffn x h) for SwiGLU. Two RMSNorm
-    weights per layer, one final norm; the LM head is shared with the embedding when tied.
+    weights per layer (plus Qwen3's q and k norms, head_dim each, replicated over TP like the
+    others), one final norm; the LM head is shared with the embedding when tied.
     """
     v = m.vocab_size if vocab is None else vocab
     h, f = m.hidden_size, m.intermediate_size
@@ -42,7 +43,7 @@ def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
         embedding=v * h,
         attention_per_layer=attn,
         mlp_per_layer=mlp,
-        norms_per_layer=2 * h,
+        norms_per_layer=2 * h + (2 * m.head_dim if m.qk_norm else 0),
         final_norm=h,
         output_head=0 if m.tie_word_embeddings else v * h,
     )

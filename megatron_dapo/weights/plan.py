@@ -134,6 +134,8 @@ def expected_hf_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
         "k_proj.bias": (kv * hd,),
         "v_proj.bias": (kv * hd,),
         "o_proj.weight": (h, heads * hd),
+        "q_norm.weight": (hd,),
+        "k_norm.weight": (hd,),
         "gate_proj.weight": (ffn, h),
         "up_proj.weight": (ffn, h),
         "down_proj.weight": (h, ffn),

@@ -5,8 +5,9 @@ from __future__ import annotations
 from megatron_dapo.weights.families.base import FamilyMap, Rule
 from megatron_dapo.weights.families.llama import LLAMA
 from megatron_dapo.weights.families.qwen2 import QWEN2
+from megatron_dapo.weights.families.qwen3 import QWEN3
 
-FAMILIES: dict[str, FamilyMap] = {m.architecture: m for m in (QWEN2, LLAMA)}
+FAMILIES: dict[str, FamilyMap] = {m.architecture: m for m in (QWEN2, LLAMA, QWEN3)}
 
 
 def family_map(architecture: str) -> FamilyMap:
