@@ -44,7 +44,7 @@ from megatron_dapo.actor.train_step import (
     finish_stats,
     score_micro_batches,
 )
-from megatron_dapo.algo import LOSS_AGG_MODES
+from megatron_dapo.algo import LOSS_AGG_MODES, RolloutCorrection
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class ActorConfig:
     loss_norm_len: int | None = None
     # Truncated importance sampling cap (needs rollout log-probs); None disables TIS.
     tis_cap: float | None = None
+    # algorithm.rollout_correction (algo/rollout_correction.py); None = no correction.
+    rollout_correction: RolloutCorrection | None = None
     max_consecutive_skips: int = 3
     seed: int = 1
     temperature: float = 1.0
@@ -258,6 +260,7 @@ class Actor:
             clip_ratio_c=self.cfg.clip_ratio_c,
             loss_agg_mode=self.cfg.loss_agg_mode,
             tis_cap=self.cfg.tis_cap,
+            rollout_correction=self.cfg.rollout_correction,
             temperature=self.cfg.temperature,
             vocab_size=self.vocab_size,
             num_tokens=num_tokens,

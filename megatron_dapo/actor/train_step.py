@@ -18,7 +18,7 @@ import torch
 from megatron_dapo.actor import compat
 from megatron_dapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_dapo.actor.micro_batches import MicroBatch
-from megatron_dapo.algo import policy_loss
+from megatron_dapo.algo import RolloutCorrection, policy_loss
 
 # Per-mini-batch metric sums; the token-weighted ones are divided by "tokens" after reduction.
 STAT_NAMES = (
@@ -36,6 +36,9 @@ STAT_NAMES = (
     "mismatch_k3",
     "tis_mean",
     "tis_clipfrac",
+    "rc_tokens",
+    "rc_weight_mean",
+    "rc_fraction",
 )
 _TOKEN_WEIGHTED = ("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_lower", "ppo_kl", "entropy")
 
@@ -54,6 +57,7 @@ class LossSettings:
     num_tokens: float  # global normalisers of the optimizer mini-batch
     num_seqs: float
     norm_len: float
+    rollout_correction: RolloutCorrection | None = None  # None / mode none: today's loss
 
 
 def _to_device(micro: MicroBatch) -> MicroBatch:
@@ -141,6 +145,8 @@ def micro_batch_loss(
     mask = micro.loss_mask
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
     use_tis = settings.tis_cap is not None and micro.rollout_logprobs is not None
+    rc = settings.rollout_correction
+    use_rc = rc is not None and rc.active and micro.rollout_logprobs is not None
     loss, m = policy_loss(
         logprobs,
         old,
@@ -153,8 +159,9 @@ def micro_batch_loss(
         num_tokens=settings.num_tokens,
         num_seqs=settings.num_seqs,
         norm_len=settings.norm_len,
-        rollout_logprobs=micro.rollout_logprobs if use_tis else None,
+        rollout_logprobs=micro.rollout_logprobs if use_tis or use_rc else None,
         tis_cap=settings.tis_cap if use_tis else None,
+        rollout_correction=rc if use_rc else None,
     )
     n = m["num_tokens"].double()
     stats = dict.fromkeys(STAT_NAMES, torch.zeros((), dtype=torch.float64, device=mask.device))
@@ -167,6 +174,10 @@ def micro_batch_loss(
     if use_tis:
         stats["tis_mean"] = m["tis_mean"].double() * n
         stats["tis_clipfrac"] = m["tis_clipfrac"].double() * n
+    if use_rc:
+        stats["rc_tokens"] = n
+        stats["rc_weight_mean"] = m["rc_weight_mean"].double() * n
+        stats["rc_fraction"] = m["rc_fraction"].double() * n
     if micro.rollout_logprobs is not None:
         # Train/inference mismatch on the loss tokens: samples come from the engine (q), so the
         # k3 estimator of KL(q || pi_old) is exp(d) - 1 - d with d = log pi_old - log q.
@@ -223,6 +234,9 @@ def finish_stats(sums: torch.Tensor) -> dict[str, float]:
     if s["tis_mean"]:
         out["tis_mean"] = s["tis_mean"] / tokens
         out["tis_clipfrac"] = s["tis_clipfrac"] / tokens
+    if s["rc_tokens"]:
+        out["rc_weight_mean"] = s["rc_weight_mean"] / s["rc_tokens"]
+        out["rc_fraction"] = s["rc_fraction"] / s["rc_tokens"]
     if s["mismatch_tokens"]:
         out["mismatch_abs"] = s["mismatch_abs"] / s["mismatch_tokens"]
         out["mismatch_k3"] = s["mismatch_k3"] / s["mismatch_tokens"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_dapo.algo.aggregation import agg_loss
+from megatron_dapo.algo.rollout_correction import RolloutCorrection, correction_terms
 
 # verl clamps log(ratio) to +-20 before exp so a stale token cannot overflow the ratio.
 _LOG_RATIO_CLAMP = 20.0
@@ -25,6 +26,7 @@ def policy_loss(
     norm_len: int | float | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
+    rollout_correction: RolloutCorrection | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level PPO-clip loss as verl's ``compute_policy_loss_vanilla`` + ``agg_loss``.
 
@@ -48,9 +50,14 @@ def policy_loss(
         clip_ratio_low / clip_ratio_high: DAPO's decoupled eps_low / eps_high.
         clip_ratio_c: dual-clip bound (> 1; the 32B recipe uses 10); None disables dual-clip.
         loss_agg_mode, num_tokens, num_seqs, norm_len: passed to :func:`agg_loss`.
-        rollout_logprobs: (B, T) log-probs from the rollout engine; with ``tis_cap`` enables
-            truncated importance sampling. Give both or neither.
+        rollout_logprobs: (B, T) log-probs from the rollout engine (the behaviour policy); with
+            ``tis_cap`` enables truncated importance sampling, with an active
+            ``rollout_correction`` that correction. Give it with exactly one of them.
         tis_cap: truncation cap of the TIS weight (> 0, e.g. 2).
+        rollout_correction: ``algorithm.rollout_correction`` (see
+            :mod:`megatron_dapo.algo.rollout_correction`): each token's clipped loss is multiplied
+            by its factor (truncated weight or 1/0 mask) before the aggregation, whose
+            normalisers do not change. None or mode ``none`` leaves the loss bit for bit as is.
 
     The loss is computed in float32, or float64 when the inputs are float64; bf16/fp16 inputs
     are upcast, and the loss has that dtype.
@@ -71,10 +78,13 @@ def policy_loss(
         - ``ppo_kl``: mean of ``old_logprobs - logprobs`` (after the +-20 clamp).
         - ``tis_mean``, ``tis_clipfrac`` (only with TIS): mean TIS weight after truncation;
           fraction of tokens whose untruncated weight exceeds ``tis_cap``.
+        - ``rc_weight_mean/max/min``, ``rc_fraction`` (only with an active rollout_correction):
+          see :class:`~megatron_dapo.algo.rollout_correction.CorrectionTerms`.
         - ``num_tokens`` (int64): unmasked tokens in this call; ``num_seqs`` (int64): sequences
           with at least one unmasked token.
     """
-    _check_args(logprobs, old_logprobs, advantages, mask, rollout_logprobs, tis_cap)
+    rc = rollout_correction if rollout_correction is not None and rollout_correction.active else None
+    _check_args(logprobs, old_logprobs, advantages, mask, rollout_logprobs, tis_cap, rc)
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
 
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -115,7 +125,11 @@ def policy_loss(
             "ppo_kl": _masked_mean(-log_ratio, keep, n_tok),
         }
 
-    if rollout_logprobs is not None:
+    if rc is not None:
+        terms = correction_terms(old, clean(rollout_logprobs.detach()), keep, rc)
+        per_token = per_token * terms.factor
+        metrics.update(terms.metrics)
+    elif rollout_logprobs is not None:
         raw_w = torch.exp(old - clean(rollout_logprobs.detach()))
         weight = torch.clamp(raw_w, max=tis_cap)
         per_token = per_token * weight
@@ -134,7 +148,7 @@ def _masked_mean(x: torch.Tensor, keep: torch.Tensor, n: torch.Tensor) -> torch.
     return (x.sum() / n.clamp(min=1).to(torch.float32)).detach()
 
 
-def _check_args(logprobs, old_logprobs, advantages, mask, rollout_logprobs, tis_cap) -> None:
+def _check_args(logprobs, old_logprobs, advantages, mask, rollout_logprobs, tis_cap, rc) -> None:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
     shape = logprobs.shape
@@ -146,7 +160,18 @@ def _check_args(logprobs, old_logprobs, advantages, mask, rollout_logprobs, tis_
             f"advantages must be (B,) per sample or (B, T) per token with (B, T) = {tuple(shape)}, "
             f"got {tuple(advantages.shape)}"
         )
-    if (rollout_logprobs is None) != (tis_cap is None):
+    if rc is not None:
+        if tis_cap is not None:
+            raise ValueError(
+                "algorithm.tis and algorithm.rollout_correction are two corrections of the same gap; "
+                "use rollout_correction.mode=tis instead of tis.enable"
+            )
+        if rollout_logprobs is None:
+            raise ValueError(
+                f"rollout_correction mode={rc.mode} needs the rollout log-probs (the behaviour policy); "
+                "pass rollout_logprobs"
+            )
+    elif (rollout_logprobs is None) != (tis_cap is None):
         raise ValueError(
             "truncated importance sampling needs both rollout_logprobs and tis_cap; pass both to "
             "enable it or neither to disable it"

@@ -142,6 +142,15 @@ class TISConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # Importance weight rho = exp(pi_old - rollout) per token (megatron_dapo/algo/rollout_correction.py).
+    mode: str = "none"  # none | tis (loss x min(rho, threshold)) | mask (drop rho outside the bounds)
+    level: str = "token"  # token | sequence (product over the sequence) | geometric (its geometric mean)
+    threshold: float = 2.0  # tis: the cap; mask: the upper bound
+    threshold_lower: Optional[float] = None  # mask only; null = 1 / threshold
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std_in_grpo: bool = True
@@ -156,6 +165,7 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     tis: TISConfig = field(default_factory=TISConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     entropy_coeff: float = 0.0
     kl_coef: float = 0.0
 
@@ -219,6 +229,9 @@ class TrainerConfig:
     val_before_train: bool = True
     hf_export_at_end: bool = True
     placement: str = "colocated"  # colocated | disaggregated
+    # sync: generate, then train, then sync weights. one_step_off / async are not built yet
+    # (issue 13) and are refused rather than run as sync.
+    mode: str = "sync"
     rollout_gpus: int = 0  # disaggregated: GPUs for engines; actor gets the rest
     ray_address: Optional[str] = None
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

@@ -32,6 +32,7 @@ CHOICES: dict[str, tuple] = {
     "optim.lr_scheduler": ("constant", "cosine"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.placement": ("colocated", "disaggregated"),
+    "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.weight_sync.transport": ("auto", "object_store", "nccl", "cuda_ipc", "disk"),
     "logging.wandb_mode": ("offline", "online"),
 }
@@ -113,6 +114,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"algorithm.tis.cap={alg.tis.cap} must be > 0")
     if alg.filter_groups.max_num_gen_batches < 0:
         raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = unlimited)")
+    _check_rollout_correction(alg)
+    if cfg.trainer.mode != "sync":
+        raise ConfigError(
+            f"trainer.mode={cfg.trainer.mode} is not built yet (issue 13: only the synchronous loop exists); "
+            "use trainer.mode=sync"
+        )
 
     data = cfg.data
     ob = alg.overlong_buffer
@@ -212,6 +219,21 @@ def validate(cfg: DictConfig) -> None:
     hf = _hf_config(cfg)
     if hf:
         _check_model_shape(hf, tp, pp, vpp, cfg.model.path)
+
+
+def _check_rollout_correction(alg: DictConfig) -> None:
+    from megatron_dapo.algo.rollout_correction import RolloutCorrection
+
+    rc = alg.rollout_correction
+    try:
+        built = RolloutCorrection(rc.mode, rc.level, rc.threshold, rc.threshold_lower)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if built.active and alg.tis.enable:
+        raise ConfigError(
+            "algorithm.tis.enable=true and algorithm.rollout_correction.mode="
+            f"{rc.mode} correct the same gap twice; use rollout_correction.mode=tis and tis.enable=false"
+        )
 
 
 def _largest_divisor_at_most(n: int, m: int) -> int:

@@ -18,6 +18,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def actor_config_from(cfg: dict) -> Any:
     from megatron_dapo.actor.actor import ActorConfig
+    from megatron_dapo.algo import RolloutCorrection
 
     alg, act = cfg["algorithm"], cfg["actor"]
     return ActorConfig(
@@ -30,6 +31,7 @@ def actor_config_from(cfg: dict) -> Any:
         clip_ratio_c=alg["clip_ratio_c"],
         loss_agg_mode=alg["loss_agg_mode"],
         tis_cap=alg["tis"]["cap"] if alg["tis"]["enable"] else None,
+        rollout_correction=RolloutCorrection(**alg["rollout_correction"]),
         max_consecutive_skips=act["max_consecutive_skips"],
         seed=cfg["trainer"]["seed"],
         temperature=cfg["rollout"]["temperature"],

@@ -46,6 +46,8 @@ ACTOR_KEYS = {
     "mismatch_k3": "actor/rollout_k3_kl",
     "tis_mean": "actor/tis_mean",
     "tis_clipfrac": "actor/tis_clipfrac",
+    "rc_weight_mean": "actor/rollout_corr_weight_mean",
+    "rc_fraction": "actor/rollout_corr_fraction",
     "num_updates": "actor/num_updates",
     "skipped_updates": "actor/skipped_updates",
 }
