@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen2", "qwen3", "llama")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 # Qwen3 decouples head_dim from hidden/heads (128 everywhere); the tiny one does too (64/4 = 16).
 QWEN3_HEAD_DIM = 24
 
@@ -32,7 +32,7 @@ def tiny_hf_config(
 ):
     """The HF config object of a tiny model of ``family`` (one of ``FAMILIES``); ``head_dim`` is
     Qwen3's (default ``QWEN3_HEAD_DIM``), the other families derive it from hidden/heads."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab,
@@ -53,6 +53,20 @@ def tiny_hf_config(
             rope_theta=1000000.0,
             head_dim=head_dim or QWEN3_HEAD_DIM,
             architectures=["Qwen3ForCausalLM"],
+            **common,
+        )
+    if family == "qwen3_moe":
+        # 8 experts, top-2, every layer MoE (as the released Qwen3-MoE models), renormalised top-k.
+        return Qwen3MoeConfig(
+            rope_theta=1000000.0,
+            head_dim=head_dim or QWEN3_HEAD_DIM,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            architectures=["Qwen3MoeForCausalLM"],
             **common,
         )
     if family == "llama":

@@ -1,4 +1,5 @@
-"""A megatron-core GPTModel built from a Hugging Face config.json (Qwen2/Qwen2.5, Qwen3, Llama-3).
+"""A megatron-core GPTModel built from a Hugging Face config.json (Qwen2/Qwen2.5, Qwen3 dense
+and MoE, Llama-3).
 
 The HF config decides the architecture; the parallel layout comes from megatron's parallel_state
 (call :func:`megatron_dapo.actor.parallel.init_parallel` first). The Transformer Engine layer spec
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from megatron_dapo.actor import compat
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
@@ -35,13 +36,17 @@ class ArchSpec:
     """What differs between the supported HF families, read from config.json."""
 
     architecture: str
-    family: str  # "qwen2" | "qwen3" | "llama"
+    family: str  # "qwen2" | "qwen3" | "qwen3_moe" | "llama"
     qkv_bias: bool
     qk_layernorm: bool  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
     tie_word_embeddings: bool
     head_dim: int
     rope_theta: float
     rope_scaling_factor: float | None  # llama3-style scaling, None when off
+    num_experts: int = 0  # 0: dense MLP in every layer
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
 
 
 def load_hf_config(hf_dir_or_config: Any) -> Any:
@@ -70,7 +75,12 @@ def load_hf_config(hf_dir_or_config: Any) -> Any:
 def _architecture(hf_config: Any) -> str:
     archs = list(getattr(hf_config, "architectures", None) or [])
     if not archs:
-        by_type = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+        by_type = {
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "llama": "LlamaForCausalLM",
+        }
         if hf_config.model_type in by_type:
             return by_type[hf_config.model_type]
         raise ModelConfigError(
@@ -110,8 +120,12 @@ def _rope(hf_config: Any) -> tuple[float, float | None]:
 def arch_spec(hf_config: Any) -> ArchSpec:
     """Validate ``hf_config`` and extract the family-specific switches."""
     arch = _architecture(hf_config)
-    family = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(arch, "llama")
-    if family in ("qwen2", "qwen3") and getattr(hf_config, "use_sliding_window", False):
+    family = {
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "Qwen3MoeForCausalLM": "qwen3_moe",
+    }.get(arch, "llama")
+    if family in ("qwen2", "qwen3", "qwen3_moe") and getattr(hf_config, "use_sliding_window", False):
         raise ModelConfigError(f"{arch} with use_sliding_window=true is not supported")
     if family == "qwen2":
         qkv_bias = True
@@ -126,15 +140,35 @@ def arch_spec(hf_config: Any) -> ArchSpec:
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     theta, scaling = _rope(hf_config)
+    moe = _moe_fields(hf_config) if family == "qwen3_moe" else {}
     return ArchSpec(
         architecture=arch,
         family=family,
         qkv_bias=qkv_bias,
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         head_dim=head_dim,
         rope_theta=theta,
         rope_scaling_factor=scaling,
+        **moe,
+    )
+
+
+def _moe_fields(hf_config: Any) -> dict[str, Any]:
+    """Qwen3-MoE's expert settings; only an MoE block in every layer (all released Qwen3-MoE) maps
+    onto megatron's uniform layer spec."""
+    step = getattr(hf_config, "decoder_sparse_step", 1)
+    dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    if step != 1 or dense:
+        raise ModelConfigError(
+            f"Qwen3MoeForCausalLM with dense layers (decoder_sparse_step={step}, mlp_only_layers={dense}) "
+            "is not supported; every layer must be MoE (decoder_sparse_step=1, mlp_only_layers=[])"
+        )
+    return dict(
+        num_experts=int(hf_config.num_experts),
+        moe_topk=int(hf_config.num_experts_per_tok),
+        moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
     )
 
 
@@ -219,6 +253,11 @@ def transformer_config_from_hf(
         )
     if sequence_parallel and tp == 1:
         sequence_parallel = False
+    if spec.num_experts and tp > 1:
+        raise ModelConfigError(
+            f"{spec.architecture}: tp={tp} is not supported for MoE models yet (experts are checked at "
+            "tp=1 only); use tp=1"
+        )
     kwargs: dict[str, Any] = dict(
         num_layers=layers,
         hidden_size=hf_config.hidden_size,
@@ -259,12 +298,53 @@ def transformer_config_from_hf(
             have_apex=gpu_settings.apex_available(),
         )
     )
+    if spec.num_experts:
+        kwargs.update(_moe_kwargs(spec))
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_kwargs(spec: ArchSpec) -> dict[str, Any]:
+    """megatron's MoE settings equal to Qwen3-MoE's router: softmax over all experts then top-k
+    (``pre_softmax``), or with ``norm_topk_prob`` top-k logits then a softmax over those k, which is
+    the renormalised top-k of the full softmax. No load-balancing loss: the trainer's objective is
+    the policy loss alone (HF applies its aux loss only when asked for router logits)."""
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        # alltoall's dispatcher creates CUDA streams; allgather runs on CPU and is exact at EP=1.
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
+
+
+def _moe_without_te() -> None:
+    """megatron-core 0.16 names TE's fused MoE ops in moe_utils only when TE imports, then tests
+    ``te_general_gemm is not None``: without TE the router fails with a NameError. Define them as
+    None so the unfused torch path runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in (
+        "te_general_gemm",
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_unpermute",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+    ):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
 
 def layer_spec(config: Any, use_te: bool | None = None) -> Any:
@@ -280,9 +360,12 @@ def layer_spec(config: Any, use_te: bool | None = None) -> Any:
         raise ModelConfigError("use_te=True but Transformer Engine or a GPU is missing")
     if config.fp8 and not use_te:
         raise ModelConfigError("fp8 needs the Transformer Engine layer spec (use_te)")
+    moe = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=False) if config.num_moe_experts else {}
+    if moe:
+        _moe_without_te()
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm, **moe)
 
 
 def build_gpt_model(

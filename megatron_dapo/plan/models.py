@@ -71,6 +71,10 @@ def shape_from_hf_config(cfg: dict, name: str = "model") -> ModelShape:
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"{name}: config.json lacks {', '.join(missing)}; is it a decoder-only LM config?")
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        raise ValueError(
+            f"{name}: a mixture-of-experts config (num_experts); the planner counts dense models only so far"
+        )
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     model_type = str(cfg.get("model_type", "qwen2"))

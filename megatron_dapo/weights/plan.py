@@ -13,6 +13,7 @@ from megatron_dapo.weights.layout import Dims
 from megatron_dapo.weights.model_io import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
 
 @dataclass
@@ -77,11 +78,13 @@ def bind(model_chunks: list[Any], hf_config: Any) -> list[Binding]:
         for name, param in chunk.named_parameters():
             m = _LAYER.match(name)
             if m:
-                rule = layer_rules.get(m.group(2))
+                # Expert parameters share one rule; the index goes into the HF name (EP=1: global).
+                e = _EXPERT.search(m.group(2))
+                rule = layer_rules.get(_EXPERT.sub("local_experts.{e}.", m.group(2)))
                 if rule is None:
                     raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({spec.architecture})")
                 layer = layers[int(m.group(1))].layer_number - 1
-                hf = tuple(h.format(i=layer) for h in rule.hf)
+                hf = tuple(h.format(i=layer, e=e.group(1) if e else "") for h in rule.hf)
                 out.append(Binding(c, name, param, hf, rule.kind))
             elif name == "output_layer.weight" and spec.tie_word_embeddings:
                 out.append(Binding(c, name, param, ("model.embed_tokens.weight",), "vocab", export=False))
@@ -105,7 +108,8 @@ def expected_hf_names(hf_config: Any) -> list[str]:
     for i in range(hf_config.num_hidden_layers):
         for r in fmap.layer_rules:
             if r.when is None or r.when in on:
-                names.extend(h.format(i=i) for h in r.hf)
+                experts = range(spec.num_experts) if "{e}" in r.hf[0] else [""]
+                names.extend(h.format(i=i, e=e) for e in experts for h in r.hf)
     for r in live[1:]:
         names.extend(r.hf)
     return names
@@ -140,8 +144,19 @@ def expected_hf_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
         "up_proj.weight": (ffn, h),
         "down_proj.weight": (h, ffn),
     }
+    moe_ffn = spec.moe_ffn_hidden_size
+    expert = {
+        "gate_proj.weight": (moe_ffn, h),
+        "up_proj.weight": (moe_ffn, h),
+        "down_proj.weight": (h, moe_ffn),
+    }
     out = {}
     for name in expected_hf_names(hf_config):
         suffix = ".".join(name.split(".")[-2:])
-        out[name] = by_suffix[suffix]
+        if name.endswith("mlp.gate.weight"):
+            out[name] = (spec.num_experts, h)
+        elif ".experts." in name:
+            out[name] = expert[suffix]
+        else:
+            out[name] = by_suffix[suffix]
     return out

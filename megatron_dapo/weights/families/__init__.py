@@ -6,8 +6,9 @@ from megatron_dapo.weights.families.base import FamilyMap, Rule
 from megatron_dapo.weights.families.llama import LLAMA
 from megatron_dapo.weights.families.qwen2 import QWEN2
 from megatron_dapo.weights.families.qwen3 import QWEN3
+from megatron_dapo.weights.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, FamilyMap] = {m.architecture: m for m in (QWEN2, LLAMA, QWEN3)}
+FAMILIES: dict[str, FamilyMap] = {m.architecture: m for m in (QWEN2, LLAMA, QWEN3, QWEN3_MOE)}
 
 
 def family_map(architecture: str) -> FamilyMap:

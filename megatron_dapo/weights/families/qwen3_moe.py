@@ -1,0 +1,45 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention (q/k norms, head_dim, no bias) with a
+top-k router and SwiGLU experts in place of the dense MLP in every layer, no shared expert.
+
+``{e}`` in a name is the expert index (megatron's ``local_experts.{e}``, HF's ``experts.{e}``),
+global at expert parallel size 1, the only size built so far.
+"""
+
+from dataclasses import replace
+
+from megatron_dapo.weights.families.base import Rule
+from megatron_dapo.weights.families.qwen2 import LAYER
+from megatron_dapo.weights.families.qwen3 import QWEN3
+
+_DENSE_MLP = {("mlp.linear_fc1.weight",), ("mlp.linear_fc2.weight",)}
+
+_MOE = (
+    Rule(("mlp.router.weight",), (LAYER + "mlp.gate.weight",), "replicated"),
+    Rule(
+        ("mlp.experts.local_experts.{e}.linear_fc1.weight",),
+        (LAYER + "mlp.experts.{e}.gate_proj.weight", LAYER + "mlp.experts.{e}.up_proj.weight"),
+        "gate_up",
+    ),
+    Rule(
+        ("mlp.experts.local_experts.{e}.linear_fc2.weight",),
+        (LAYER + "mlp.experts.{e}.down_proj.weight",),
+        "row",
+    ),
+)
+
+
+def _moe_rules(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+    out: list[Rule] = []
+    for r in rules:
+        if r.megatron in _DENSE_MLP:
+            continue
+        if r.hf == (LAYER + "post_attention_layernorm.weight",):
+            # The MoE layer has no fused fc1 to carry the norm: it is always the separate one.
+            r = replace(r, megatron=("pre_mlp_layernorm.weight",))
+        out.append(r)
+        if r.megatron == ("pre_mlp_layernorm.weight",):
+            out.extend(_MOE)
+    return tuple(out)
+
+
+QWEN3_MOE = replace(QWEN3, architecture="Qwen3MoeForCausalLM", layer_rules=_moe_rules(QWEN3.layer_rules))

@@ -1,0 +1,150 @@
+"""Qwen3-MoE (8 experts, top-2, 2 layers, q/k norms, head_dim 24) built in megatron-core from the
+HF config, at expert parallel size 1 on CPU: logits equal transformers' Qwen3MoeForCausalLM
+(1e-5, fp32) and the weight-sync buckets equal HF's state dict bit for bit (per-expert names),
+without and with pipeline parallelism, with and without renormalised top-k probabilities."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_state_dict, tiny_hf_config
+
+from megatron_dapo.actor.model import ModelConfigError, arch_spec, transformer_config_from_hf
+from megatron_dapo.actor.spawn import run_ranks
+
+MODELS = ("norm-topk", "tied-raw-topk")  # untied with norm_topk_prob; tied without
+LAYOUTS = [(1, 1), (1, 2)]  # (tp, pp) on 2 ranks; tp=1 pp=1 is data parallel 2
+BATCH, SEQ = 2, 12
+
+
+def _ids(vocab):
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+def _checkpoint(path, seed, norm_topk, tied):
+    """A tiny random Qwen3-MoE checkpoint; random norms and router too, so a swapped expert or a
+    wrong top-k normalisation shows in the logits."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config("qwen3_moe", tie_word_embeddings=tied, num_layers=2)
+    config.norm_topk_prob = norm_topk
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale, base = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
+            p.copy_(base + scale * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(path))
+    return path
+
+
+def _rank_run(rank, world, model_dirs):
+    from megatron_dapo.actor.model import build_gpt_model, forward_logits, load_hf_config
+    from megatron_dapo.actor.parallel import init_parallel
+    from megatron_dapo.weights.gather import iter_hf_buckets
+    from megatron_dapo.weights.load import load_hf_weights
+
+    out = {}
+    for name, hf_dir in model_dirs.items():
+        config = load_hf_config(hf_dir)
+        for tp, pp in LAYOUTS:
+            init_parallel(tp=tp, pp=pp)
+            chunks = build_gpt_model(config, perform_initialization=False)
+            load_hf_weights(chunks, hf_dir)
+            logits = forward_logits(chunks, _ids(config.vocab_size))
+            state = {}
+            for bucket in iter_hf_buckets(chunks, bucket_bytes=32 << 10):
+                if bucket is not None:
+                    state.update(bucket)
+            out[(name, tp, pp)] = dict(logits=logits, state=state if rank == 0 else None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_moe")
+    return {
+        "norm-topk": _checkpoint(root / "a", 31, norm_topk=True, tied=False),
+        "tied-raw-topk": _checkpoint(root / "b", 32, norm_topk=False, tied=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints):
+    return run_ranks(_rank_run, 2, {k: str(v) for k, v in checkpoints.items()}, timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    ref = {}
+    for name, path in checkpoints.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref[name] = dict(logits=model(_ids(model.config.vocab_size)).logits, state=hf_state_dict(path))
+    return ref
+
+
+CASES = [(m, tp, pp) for m in MODELS for tp, pp in LAYOUTS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,tp,pp", CASES)
+def test_moe_logits_match_hf(runs, hf_reference, model, tp, pp):
+    ref = hf_reference[model]["logits"]
+    got = [r[(model, tp, pp)]["logits"] for r in runs if r[(model, tp, pp)]["logits"] is not None]
+    assert len(got) == 2 // pp  # the last stage of each data-parallel replica
+    for g in got:
+        diff = (g - ref).abs().max().item()
+        assert diff < 1e-5, f"max |logit diff| {diff:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,tp,pp", CASES)
+def test_moe_sync_buckets_equal_hf_state_dict(runs, hf_reference, model, tp, pp):
+    ref = hf_reference[model]["state"]
+    state = runs[0][(model, tp, pp)]["state"]
+    assert sorted(state) == sorted(ref)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in state
+    for key, tensor in ref.items():
+        assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), key
+
+
+def test_moe_expected_shapes_equal_hfs(checkpoints):
+    from megatron_dapo.actor.model import load_hf_config
+    from megatron_dapo.weights.plan import expected_hf_shapes
+
+    for path in checkpoints.values():
+        state = hf_state_dict(path)
+        assert expected_hf_shapes(load_hf_config(path)) == {k: tuple(v.shape) for k, v in state.items()}
+
+
+def test_moe_config_fields_and_refusals():
+    hf = tiny_hf_config("qwen3_moe")
+    spec = arch_spec(hf)
+    assert (spec.num_experts, spec.moe_topk, spec.moe_ffn_hidden_size, spec.norm_topk_prob) == (
+        8,
+        2,
+        32,
+        True,
+    )
+    cfg = transformer_config_from_hf(hf)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (8, 2, 32)
+    assert not cfg.moe_router_pre_softmax and cfg.qk_layernorm and cfg.kv_channels == 24
+    with pytest.raises(ModelConfigError, match="tp=2 is not supported for MoE"):
+        transformer_config_from_hf(hf, tp=2)
+    hf.mlp_only_layers = [0]
+    with pytest.raises(ModelConfigError, match="mlp_only_layers=\\[0\\]"):
+        arch_spec(hf)
+
+
+def test_the_planner_refuses_moe_configs_by_name(tmp_path):
+    import json
+
+    from megatron_dapo.plan import resolve_model_shape
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config("qwen3_moe").to_dict()))
+    with pytest.raises(ValueError, match="mixture-of-experts config .* dense models only"):
+        resolve_model_shape(str(tmp_path))
