@@ -101,6 +101,9 @@ def test_two_steps_end_to_end(assets, tmp_path):
     assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0
     _assert_engine_matches_trainer(records)
     assert records[2]["rollout/gen_rounds"] >= 1 and "rollout/keep_rate" in records[2]
+    for r in records[1:]:  # sync mode: every token comes from the actor's current weights
+        assert r["rollout/staleness_token_max"] == 0.0 and r["rollout/staleness_sample_max"] == 0.0, r["step"]
+        assert r["rollout/staleness_token_mean"] == 0.0 and r["rollout/unversioned_samples"] == 0.0, r["step"]
     assert -2.0 <= first["rollout/reward/mean"] <= 1.0 and first["actor/grad_norm"] > 0
     assert (run / "checkpoints" / "latest").is_file()
     assert (Path(summary["hf_export"]) / "config.json").is_file()

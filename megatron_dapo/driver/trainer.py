@@ -26,6 +26,7 @@ from megatron_dapo.driver.run_dir import MetricsLogger, RunDir
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.timing import PhaseTimer
 from megatron_dapo.rollout.manager import RolloutAbandoned
+from megatron_dapo.rollout.staleness import staleness_metrics
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ class DAPOTrainer:
                     with progress.phase(self.state.step, "checkpoint"):
                         self._abandon_step(cursor, manager_state)
                     break
+                staleness = staleness_metrics(rollout.samples, self.state.weight_version)
                 with timer.phase("adv"):
                     batch, batch_metrics = build_actor_batch(
                         rollout.samples,
@@ -248,6 +250,7 @@ class DAPOTrainer:
 
                 metrics: dict[str, Any] = {}
                 metrics.update(rollout.metrics)
+                metrics.update(staleness)
                 metrics.update(batch_metrics)
                 metrics.update({ACTOR_KEYS[k]: v for k, v in actor_metrics.items() if k in ACTOR_KEYS})
                 metrics.update(sync_metrics)

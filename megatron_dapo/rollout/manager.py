@@ -548,6 +548,7 @@ class RolloutManager:
                         weight_version=res.weight_version,
                         truncated=res.finish_reason == "length",
                         reward_error=rw.error,
+                        token_versions=res.token_versions,
                     )
                 )
             out.append(samples)

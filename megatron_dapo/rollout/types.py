@@ -62,6 +62,10 @@ class GenerationResult:
     distribution ``log_softmax(logits / T)`` over the whole vocabulary, before top-p/top-k
     truncation (SGLang's ``output_token_logprobs``). An aborted request returns what it had
     generated so far with ``finish_reason="abort"``.
+
+    ``token_versions[i]`` is the weight version that generated ``output_ids[i]``; an engine that
+    generates a request under one version leaves it None and it is filled with
+    ``weight_version`` (None when the engine's version is unknown, e.g. mid-load).
     """
 
     request_id: str
@@ -69,6 +73,7 @@ class GenerationResult:
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int | None = None
+    token_versions: list[int] | None = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -76,6 +81,13 @@ class GenerationResult:
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"request {self.request_id}: {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"
+            )
+        if self.token_versions is None and self.weight_version is not None:
+            self.token_versions = [self.weight_version] * len(self.output_ids)
+        if self.token_versions is not None and len(self.token_versions) != len(self.output_ids):
+            raise ValueError(
+                f"request {self.request_id}: {len(self.output_ids)} output ids but "
+                f"{len(self.token_versions)} token versions"
             )
 
 
@@ -101,6 +113,8 @@ class RolloutSample:
     weight_version: int | None
     truncated: bool
     reward_error: str | None = None
+    # The weight version that generated each response token (None: unknown).
+    token_versions: list[int] | None = None
 
     @property
     def response_length(self) -> int:
