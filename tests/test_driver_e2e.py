@@ -184,6 +184,32 @@ def _start_and_wait_for_step(args, metrics: Path, step: int, ready=None) -> subp
     pytest.fail(f"the run did not reach step {step} in time")
 
 
+def test_rollout_correction_reaches_the_actor_loss(assets, reference, tmp_path):
+    """algorithm.rollout_correction through config, Ray and the Megatron step: TIS with cap 0.5
+    truncates every token (rho ~ 1 in sync mode), so step 1 (same rollout as the reference) has
+    exactly half the reference's loss (a power of two scales without rounding)."""
+    over = {
+        **COMMON,
+        "algorithm.rollout_correction.mode": "tis",
+        "algorithm.rollout_correction.threshold": 0.5,
+    }
+    subprocess.run(
+        _train_cmd(_overrides(assets, tmp_path, "tis", 1, **over)),
+        check=True,
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        timeout=600,
+    )
+    (got,) = _metrics(tmp_path / "tis")
+    ref = _metrics(reference)[0]
+    assert got["rollout/reward/mean"] == ref["rollout/reward/mean"]
+    assert got["actor/pg_loss"] == 0.5 * ref["actor/pg_loss"] != 0.0
+    assert got["actor/rollout_corr_fraction"] == pytest.approx(1.0)
+    assert got["actor/rollout_corr_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert "actor/rollout_corr_fraction" not in ref
+
+
 def _assert_same_as_reference(reference: Path, run: Path) -> None:
     a = load_file(str(reference / "hf" / f"step_{STEPS}" / "model.safetensors"))
     b = load_file(str(run / "hf" / f"step_{STEPS}" / "model.safetensors"))
