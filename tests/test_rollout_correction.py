@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from megatron_dapo.actor.micro_batches import MicroBatch
-from megatron_dapo.actor.train_step import STAT_NAMES, LossSettings, finish_stats, micro_batch_loss
+from megatron_dapo.actor.train_step import (
+    STAT_NAMES,
+    LossSettings,
+    combine_stats,
+    empty_stats,
+    finish_stats,
+    micro_batch_loss,
+)
 from megatron_dapo.algo import RolloutCorrection, correction_terms, policy_loss
 from megatron_dapo.algo.rollout_correction import importance_weights
 from megatron_dapo.config import ConfigError, load_config
@@ -266,7 +273,28 @@ def test_actor_micro_batch_loss_mode_none_is_bitwise_and_tis_applies():
     assert out["rc_weight_mean"] == pytest.approx(math.exp(0.5))
     assert out["rc_fraction"] == pytest.approx(1.0)
     assert "rc_weight_mean" not in finish_stats(ref_stats)
-    assert len(tis_stats) == len(STAT_NAMES)
+    assert out["rc_weight_max"] == pytest.approx(math.exp(0.5)) and out["rc_weight_min"] == pytest.approx(
+        math.exp(0.5)
+    )
+    assert "rc_weight_max" not in finish_stats(ref_stats)
+
+
+def test_extremes_combine_by_max_and_sums_by_sum():
+    """Micro-batches, mini-batches and ranks combine the weight's max/min as max/min, not sums."""
+    _, micro_a = _micro(1, rollout_shift=0.5)
+    _, micro_b = _micro(2, rollout_shift=-0.25)
+    rc = _settings(RolloutCorrection("mask", "token", 10.0))
+    stats = [
+        micro_batch_loss(m.old_logprobs.clone(), torch.zeros_like(m.old_logprobs), m, rc)[1]
+        for m in (micro_a, micro_b)
+    ]
+    total = combine_stats(combine_stats(empty_stats(), stats[0]), stats[1])
+    out = finish_stats(total)
+    assert out["rc_weight_max"] == pytest.approx(math.exp(0.5)) and out["rc_weight_min"] == pytest.approx(
+        math.exp(-0.25)
+    )
+    n = STAT_NAMES.index("tokens")
+    assert total[n] == stats[0][n] + stats[1][n]
 
 
 def test_config_reaches_the_actor():
@@ -287,3 +315,5 @@ def test_the_metrics_are_logged():
 
     assert ACTOR_KEYS["rc_weight_mean"] == "actor/rollout_corr_weight_mean"
     assert ACTOR_KEYS["rc_fraction"] == "actor/rollout_corr_fraction"
+    assert ACTOR_KEYS["rc_weight_max"] == "actor/rollout_corr_weight_max"
+    assert ACTOR_KEYS["rc_weight_min"] == "actor/rollout_corr_weight_min"

@@ -38,9 +38,12 @@ from megatron_dapo.actor.optimizer import (
 )
 from megatron_dapo.actor.parallel import ParallelLayout
 from megatron_dapo.actor.train_step import (
+    N_STATS,
     STAT_NAMES,
     LossSettings,
     backward_micro_batches,
+    combine_stats,
+    empty_stats,
     finish_stats,
     score_micro_batches,
 )
@@ -199,6 +202,14 @@ class Actor:
         dist.all_reduce(t)
         return t.cpu()
 
+    def _world_stats(self, t: torch.Tensor) -> torch.Tensor:
+        """World-wide sums of the metric sums and maxima of the extremes (train_step's layout)."""
+        ext = t[N_STATS:].to(compat.device())
+        if not self._reports():
+            ext.fill_(float("-inf"))
+        dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+        return torch.cat([self._world_sum(t[:N_STATS].clone()), ext.cpu()])
+
     # ------------------------------------------------------------------ scoring
     def compute_logprobs(
         self, batch: ActorBatch, temperature: float | None = None, with_entropy: bool = False
@@ -269,7 +280,7 @@ class Actor:
         )
         micros = self._my_micro_batches(batch, indices)
         zero_grads(self.model, self.optimizer)
-        sums = self._world_sum(backward_micro_batches(self.model, micros, settings))
+        sums = self._world_stats(backward_micro_batches(self.model, micros, settings))
         loss = float(sums[STAT_NAMES.index("loss")])
         if num_tokens == 0:
             self.optimizer.zero_grad()
@@ -297,7 +308,7 @@ class Actor:
         if batch.old_logprobs is None and (n_mini > 1 or cfg.ppo_epochs > 1):
             batch = batch.with_old_logprobs(self.compute_logprobs(batch, cfg.temperature))
         norm_len = float(cfg.loss_norm_len or batch.max_response_len)
-        step_sums = torch.zeros(len(STAT_NAMES), dtype=torch.float64)
+        step_sums = empty_stats()
         updates: list[dict[str, Any]] = []
         mismatch = [STAT_NAMES.index(k) for k in ("mismatch_tokens", "mismatch_abs", "mismatch_k3")]
         for epoch in range(cfg.ppo_epochs):
@@ -305,7 +316,7 @@ class Actor:
                 sums, outcome, reason = self._update_mini_batch(batch, indices, norm_len)
                 if epoch > 0:
                     sums[mismatch] = 0.0  # each sample's mismatch counts once per step
-                step_sums += sums
+                step_sums = combine_stats(step_sums, sums)
                 record = finish_stats(sums)
                 record.update(
                     updated=bool(outcome and outcome.updated),

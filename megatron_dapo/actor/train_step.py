@@ -40,6 +40,10 @@ STAT_NAMES = (
     "rc_weight_mean",
     "rc_fraction",
 )
+# Combined by max (after STAT_NAMES in the stats vector); -inf when absent. The minimum travels
+# negated so one max-reduction serves both.
+EXTREME_NAMES = ("rc_weight_max", "rc_weight_neg_min")
+N_STATS = len(STAT_NAMES)
 _TOKEN_WEIGHTED = ("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_lower", "ppo_kl", "entropy")
 
 
@@ -140,7 +144,7 @@ def micro_batch_loss(
     logprobs: torch.Tensor, entropy: torch.Tensor, micro: MicroBatch, settings: LossSettings
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DAPO loss of one micro-batch (already divided by the global normaliser) and its metric
-    sums in :data:`STAT_NAMES` order (float64). With no ``old_logprobs`` the current policy,
+    sums in :data:`STAT_NAMES` order followed by :data:`EXTREME_NAMES` (float64). With no ``old_logprobs`` the current policy,
     detached, is pi_old (ratio exactly 1)."""
     mask = micro.loss_mask
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
@@ -185,7 +189,21 @@ def micro_batch_loss(
         stats["mismatch_tokens"] = n
         stats["mismatch_abs"] = _masked_sum(d.abs(), mask)
         stats["mismatch_k3"] = _masked_sum(torch.expm1(d) - d, mask)
-    return loss, torch.stack([stats[k] for k in STAT_NAMES])
+    extremes = torch.full((len(EXTREME_NAMES),), float("-inf"), dtype=torch.float64, device=mask.device)
+    if use_rc:
+        extremes = torch.stack([m["rc_weight_max"].double(), -m["rc_weight_min"].double()])
+    return loss, torch.cat([torch.stack([stats[k] for k in STAT_NAMES]), extremes])
+
+
+def combine_stats(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """Add the sums, take the max of the extremes."""
+    return torch.cat([total[:N_STATS] + part[:N_STATS], torch.maximum(total[N_STATS:], part[N_STATS:])])
+
+
+def empty_stats() -> torch.Tensor:
+    out = torch.zeros(N_STATS + len(EXTREME_NAMES), dtype=torch.float64)
+    out[N_STATS:] = float("-inf")
+    return out
 
 
 def backward_micro_batches(
@@ -193,9 +211,9 @@ def backward_micro_batches(
 ) -> torch.Tensor:
     """Forward+backward of every micro-batch through the pipeline schedule; gradients land in the
     DDP buffers (DP-summed by megatron's finalize step). Returns this rank's metric sums (zeros
-    off the last pipeline stage), float64 ``[len(STAT_NAMES)]`` on the CPU."""
+    off the last pipeline stage), float64 ``[len(STAT_NAMES) + len(EXTREME_NAMES)]`` on the CPU."""
     tp_group = _tp_group()
-    totals = torch.zeros(len(STAT_NAMES), dtype=torch.float64)
+    totals = empty_stats()
 
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
@@ -211,7 +229,7 @@ def backward_micro_batches(
                 tp_group=tp_group,
             )
             loss, stats = micro_batch_loss(lp, ent, micro, settings)
-            totals = totals + stats.cpu()
+            totals = combine_stats(totals, stats.cpu())
             # Three values with calculate_per_token_loss: megatron back-propagates `loss` as is.
             return loss, stats.new_tensor(int(stats[1]), dtype=torch.int), {}
 
@@ -226,7 +244,7 @@ def backward_micro_batches(
 def finish_stats(sums: torch.Tensor) -> dict[str, float]:
     """Turn reduced metric sums into means: token-weighted ones over the loss tokens, the
     mismatch over the tokens that had rollout log-probs."""
-    s = dict(zip(STAT_NAMES, sums.tolist()))
+    s = dict(zip(STAT_NAMES, sums[:N_STATS].tolist()))
     tokens = max(s["tokens"], 1.0)
     out = {"loss": s["loss"], "tokens": s["tokens"], "seqs": s["seqs"]}
     for key in _TOKEN_WEIGHTED:
@@ -237,6 +255,10 @@ def finish_stats(sums: torch.Tensor) -> dict[str, float]:
     if s["rc_tokens"]:
         out["rc_weight_mean"] = s["rc_weight_mean"] / s["rc_tokens"]
         out["rc_fraction"] = s["rc_fraction"] / s["rc_tokens"]
+    ext = dict(zip(EXTREME_NAMES, sums[N_STATS:].tolist()))
+    if ext["rc_weight_max"] > float("-inf"):
+        out["rc_weight_max"] = ext["rc_weight_max"]
+        out["rc_weight_min"] = -ext["rc_weight_neg_min"]
     if s["mismatch_tokens"]:
         out["mismatch_abs"] = s["mismatch_abs"] / s["mismatch_tokens"]
         out["mismatch_k3"] = s["mismatch_k3"] / s["mismatch_tokens"]

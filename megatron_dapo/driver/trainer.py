@@ -49,6 +49,8 @@ ACTOR_KEYS = {
     "tis_clipfrac": "actor/tis_clipfrac",
     "rc_weight_mean": "actor/rollout_corr_weight_mean",
     "rc_fraction": "actor/rollout_corr_fraction",
+    "rc_weight_max": "actor/rollout_corr_weight_max",
+    "rc_weight_min": "actor/rollout_corr_weight_min",
     "num_updates": "actor/num_updates",
     "skipped_updates": "actor/skipped_updates",
 }
