@@ -191,6 +191,18 @@ def test_filter_on_seq_final_reward_and_disabled_filter():
     assert mgr.collect(Dataset([WRONG, MIXED]), 0).metrics["rollout/filtered_all_wrong"] == 4
 
 
+def test_zero_spread_fraction_is_measured_with_the_filter_off_and_on():
+    # filter off: one round of 4 prompts (classes R, W, M, R) is the batch; 3 of its 4 groups
+    # have a constant acc -> 3/4, not the 0 it read when only filtered groups were counted
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(filter_groups_enable=False), Tokenizer())
+    m = mgr.collect(Dataset([RIGHT, WRONG, MIXED]), 0).metrics
+    assert m["rollout/prompts_drawn"] == 4 and m["rollout/zero_spread_fraction"] == pytest.approx(3 / 4)
+    # filter on: prompts 0-9 decide the batch, 6 of them constant (1, 2, 4, 5, 7, 8) -> 6/10
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(), Tokenizer())
+    m = mgr.collect(Dataset([MIXED, RIGHT, WRONG]), 0).metrics
+    assert m["rollout/zero_spread_fraction"] == pytest.approx(6 / 10)
+
+
 def test_budget_exhaustion_raises_with_verl_advice():
     mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(max_num_gen_batches=2), Tokenizer())
     with pytest.raises(ValueError, match=r"max_num_gen_batches=0") as e:

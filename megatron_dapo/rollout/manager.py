@@ -209,6 +209,9 @@ class _Ledger:
         self.cut: int | None = None  # number of groups, in draw order, that decided the batch
         self.kept: list[_Group] = []
         self.filtered = {"all_correct": 0, "all_wrong": 0, "other": 0}
+        # groups whose filter metric is constant, measured whether or not the filter drops them
+        self.zero_spread_serials: set[int] = set()
+        self.zero_spread = 0
         self.surplus = 0
         self.aborted = 0
         self.scored_groups = 0
@@ -235,6 +238,7 @@ class _Ledger:
             else:
                 self.filtered[outcome] += 1
         self.scored_groups = end
+        self.zero_spread = sum(serial < end for serial in self.zero_spread_serials)
         for serial in range(end, self.drawn):
             if serial in self.outcome or serial in self.generated:
                 self.surplus += 1
@@ -557,7 +561,10 @@ class RolloutManager:
     def _classify(self, groups: list[_Group], scored: list[list[RolloutSample]], ledger: _Ledger) -> None:
         for g, samples in zip(groups, scored):
             g.samples = samples
-            if not self.cfg.filter_groups_enable or bool(self._keep_mask(samples).all()):
+            spread = bool(self._keep_mask(samples).all())
+            if not spread:
+                ledger.zero_spread_serials.add(g.serial)
+            if not self.cfg.filter_groups_enable or spread:
                 ledger.record(g, "kept")
             elif all(s.acc for s in samples):
                 ledger.record(g, "all_correct")
@@ -599,7 +606,7 @@ class RolloutManager:
             "rollout/filtered_all_wrong": ledger.filtered["all_wrong"],
             "rollout/filtered_other": ledger.filtered["other"],
             "rollout/zero_spread_fraction": (
-                sum(ledger.filtered.values()) / ledger.scored_groups if ledger.scored_groups else 0.0
+                ledger.zero_spread / ledger.scored_groups if ledger.scored_groups else 0.0
             ),
             "rollout/surplus": ledger.surplus,
             "rollout/aborted": ledger.aborted,
