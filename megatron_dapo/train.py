@@ -12,7 +12,7 @@ rank 0 shuts the group down. The torch.distributed world is torchrun's, so
 
 Engines, chosen like the Ray path (`rollout.engine`, auto = SGLang on GPU, HF on CPU):
 - SGLang: the servers at `rollout.sglang.urls` (started per node by the launch script), or
-  servers that rank 0 launches on its own node; weights by `trainer.weight_sync.transport`
+  servers that each node's LOCAL_RANK 0 launches on that node (driver/sglang_torchrun.py); weights by `trainer.weight_sync.transport`
   (driver/sglang_engines.py, driver/sglang_transports.py).
 - HF (CPU): the HF engine inside rank 0's process, weights handed over in memory
   (`DirectTransport`), so the whole torchrun path runs on a laptop.
@@ -36,8 +36,10 @@ from typing import Any
 log = logging.getLogger("megatron_dapo.train")
 
 
-def build_engines(cfg, engine_kind: str) -> tuple[list[Any], Any, Callable[[], None]]:
-    """Rank 0's engines, the weight transport to them, and how to stop them."""
+def build_engines(cfg, engine_kind: str, servers=None) -> tuple[list[Any], Any, Callable[[], None]]:
+    """Rank 0's engines, the weight transport to them, and how to stop them.
+
+    `servers`: the per-node launch (`sglang_torchrun.launch_node_servers`) when no URLs are given."""
     if engine_kind == "hf":
         from megatron_dapo.driver.weight_transport import DirectTransport
         from megatron_dapo.rollout.hf_engine import HFEngine
@@ -52,7 +54,12 @@ def build_engines(cfg, engine_kind: str) -> tuple[list[Any], Any, Callable[[], N
     from megatron_dapo.driver.sglang_engines import start_sglang_engines, stop_sglang_engines
     from megatron_dapo.driver.sglang_transports import sglang_transport
 
-    engines = start_sglang_engines(cfg)
+    if servers is not None:
+        from megatron_dapo.driver.sglang_torchrun import rank0_engines
+
+        engines = rank0_engines(cfg, servers)
+    else:
+        engines = start_sglang_engines(cfg)
     try:
         # on CPUs (servers launched without GPUs) the distributed update runs over gloo
         transport = sglang_transport(cfg, engines, backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -62,15 +69,19 @@ def build_engines(cfg, engine_kind: str) -> tuple[list[Any], Any, Callable[[], N
     return engines, transport, lambda: stop_sglang_engines(engines)
 
 
-def run_rank0(cfg, worker, inputs, engine_kind: str, stop) -> dict[str, Any]:
+def run_rank0(cfg, worker, inputs, engine_kind: str, stop, servers=None) -> dict[str, Any]:
     """Drive the run from rank 0; the other ranks are in `SPMDRankGroup.follow`."""
     from megatron_dapo.driver.launch import drive
     from megatron_dapo.driver.rank_group import SPMDRankGroup
 
     ranks = SPMDRankGroup(worker)  # pairs with the followers' group: the first collective after setup
-    engines, transport, stop_engines = build_engines(cfg, engine_kind)
+    engines, transport, stop_engines = build_engines(cfg, engine_kind, servers)
     try:
-        worker.attach_transport(transport)
+        if getattr(transport, "every_rank", False):
+            # colocated CUDA IPC: each engine TP rank's payload is made by the rank on its GPU
+            ranks.call("attach_transport", transport, timeout_s=300)
+        else:
+            worker.attach_transport(transport)
         summary = drive(cfg, inputs, ranks, engines, stop)
     finally:
         stop_engines()
@@ -105,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
     )
     inputs = None
+    servers = None
     try:
         cfg = load_for_cli(args.config, list(args.overrides))
         if cfg.parallel.actor_world_size != world:
@@ -137,13 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     worker = ActorWorker(to_container(cfg))
     try:
         worker.setup()
+        if engine_kind == "sglang" and not cfg.rollout.sglang.urls:
+            from megatron_dapo.driver.sglang_torchrun import launch_node_servers
+
+            servers = launch_node_servers(cfg)  # every node starts its own engines
         if rank != 0:
             from megatron_dapo.driver.rank_group import SPMDRankGroup
 
             SPMDRankGroup.follow(worker)
             worker.shutdown()
             return 0
-        summary = run_rank0(cfg, worker, inputs, engine_kind, stop)
+        summary = run_rank0(cfg, worker, inputs, engine_kind, stop, servers)
         worker.shutdown()
     except ConfigError as e:
         print(f"[rank {rank}] config error: {e}", file=sys.stderr)
@@ -151,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - every failure ends as one line, the traceback in a file
         return _report_failure(e, rank, cfg)
     finally:
+        if servers is not None:  # each node's launcher stops its own servers, after rank 0 saved
+            servers.stop()
         stop.uninstall()
         if inputs is not None:
             inputs.scorer.close()

@@ -3,10 +3,11 @@
 `start_sglang_engines(cfg)` returns one `SGLangEngine` (HTTP client) per server:
 - `rollout.sglang.urls` given: connect to those servers (started by `launch/start_sglang_servers.sh`
   or by hand), each health-checked until `rollout.sglang.startup_timeout_s`.
-- otherwise, without Ray (torchrun): launch `rollout.num_engines` servers on this node
+- otherwise, without Ray (`start_sglang_engines`): launch `rollout.num_engines` servers on this node
   (`python -m sglang.launch_server`, ports `base_port + i`, logs in RUN_DIR/sglang/) on the GPUs
   that `sglang_placement.engine_gpu_ids` picks. The actor's GPUs on this node are
   0..LOCAL_WORLD_SIZE-1. Without GPUs: CPU servers on free ports (SGLang's CPU flags).
+  torchrun's `megatron_dapo.train` instead starts every node's servers (`sglang_torchrun`).
 - under Ray, `launch_on_nodes` starts every node's servers from an `SGLangNodeHost` actor pinned to
   that node, as `sglang_placement.plan_engines` planned them.
 Launched servers stay attached to their engines (`engine.server`: `stop()`, `alive()`,
