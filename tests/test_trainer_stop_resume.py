@@ -5,6 +5,7 @@ each; `trainer.resume=never` keeps the old metrics.jsonl beside the new one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -272,3 +273,77 @@ def test_signal_blocked_while_starting_children_does_not_reach_them():
     finally:
         child.kill()
         child.wait(timeout=30)
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL: nothing after it runs, no handler sees it."""
+
+
+class _CheckpointingRanks(FakeRanks):
+    """Saves what the driver hands over (with a manifest, so resume=auto accepts it) and loads it back."""
+
+    def call(self, method, *args, **kwargs):
+        from megatron_dapo.actor.checkpoint import write_manifest
+
+        if method == "load_checkpoint":
+            return [json.loads((Path(args[0]) / "state.json").read_text())]
+        if method == "train_step":
+            return [{"loss": 0.5, "grad_norm": 2.0}]
+        out = super().call(method, *args, **kwargs)
+        if method == "save_checkpoint":
+            write_manifest(Path(out[0]))
+        return out
+
+
+def _run_steps(tmp_path, name, *, kill_in_validation_at=None, resume="never"):
+    from tests.test_driver_colocation import FakeData, FakeManager, Log
+
+    cfg = _cfg(
+        tmp_path,
+        **{
+            "trainer.run_name": name,
+            "trainer.total_steps": 3,
+            "trainer.save_freq": 1,
+            "trainer.test_freq": 2,
+            "trainer.resume": resume,
+            "trainer.train_batch_size": 1,
+            "rollout.gen_batch_size": 1,
+            "actor.ppo_mini_batch_size": 1,
+        },
+    )
+
+    def validate(step):
+        if step == kill_in_validation_at:
+            raise _Killed
+        return {"val/avg@4": step / 10}
+
+    run = RunDir.create(tmp_path, name)
+    trainer = DAPOTrainer(
+        cfg,
+        run=run,
+        ranks=_CheckpointingRanks(),
+        manager=FakeManager(Log()),
+        dataset=FakeData(),
+        transport_sync=lambda v: {},
+        validate=validate,
+    )
+    with contextlib.suppress(_Killed):
+        trainer.fit()
+    return [json.loads(line) for line in run.metrics.read_text().splitlines()]
+
+
+def _untimed(record):
+    return {k: v for k, v in record.items() if not k.startswith("timing/")}
+
+
+def test_a_kill_between_the_checkpoint_and_the_metrics_line_loses_no_line(tmp_path):
+    """Step 2 is checkpointed, then the run dies in step 2's validation, before its metrics line.
+    The resume continues at step 3, and must still write step 2's line (from the checkpoint, with
+    the validation step 2 was due), so the file equals an uninterrupted run's."""
+    reference = _run_steps(tmp_path, "reference")
+    killed = _run_steps(tmp_path, "killed", kill_in_validation_at=2)
+    assert [r["step"] for r in killed] == [1], "the kill must land before step 2's line"
+    resumed = _run_steps(tmp_path, "killed", resume="auto")
+    assert [r["step"] for r in resumed] == [1, 2, 3], "a step's metrics line was lost or repeated"
+    assert [_untimed(r) for r in resumed] == [_untimed(r) for r in reference]
+    assert resumed[1]["val/avg@4"] == 0.2

@@ -60,6 +60,11 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def jsonable_record(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Metric values as JSON can hold them (tensors and numpy scalars to numbers)."""
+    return {k: _jsonable(v) for k, v in metrics.items()}
+
+
 def _free_name(path: Path) -> Path:
     """metrics.jsonl -> metrics.1.jsonl (or the first number not taken)."""
     n = 1
@@ -112,9 +117,11 @@ class MetricsLogger:
         config: dict | None = None,
     ):
         self.path = run.metrics
+        self._steps: set[int] = set()
         if resume_step is not None:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self._steps = {r["step"] for r in kept}
         elif self.path.exists() and self.path.stat().st_size:
             # a fresh start in a used run directory keeps the earlier history beside the new one
             aside = _free_name(self.path)
@@ -142,10 +149,11 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        record = {"step": step, **jsonable_record(metrics)}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
+        self._steps.add(step)
         numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tb is not None:
             for k, v in numeric.items():
@@ -153,6 +161,9 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
+
+    def has_step(self, step: int) -> bool:
+        return step in self._steps
 
     def close(self) -> None:
         if self._tb is not None:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from megatron_dapo.driver.batch_builder import build_actor_batch
 from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
 from megatron_dapo.driver.progress import StepProgress
-from megatron_dapo.driver.run_dir import MetricsLogger, RunDir
+from megatron_dapo.driver.run_dir import MetricsLogger, RunDir, jsonable_record
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.timing import PhaseTimer
 from megatron_dapo.rollout.manager import RolloutAbandoned
@@ -65,6 +65,9 @@ class TrainerState:
     data_cursor: dict = field(default_factory=dict)
     manager_state: dict = field(default_factory=dict)
     prompts_consumed: int = 0
+    # The step's metrics line as it stood at its checkpoint: a SIGKILL between the save and the
+    # line (validation, logging) must not lose the line; the resume writes it from here.
+    step_record: dict = field(default_factory=dict)
 
 
 class DAPOTrainer:
@@ -158,6 +161,23 @@ class DAPOTrainer:
         if self.state.step > 0 and self._saved_step != self.state.step:
             self.save()
 
+    def _validation_due(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return bool(self.validate) and t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps)
+
+    def _restore_step_record(self, logger: MetricsLogger) -> None:
+        """The killed run checkpointed its last step but died before writing that step's metrics
+        line: write it from the checkpoint, with the validation the step was due (the engines
+        hold the checkpoint's weights now), so the file has every step once, as uninterrupted."""
+        step = self.state.step
+        if step == 0 or logger.has_step(step) or self.state.step_record.get("train/step") != step:
+            return
+        record = dict(self.state.step_record)
+        if self._validation_due(step):
+            self._to_generation()  # colocated: the engines need the device; a no-op otherwise
+            record.update(self.validate(step))
+        logger.log(step, record)
+
     # ---------------------------------------------------------------- colocation
     def _to_training(self) -> None:
         """Colocated on GPUs: engines give their memory back, the actor takes its state again."""
@@ -213,6 +233,8 @@ class DAPOTrainer:
 
             if self.state.step < total:
                 self._to_generation()
+            if resumed:
+                self._restore_step_record(logger)
             while self.state.step < total and not self.stop.requested:
                 step = self.state.step + 1
                 timer = PhaseTimer()
@@ -260,22 +282,19 @@ class DAPOTrainer:
                     self.dump_rollouts(rollout, self.run.rollouts / f"step_{step}.jsonl")
                 last = step == total or self.stop.requested
                 # the checkpoint needs the parameters on the device: save before parking the actor
+                metrics["train/step"] = step
+                metrics["train/prompts_consumed"] = self.state.prompts_consumed
                 if (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0) or last:
+                    self.state.step_record = jsonable_record({**metrics, **timer.metrics()})
                     with timer.phase("save_checkpoint"), progress.phase(step, "checkpoint"):
                         self.save()
                 with timer.phase("memory_swap"):
                     self._to_generation()
-                if (
-                    self.validate
-                    and cfg.trainer.test_freq > 0
-                    and (step % cfg.trainer.test_freq == 0 or step == total)
-                    and not self.stop.requested  # a stop must fit the scheduler's grace period
-                ):
+                # a stop must fit the scheduler's grace period: no validation then
+                if self._validation_due(step) and not self.stop.requested:
                     with timer.phase("val"), progress.phase(step, "validation"):
                         metrics.update(self.validate(step))
                 metrics.update(timer.metrics())
-                metrics["train/step"] = step
-                metrics["train/prompts_consumed"] = self.state.prompts_consumed
                 logger.log(step, metrics)
                 progress.step_done(step, metrics)
                 summary["last"] = metrics
