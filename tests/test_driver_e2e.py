@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from megatron_dapo.demo.assets import prepare_demo_assets
 from megatron_dapo.driver.launch import load_for_cli, run_train
+from megatron_dapo.driver.test_hold import HOLD_ENV, RELEASE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,12 +160,15 @@ def reference(assets, tmp_path_factory):
     return runs / "ref"
 
 
-def _start_and_wait_for_step(args, metrics: Path, step: int, ready=None) -> subprocess.Popen:
-    """Start a training run in its own process group; return once `step` is in its metrics (or
-    once ``ready(run_dir)`` holds, when given)."""
+def _start_and_wait_for_step(args, metrics: Path, step: int) -> subprocess.Popen:
+    """Start a training run in its own process group; return once `step` is in its metrics.
+
+    The driver is held after `step` (a test-only hook) until a stop signal or `_release(run_dir)`,
+    so the interruption always lands mid-run however fast or loaded the machine is."""
+    hold = {HOLD_ENV: str(step), RELEASE_ENV: str(metrics.parent / "release_hold")}
     proc = subprocess.Popen(
         _train_cmd(args),
-        env=ENV,
+        env=dict(ENV, **hold),
         cwd=REPO,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
@@ -173,15 +177,17 @@ def _start_and_wait_for_step(args, metrics: Path, step: int, ready=None) -> subp
     )
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline:
-        if ready is not None:
-            if ready(metrics.parent):
-                return proc
-        elif metrics.is_file() and any(r["step"] >= step for r in _metrics(metrics.parent)):
+        if metrics.is_file() and any(r["step"] >= step for r in _metrics(metrics.parent)):
             return proc
         assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.stderr.read()
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     pytest.fail(f"the run did not reach step {step} in time")
+
+
+def _release(run: Path) -> None:
+    """Let a run held by `_start_and_wait_for_step` go on."""
+    (run / "release_hold").touch()
 
 
 def test_rollout_correction_reaches_the_actor_loss(assets, reference, tmp_path):
@@ -231,15 +237,12 @@ def _latest_checkpoint_step(run: Path) -> int | None:
 def test_sigkill_and_resume_reproduces_the_uninterrupted_run(assets, reference, tmp_path):
     killed = _overrides(assets, tmp_path, "killed", STEPS, **COMMON, **{"trainer.resume": "auto"})
     run = tmp_path / "killed"
-    proc = _start_and_wait_for_step(
-        killed, run / "metrics.jsonl", 1, ready=lambda d: (_latest_checkpoint_step(d) or 0) >= 1
-    )
+    # held after step 1 is saved (save_freq 1) and logged: the kill lands mid-run on any machine
+    proc = _start_and_wait_for_step(killed, run / "metrics.jsonl", 1)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started
     proc.wait(timeout=30)
-    # How far the run got before the kill landed depends on the machine's speed; what must hold is
-    # that the resume starts from the newest complete checkpoint the kill left.
     left = _latest_checkpoint_step(run)
-    assert left is not None and left < STEPS, f"the kill must land mid-run (latest checkpoint: {left})"
+    assert left == 1, f"the kill must land after step 1 (latest checkpoint: {left})"
 
     subprocess.run(_train_cmd(killed), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
     summary = json.loads((run / "summary.json").read_text())
@@ -262,7 +265,7 @@ def test_signal_to_the_process_group_saves_and_resumes_exactly(assets, reference
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
     last = max(r["step"] for r in _metrics(run))
-    assert last < STEPS, "the signal came too late to test anything"
+    assert last == 1, "the driver was held after step 1 until the signal"
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
     assert json.loads((run / "summary.json").read_text())["stopped_by"] == sig.name
 
@@ -326,6 +329,7 @@ def test_a_killed_rank_stops_the_run_with_one_line(assets, tmp_path):
     assert len(ranks) == 2, [_cmdline(p) for p in ranks]
     victim = ranks[-1].pid
     os.kill(victim, signal.SIGKILL)
+    _release(run)
     try:
         _, stderr = proc.communicate(timeout=300)
     finally:

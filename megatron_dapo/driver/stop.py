@@ -134,6 +134,10 @@ class StopFlag:
         self.signal_name = reason
         self._event.set()
 
+    def wait(self, timeout: float) -> bool:
+        """True once a stop is requested; False if ``timeout`` seconds pass first."""
+        return self._event.wait(timeout)
+
     @property
     def requested(self) -> bool:
         return self._event.is_set()

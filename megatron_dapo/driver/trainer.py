@@ -24,6 +24,7 @@ from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.run_dir import MetricsLogger, RunDir, jsonable_record
 from megatron_dapo.driver.stop import StopFlag
+from megatron_dapo.driver.test_hold import hold_after_step
 from megatron_dapo.driver.timing import PhaseTimer
 from megatron_dapo.rollout.manager import RolloutAbandoned
 from megatron_dapo.rollout.staleness import staleness_metrics
@@ -298,7 +299,13 @@ class DAPOTrainer:
                 logger.log(step, metrics)
                 progress.step_done(step, metrics)
                 summary["last"] = metrics
+                hold_after_step(step, self.stop)
             if self.stop.requested:
+                # a signal after this step's save decision (validation, logging) still gets its
+                # checkpoint: otherwise the stop would lose the step it just finished
+                if self.state.step > 0 and self._saved_step != self.state.step:
+                    with progress.phase(self.state.step, "checkpoint"):
+                        self.save()
                 progress.log(
                     f"stopped by {self.stop.signal_name} after step {self.state.step}; "
                     f"resume continues from {self.last_checkpoint()}"
