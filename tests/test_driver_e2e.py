@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from megatron_dapo.demo.assets import prepare_demo_assets
 from megatron_dapo.driver.launch import load_for_cli, run_train
-from megatron_dapo.driver.test_hold import HOLD_ENV, RELEASE_ENV
+from megatron_dapo.driver.test_hold import HANG_ENV, HOLD_ENV, RELEASE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -342,6 +342,36 @@ def test_a_killed_rank_stops_the_run_with_one_line(assets, tmp_path):
     assert f"pid {victim}" in line[0] and "died" in line[0]
     assert "trainer.resume=auto continues from" in line[0] and "step_0000000" in line[0]
     assert (run / "error.log").is_file()
+
+
+def test_a_hung_rank_ends_the_run_with_one_line_naming_the_call(assets, tmp_path):
+    """A training rank that hangs (alive, blocked) in step 2's update: the driver's wait on
+    train_step is bounded by trainer.call_timeout.train_step_s, so the run ends, exit 1, with one
+    line naming the call, the knob and the checkpoint a resume would use; step 1's checkpoint is
+    intact. Without the bound the driver would wait on the ranks for ever."""
+    args = _overrides(assets, tmp_path, "rank_hung", 3, **COMMON, **{"trainer.call_timeout.train_step_s": 20})
+    run = tmp_path / "rank_hung"
+    proc = subprocess.Popen(
+        _train_cmd(args),
+        env={**ENV, HANG_ENV: "1:2"},
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    line = [x for x in stderr.splitlines() if x.startswith("failed:")]
+    assert len(line) == 1, stderr
+    assert "train_step" in line[0] and "trainer.call_timeout.train_step_s=20" in line[0], line[0]
+    assert "trainer.resume=auto continues from" in line[0] and "step_00000001" in line[0], line[0]
+    assert _latest_checkpoint_step(run) == 1
 
 
 def _cmdline(p) -> list[str]:

@@ -210,6 +210,18 @@ class WeightSyncConfig:
 
 
 @dataclass
+class CallTimeoutConfig:
+    """The longest the driver waits on one call to the training ranks before it ends the run with
+    one line naming the call, the ranks and the last checkpoint. This catches a rank that hangs; a
+    rank that dies is reported at once. Generous: a 32B step with 20k-token responses takes tens
+    of minutes."""
+
+    train_step_s: float = 7200.0
+    checkpoint_s: float = 3600.0  # save, load, HF export
+    other_s: float = 1800.0  # memory hand-over between actor and colocated engines, transport reset
+
+
+@dataclass
 class TrainerConfig:
     project: str = "megatron-dapo"
     run_name: str = "dapo"
@@ -225,6 +237,7 @@ class TrainerConfig:
     # SIGTERM/SIGINT: the longest the stop (abandon the rollout or finish the update, save, shut
     # down) may take before the process exits anyway; below Slurm's usual 120 s grace.
     stop_timeout_s: float = 90.0
+    call_timeout: CallTimeoutConfig = field(default_factory=CallTimeoutConfig)
     test_freq: int = 10
     val_before_train: bool = True
     hf_export_at_end: bool = True

@@ -195,6 +195,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.placement=disaggregated needs trainer.rollout_gpus >= 1 for the engines")
     if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0 and 0 <= optim.min_lr <= optim.lr")
+    for name, value in cfg.trainer.call_timeout.items():
+        if value <= 0:
+            raise ConfigError(
+                f"trainer.call_timeout.{name}={value} must be > 0 (seconds the driver waits on one call to the ranks)"
+            )
     if cfg.trainer.stop_timeout_s <= 0:
         raise ConfigError(
             f"trainer.stop_timeout_s={cfg.trainer.stop_timeout_s} must be > 0 (seconds a SIGTERM stop may take)"

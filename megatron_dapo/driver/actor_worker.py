@@ -62,6 +62,7 @@ class ActorWorker:
     def __init__(self, cfg: dict):
         self.cfg = cfg
         self.actor = None
+        self._train_steps = 0  # calls so far; the test-only hang hook counts them
 
     # ---------------------------------------------------------------- set-up
     def setup(self, threads: int | None = None) -> dict[str, Any]:
@@ -128,6 +129,12 @@ class ActorWorker:
 
     # ---------------------------------------------------------------- training
     def train_step(self, batch) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        from megatron_dapo.driver.test_hold import hang_in_train_step
+
+        self._train_steps += 1
+        hang_in_train_step(dist.get_rank(), self._train_steps)
         metrics = self.actor.update(batch)
         metrics.pop("updates", None)
         return metrics

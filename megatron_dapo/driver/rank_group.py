@@ -30,9 +30,10 @@ class RankCallError(RuntimeError):
     `causes` holds each failed rank's own exception (the CLI reports the one a user can act
     on); a rank process that died is named with its pid."""
 
-    def __init__(self, message: str, causes: list[BaseException] | None = None):
+    def __init__(self, message: str, causes: list[BaseException] | None = None, timed_out: bool = False):
         super().__init__(message)
         self.causes = list(causes or [])
+        self.timed_out = timed_out
 
 
 class RankDied(RuntimeError):
@@ -123,7 +124,9 @@ class RayRankGroup:
         except GetTimeoutError as e:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             late = [r for r, ref in enumerate(refs) if ref not in ready]
-            raise RankCallError(f"{method}: ranks {late} did not finish within {timeout_s:.0f}s") from e
+            raise RankCallError(
+                f"{method}: ranks {late} did not finish within {timeout_s:.0f}s", timed_out=True
+            ) from e
         except (RayTaskError, RayActorError) as e:
             failed, causes = [], []
             for rank, ref in enumerate(refs):

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from megatron_dapo.driver.batch_builder import build_actor_batch
 from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
 from megatron_dapo.driver.progress import StepProgress
+from megatron_dapo.driver.rank_group import RankCallError
 from megatron_dapo.driver.run_dir import MetricsLogger, RunDir, jsonable_record
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.test_hold import hold_after_step
@@ -124,7 +125,7 @@ class DAPOTrainer:
         if path is None:
             return False
         # the ranks re-check sizes; the checksums were just verified here
-        loaded = self.ranks.call("load_checkpoint", str(path), str(path), False)[0]
+        loaded = self._call("load_checkpoint", str(path), str(path), False, limit="checkpoint_s")[0]
         self.state = TrainerState(**loaded)
         self.dataset.load_state_dict(self.state.data_cursor)
         if self.state.manager_state and hasattr(self.manager, "load_state_dict"):
@@ -136,15 +137,31 @@ class DAPOTrainer:
         self.state.data_cursor = self.dataset.state_dict()
         if hasattr(self.manager, "state_dict"):
             self.state.manager_state = self.manager.state_dict()
-        path = self.ranks.call(
+        path = self._call(
             "save_checkpoint",
             str(self.run.checkpoints),
             self.state.step,
             asdict(self.state),
             self.cfg.trainer.keep_last,
+            limit="checkpoint_s",
         )[0]
         self._saved_step = self.state.step
         return path
+
+    def _call(self, method: str, *args, limit: str):
+        """A call to every rank, bounded by `trainer.call_timeout.<limit>`: a hung rank ends the run
+        with one line naming the call, the ranks and the knob, never a silent wait."""
+        timeout_s = float(self.cfg.trainer.call_timeout[limit])
+        try:
+            return self.ranks.call(method, *args, timeout_s=timeout_s)
+        except RankCallError as e:
+            if not e.timed_out:
+                raise
+            raise RankCallError(
+                f"{e} (trainer.call_timeout.{limit}={timeout_s:g}): a rank is hung; its log is under "
+                "/tmp/ray/session_latest/logs (Ray) or torchrun's output",
+                timed_out=True,
+            ) from e
 
     def last_checkpoint(self) -> str:
         """For messages: the checkpoint a resume would start from now."""
@@ -186,20 +203,20 @@ class DAPOTrainer:
             return
         for engine in self.colocated_engines:
             engine.release_memory()
-        self.ranks.call("onload")
+        self._call("onload", limit="other_s")
 
     def _to_sync(self) -> None:
         """Only the parameters are needed to sync: the rest leaves before the engines return."""
         if not self.colocated_engines:
             return
-        self.ranks.call("offload", False)
+        self._call("offload", False, limit="other_s")
         for engine in self.colocated_engines:
             engine.resume_memory()
 
     def _to_generation(self) -> None:
         """After the sync the actor's state moves to host memory until the next update."""
         if self.colocated_engines:
-            self.ranks.call("offload")
+            self._call("offload", limit="other_s")
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
@@ -261,11 +278,11 @@ class DAPOTrainer:
                 with timer.phase("memory_swap"):
                     self._to_training()
                 with timer.phase("update_actor"), progress.phase(step, "actor update"):
-                    actor_metrics = self.ranks.call("train_step", batch)[0]
+                    actor_metrics = self._call("train_step", batch, limit="train_step_s")[0]
                 with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
                     revived = restart_down_engines(self.manager) if hasattr(self.manager, "down") else []
                     if revived:
-                        self.ranks.call("reset_transport")
+                        self._call("reset_transport", limit="other_s")
                     self._to_sync()
                     sync_metrics = self.sync(step)
                     return_to_service(self.manager, revived)  # only now, with the new weights
