@@ -330,18 +330,24 @@ def test_a_killed_rank_stops_the_run_with_one_line(assets, tmp_path):
     victim = ranks[-1].pid
     os.kill(victim, signal.SIGKILL)
     _release(run)
+    line = _the_one_failure_line(proc, timeout=300)
+    assert f"pid {victim}" in line and "died" in line
+    assert "trainer.resume=auto continues from" in line and "step_0000000" in line
+    assert (run / "error.log").is_file()
+
+
+def _the_one_failure_line(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for a run that must fail: exit 1, no traceback, exactly one `failed:` line (returned)."""
     try:
-        _, stderr = proc.communicate(timeout=300)
+        _, stderr = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, stderr
     assert "Traceback" not in stderr, stderr
-    line = [x for x in stderr.splitlines() if x.startswith("failed:")]
-    assert len(line) == 1, stderr
-    assert f"pid {victim}" in line[0] and "died" in line[0]
-    assert "trainer.resume=auto continues from" in line[0] and "step_0000000" in line[0]
-    assert (run / "error.log").is_file()
+    lines = [x for x in stderr.splitlines() if x.startswith("failed:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
 
 
 def test_a_hung_rank_ends_the_run_with_one_line_naming_the_call(assets, tmp_path):
@@ -360,17 +366,9 @@ def test_a_hung_rank_ends_the_run_with_one_line_naming_the_call(assets, tmp_path
         text=True,
         start_new_session=True,
     )
-    try:
-        _, stderr = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 1, stderr
-    assert "Traceback" not in stderr, stderr
-    line = [x for x in stderr.splitlines() if x.startswith("failed:")]
-    assert len(line) == 1, stderr
-    assert "train_step" in line[0] and "trainer.call_timeout.train_step_s=20" in line[0], line[0]
-    assert "trainer.resume=auto continues from" in line[0] and "step_00000001" in line[0], line[0]
+    line = _the_one_failure_line(proc, timeout=400)
+    assert "train_step" in line and "trainer.call_timeout.train_step_s=20" in line, line
+    assert "trainer.resume=auto continues from" in line and "step_00000001" in line, line
     assert _latest_checkpoint_step(run) == 1
 
 
