@@ -24,8 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    # a few SFT steps: the model is weak, which is fine for plumbing (dynamic sampling is off)
-    return prepare_demo_assets(tmp_path_factory.mktemp("demo_assets"), sft_steps=30, eval_problems=8)
+    # The demo's full warm start (~800 steps, ~30 s): the runs with dynamic sampling on need mixed
+    # groups to fill a batch. After a few SFT steps almost every group is all-wrong, and one step
+    # drew ~3600 prompts in ~900 generation rounds (minutes per step).
+    return prepare_demo_assets(tmp_path_factory.mktemp("demo_assets"), eval_problems=8)
 
 
 def _overrides(assets, runs_dir, name, steps, **extra):
