@@ -195,7 +195,9 @@ def _release(run: Path) -> None:
 def test_rollout_correction_reaches_the_actor_loss(assets, reference, tmp_path):
     """algorithm.rollout_correction through config, Ray and the Megatron step: TIS with cap 0.5
     truncates every token (rho ~ 1 in sync mode), so step 1 (same rollout as the reference) has
-    exactly half the reference's loss (a power of two scales without rounding)."""
+    exactly half the reference's loss and gradient (a power of two scales without rounding). The
+    loss itself can be 0 (equal-length responses, advantages summing to 0 per group); the
+    gradient is not."""
     over = {
         **COMMON,
         "algorithm.rollout_correction.mode": "tis",
@@ -212,7 +214,9 @@ def test_rollout_correction_reaches_the_actor_loss(assets, reference, tmp_path):
     (got,) = _metrics(tmp_path / "tis")
     ref = _metrics(reference)[0]
     assert got["rollout/reward/mean"] == ref["rollout/reward/mean"]
-    assert got["actor/pg_loss"] == 0.5 * ref["actor/pg_loss"] != 0.0
+    assert got["actor/pg_loss"] == 0.5 * ref["actor/pg_loss"]
+    assert ref["actor/grad_norm"] > 0
+    assert got["actor/grad_norm"] == pytest.approx(0.5 * ref["actor/grad_norm"], rel=1e-6)
     assert got["actor/rollout_corr_fraction"] == pytest.approx(1.0)
     for key in ("mean", "max", "min"):
         assert got[f"actor/rollout_corr_weight_{key}"] == pytest.approx(1.0, abs=1e-4), key
