@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -248,3 +249,36 @@ def test_a_signal_to_torchrun_saves_and_stops_every_rank(assets, tmp_path, sig, 
     last = max(r["step"] for r in _metrics(run))
     assert summary["step"] == last and last < 50
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
+
+
+def test_a_hung_rank_under_torchrun_ends_the_job_with_one_line(assets, tmp_path):
+    """Rank 1 blocks (alive) in step 2's train_step: rank 0's wait is bounded by
+    trainer.call_timeout.train_step_s, so the job exits non-zero well before the hook's 600 s with
+    one `failed:` line naming the call, the rank that did not answer, the knob and step 1's
+    checkpoint, no traceback of ours, and step 1's checkpoint still the resume point. Before, the
+    control channel waited 24 h (here: the hook's 600 s, past this test's bound)."""
+    from megatron_dapo.driver.test_hold import HANG_ENV
+
+    run, log = tmp_path / "h", tmp_path / "h.log"
+    extra = {"trainer.save_freq": 1, "trainer.call_timeout.train_step_s": 5}
+    proc = subprocess.Popen(
+        _cmd(assets, tmp_path, "h", 3, **extra),
+        cwd=REPO,
+        env={**_env(), HANG_ENV: "1:2"},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    out = _wait(proc, log, 240)
+    assert proc.returncode != 0, out[-4000:]
+    lines = [x for x in out.splitlines() if x.startswith("failed:")]
+    assert len(lines) == 1, out[-6000:]
+    line = lines[0]
+    # rank 0 waits inside the step's own tensor-parallel collectives, so it is late too
+    assert re.match(r"failed: train_step: ranks \[(0, )?1\] did not finish within 5s", line), line
+    assert "trainer.call_timeout.train_step_s=5" in line, line
+    assert f"trainer.resume=auto continues from {run / 'checkpoints' / 'step_00000001'}" in line, line
+    assert "[rank 1] stopped: rank 0 ended the run" in out, out[-4000:]
+    assert _our_tracebacks(out) == 0, out[-6000:]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert [r["step"] for r in _metrics(run)] == [1]

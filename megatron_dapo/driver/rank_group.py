@@ -107,7 +107,10 @@ class RayRankGroup:
             [w.__ray_call__.remote(_set_env, r, world_size, addr, port) for r, w in enumerate(self.workers)]
         )
 
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+    def call(
+        self, method: str, *args: Any, timeout_s: float | None = None, timeout_note: str = "", **kwargs: Any
+    ) -> list[Any]:
+        # timeout_note: the caller adds it to the RankCallError raised here (SPMDRankGroup prints it)
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return self._wait(method, refs, timeout_s)
 
@@ -206,14 +209,23 @@ class SPMDRankGroup:
         # gloo carries Python objects whatever the training backend is
         self._group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.peers = _exchange_peers(self._group, self.world_size)
+        from megatron_dapo.driver.spmd_watchdog import CallWatchdog
 
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        self._watchdog = CallWatchdog(self.world_size)
+
+    def call(
+        self, method: str, *args: Any, timeout_s: float | None = None, timeout_note: str = "", **kwargs: Any
+    ) -> list[Any]:
+        """`timeout_s` bounds the whole call: past it, this process prints one `failed:` line
+        (ending with `timeout_note`) and exits 1 (driver/spmd_watchdog.py says why it must)."""
         import torch.distributed as dist
 
+        self._watchdog.start(method, timeout_s, timeout_note)
         try:
             msg = [(method, args, kwargs)]
             dist.broadcast_object_list(msg, src=0, group=self._group)
             mine = getattr(self.worker, method)(*args, **kwargs)
+            self._watchdog.mine_done()
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, mine, group=self._group)
         except Exception as e:
@@ -230,6 +242,8 @@ class SPMDRankGroup:
                 for rank, pid in dead
             ]
             raise RankCallError(f"{method} failed: " + "; ".join(map(str, causes)), causes) from e
+        finally:
+            self._watchdog.done()
         return gathered
 
     def shutdown(self) -> None:
@@ -242,17 +256,26 @@ class SPMDRankGroup:
         """Ranks > 0: execute whatever rank 0 calls until it shuts the group down."""
         import torch.distributed as dist
 
+        from megatron_dapo.driver.spmd_watchdog import _store, mark_answered, watch_for_abort
+
         group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        world = dist.get_world_size()
+        world, rank = dist.get_world_size(), dist.get_rank()
         _exchange_peers(group, world)
-        while True:
-            msg: list[Any] = [None]
-            dist.broadcast_object_list(msg, src=0, group=group)
-            method, args, kwargs = msg[0]
-            if method == cls._STOP:
-                return
-            result = getattr(worker, method)(*args, **kwargs)
-            dist.all_gather_object([None] * world, result, group=group)
+        store, seq = _store(), 0
+        watcher = watch_for_abort(rank)  # rank 0's call watchdog may end the job while we are blocked
+        try:
+            while True:
+                msg: list[Any] = [None]
+                dist.broadcast_object_list(msg, src=0, group=group)
+                method, args, kwargs = msg[0]
+                if method == cls._STOP:
+                    return
+                seq += 1  # rank 0 counts its calls the same way
+                result = getattr(worker, method)(*args, **kwargs)
+                mark_answered(store, seq, rank)
+                dist.all_gather_object([None] * world, result, group=group)
+        finally:
+            watcher.stop.set()
 
 
 def _exchange_peers(group, world_size: int) -> list[tuple[str, int]]:

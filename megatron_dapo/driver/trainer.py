@@ -152,16 +152,20 @@ class DAPOTrainer:
         """A call to every rank, bounded by `trainer.call_timeout.<limit>`: a hung rank ends the run
         with one line naming the call, the ranks and the knob, never a silent wait."""
         timeout_s = float(self.cfg.trainer.call_timeout[limit])
+        note = (
+            f"(trainer.call_timeout.{limit}={timeout_s:g}): a rank is hung; its log is under "
+            "/tmp/ray/session_latest/logs (Ray) or torchrun's output"
+        )
+        # under torchrun the group itself prints the line and exits, so it gets the context now
+        context = (
+            f"during step {self.state.step + 1}; trainer.resume=auto continues from {self.last_checkpoint()}"
+        )
         try:
-            return self.ranks.call(method, *args, timeout_s=timeout_s)
+            return self.ranks.call(method, *args, timeout_s=timeout_s, timeout_note=f"{note}; {context}")
         except RankCallError as e:
             if not e.timed_out:
                 raise
-            raise RankCallError(
-                f"{e} (trainer.call_timeout.{limit}={timeout_s:g}): a rank is hung; its log is under "
-                "/tmp/ray/session_latest/logs (Ray) or torchrun's output",
-                timed_out=True,
-            ) from e
+            raise RankCallError(f"{e} {note}", timed_out=True) from e
 
     def last_checkpoint(self) -> str:
         """For messages: the checkpoint a resume would start from now."""
