@@ -38,6 +38,20 @@ Patches (all installed together, once per process):
    embeddings with PP > 1). It is wrapped so that ``Tensor.cuda()`` returns the tensor itself
    during that call.
 
+7. MoE (``_apply_moe_cpu_compat``, its own section at the end of this file). megatron-core 0.16's
+   alltoall token dispatcher (the one ``variable_seq_lengths`` allows, so the one the train step
+   uses) makes exactly two CUDA-stream calls on the training path:
+   ``MoEAlltoAllTokenDispatcher.__init__`` creates the class-level ``cuda_dtoh_stream`` with
+   ``torch.cuda.Stream()`` when it is None, and ``_maybe_dtoh_and_synchronize`` enters that
+   stream, moves the split counts GPU -> CPU (``maybe_move_tensor_to_cpu``, identity for CPU
+   tensors) and records/synchronises an event on it. On CPU the class attribute is set to
+   :class:`CpuDtohStreamStandIn` (so no stream is created) and ``_maybe_dtoh_and_synchronize``
+   returns its ``tokens_per_expert`` unchanged, which is what the original computes for CPU
+   tensors, minus the stream and event. The aux-loss tracker's ``device="cuda"`` zeros in
+   ``transformer.moe.moe_utils`` get the proxy of patch 3. The router's
+   ``torch.cuda.current_device()`` buffers are covered by patch 1; the expert-parallel all-to-all
+   itself is ``all_to_all_single``, which gloo implements (uneven splits included).
+
 Not patched, because the CPU path does not use them: the distributed optimizer (the CPU path uses
 megatron's non-distributed optimizer), CUDA graphs, NCCL user buffers, overlapped grad reduce /
 param gather streams, ``tensor_parallel.data.broadcast_data``.
@@ -267,4 +281,35 @@ def apply_cpu_compat() -> None:
         _tensor_cuda_is_identity, LanguageModule.setup_embeddings_and_output_layer
     )
     _install_cpu_rng_tracker()
+    _apply_moe_cpu_compat()
     _APPLIED = True
+
+
+# ---- MoE on CPU (patch 7): megatron-core's alltoall token dispatcher without CUDA streams ----
+
+
+class CpuDtohStreamStandIn:
+    """Placeholder for ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` on CPU. Megatron creates a
+    CUDA stream there when the attribute is None; with this object set, it creates none. The only
+    method that would use it is replaced on CPU (see ``_apply_moe_cpu_compat``), so any use is a
+    bug and raises."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"CpuDtohStreamStandIn.{name}: the CPU path must not use a CUDA stream")
+
+
+def _dtoh_and_synchronize_on_cpu(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+    # The original copies the split counts device -> host on the side stream; on CPU they are
+    # host tensors already (maybe_move_tensor_to_cpu returns CPU tensors as they are), so only
+    # the stream and its event, which CPU does not have, are left out.
+    return tokens_per_expert
+
+
+def _apply_moe_cpu_compat() -> None:
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = CpuDtohStreamStandIn()
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dtoh_and_synchronize_on_cpu
+    if not isinstance(moe_utils.torch, _CudaLiteralsOnCpu):
+        moe_utils.torch = _CudaLiteralsOnCpu(torch)

@@ -404,13 +404,6 @@ def build_gpt_model(
         **config_kwargs,
         **(config_overrides or {}),
     )
-    if config.num_moe_experts and config.moe_token_dispatcher_type == "alltoall" and compat.on_cpu():
-        # The train step needs variable_seq_lengths, which megatron allows only with the alltoall
-        # dispatcher, and megatron-core 0.16's alltoall dispatcher runs on CUDA streams.
-        raise ModelConfigError(
-            f"{spec.architecture}: training an MoE model needs a GPU (megatron-core's alltoall token "
-            "dispatcher uses CUDA streams); on CPU, MoE models convert, verify and run forward only"
-        )
     transformer_layer_spec = layer_spec(config, use_te)
     tp = ps.get_tensor_model_parallel_world_size()
     vocab = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
