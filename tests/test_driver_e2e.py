@@ -15,19 +15,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from megatron_dapo.demo.assets import prepare_demo_assets
 from megatron_dapo.driver.launch import load_for_cli, run_train
 from megatron_dapo.driver.test_hold import HANG_ENV, HOLD_ENV, RELEASE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    # The demo's full warm start (~800 steps, ~30 s): the runs with dynamic sampling on need mixed
-    # groups to fill a batch. After a few SFT steps almost every group is all-wrong, and one step
-    # drew ~3600 prompts in ~900 generation rounds (minutes per step).
-    return prepare_demo_assets(tmp_path_factory.mktemp("demo_assets"), eval_problems=8)
 
 
 def _overrides(assets, runs_dir, name, steps, **extra):
