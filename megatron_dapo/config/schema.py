@@ -242,8 +242,9 @@ class TrainerConfig:
     val_before_train: bool = True
     hf_export_at_end: bool = True
     placement: str = "colocated"  # colocated | disaggregated
-    # sync: generate, then train, then sync weights. one_step_off / async are not built yet
-    # (issue 13) and are refused rather than run as sync.
+    # sync: generate, then train, then sync weights. one_step_off (disaggregated only): the
+    # engines generate step k+1's batch while the actor trains step k (staleness 1). async is
+    # not built yet (issue 13) and is refused rather than run as sync.
     mode: str = "sync"
     rollout_gpus: int = 0  # disaggregated: GPUs for engines; actor gets the rest
     ray_address: Optional[str] = None

@@ -115,11 +115,7 @@ def validate(cfg: DictConfig) -> None:
     if alg.filter_groups.max_num_gen_batches < 0:
         raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = unlimited)")
     _check_rollout_correction(alg)
-    if cfg.trainer.mode != "sync":
-        raise ConfigError(
-            f"trainer.mode={cfg.trainer.mode} is not built yet (issue 13: only the synchronous loop exists); "
-            "use trainer.mode=sync"
-        )
+    _check_mode(cfg.trainer)
 
     data = cfg.data
     ob = alg.overlong_buffer
@@ -224,6 +220,21 @@ def validate(cfg: DictConfig) -> None:
     hf = _hf_config(cfg)
     if hf:
         _check_model_shape(hf, tp, pp, vpp, cfg.model.path)
+
+
+def _check_mode(trainer) -> None:
+    if trainer.mode == "async":
+        raise ConfigError(
+            "trainer.mode=async is not built yet (issue 13: sync and one_step_off exist); "
+            "use trainer.mode=one_step_off or sync"
+        )
+    if trainer.mode == "one_step_off" and trainer.placement == "colocated":
+        # the next rollout runs while the actor trains: both need the devices at once
+        raise ConfigError(
+            "trainer.mode=one_step_off overlaps generation with training, which colocated engines cannot "
+            "(they share the actor's devices); set trainer.placement=disaggregated (with trainer.rollout_gpus) "
+            "or trainer.mode=sync"
+        )
 
 
 def _check_rollout_correction(alg: DictConfig) -> None:

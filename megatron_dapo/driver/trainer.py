@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from omegaconf import DictConfig
 
 from megatron_dapo.driver.batch_builder import build_actor_batch
 from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
+from megatron_dapo.driver.pipeline import Prefetch, rollout_from_state, rollout_to_state
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.rank_group import RankCallError
 from megatron_dapo.driver.run_dir import MetricsLogger, RunDir, jsonable_record
@@ -70,6 +72,9 @@ class TrainerState:
     # The step's metrics line as it stood at its checkpoint: a SIGKILL between the save and the
     # line (validation, logging) must not lose the line; the resume writes it from here.
     step_record: dict = field(default_factory=dict)
+    # trainer.mode=one_step_off: the next step's rollout, finished before this checkpoint
+    # (generated with the weights before this step's; the data cursor is already past it)
+    prefetched: dict = field(default_factory=dict)
 
 
 class DAPOTrainer:
@@ -103,12 +108,16 @@ class DAPOTrainer:
         self.sync = transport_sync
         self.validate = validate
         self.stop = stop or StopFlag()
+        self._cancel_rollout = False  # the loop failed while a prefetch ran: end it too
         if hasattr(manager, "should_stop"):
-            manager.should_stop = lambda: self.stop.requested
+            manager.should_stop = lambda: self.stop.requested or self._cancel_rollout
         self.dump_rollouts = dump_rollouts
         self.colocated_engines = list(colocated_engines)
         self.state = TrainerState()
         self._saved_step: int | None = None
+        self.one_step_off = cfg.trainer.mode == "one_step_off"
+        self._pending = None  # one_step_off: the finished rollout of the next step
+        self._rollout_end = time.perf_counter()  # when the engines last finished a rollout
 
     # ---------------------------------------------------------------- resume
     def resume(self) -> bool:
@@ -130,11 +139,13 @@ class DAPOTrainer:
         self.dataset.load_state_dict(self.state.data_cursor)
         if self.state.manager_state and hasattr(self.manager, "load_state_dict"):
             self.manager.load_state_dict(self.state.manager_state)
+        self._pending = rollout_from_state(self.state.prefetched) if self.state.prefetched else None
         self._saved_step = self.state.step
         return True
 
     def save(self) -> str:
         self.state.data_cursor = self.dataset.state_dict()
+        self.state.prefetched = rollout_to_state(self._pending) if self._pending is not None else {}
         if hasattr(self.manager, "state_dict"):
             self.state.manager_state = self.manager.state_dict()
         path = self._call(
@@ -182,6 +193,27 @@ class DAPOTrainer:
             self.manager.load_state_dict(manager_state)
         if self.state.step > 0 and self._saved_step != self.state.step:
             self.save()
+
+    def _rollout_for(self, step: int, timer: PhaseTimer, progress: StepProgress):
+        """The step's rollout: the one prefetched during the last step (one_step_off), else
+        generated now with the current weights; None when a stop abandoned it (the last
+        finished step is then checkpointed)."""
+        if self._pending is not None:
+            rollout, self._pending = self._pending, None
+            return rollout
+        cursor = copy.deepcopy(self.dataset.state_dict())
+        manager_state = (
+            copy.deepcopy(self.manager.state_dict()) if hasattr(self.manager, "state_dict") else None
+        )
+        try:
+            with timer.phase("gen"), progress.phase(step, "rollout"):
+                rollout = self.manager.collect(self.dataset, self.state.weight_version)
+        except RolloutAbandoned:
+            with progress.phase(self.state.step, "checkpoint"):
+                self._abandon_step(cursor, manager_state)
+            return None
+        self._rollout_end = time.perf_counter()
+        return rollout
 
     def _validation_due(self, step: int) -> bool:
         t = self.cfg.trainer
@@ -260,16 +292,8 @@ class DAPOTrainer:
             while self.state.step < total and not self.stop.requested:
                 step = self.state.step + 1
                 timer = PhaseTimer()
-                cursor = copy.deepcopy(self.dataset.state_dict())
-                manager_state = (
-                    copy.deepcopy(self.manager.state_dict()) if hasattr(self.manager, "state_dict") else None
-                )
-                try:
-                    with timer.phase("gen"), progress.phase(step, "rollout"):
-                        rollout = self.manager.collect(self.dataset, self.state.weight_version)
-                except RolloutAbandoned:
-                    with progress.phase(self.state.step, "checkpoint"):
-                        self._abandon_step(cursor, manager_state)
+                rollout = self._rollout_for(step, timer, progress)
+                if rollout is None:  # a stop during the rollout: the last step is saved
                     break
                 staleness = staleness_metrics(rollout.samples, self.state.weight_version)
                 with timer.phase("adv"):
@@ -279,10 +303,25 @@ class DAPOTrainer:
                         overlong_filter=cfg.algorithm.overlong_filter,
                         groups_multiple=cfg.actor.ppo_mini_batch_size,
                     )
+                # one_step_off: the engines (still on this step's weights) generate the next batch
+                # while the actor trains; the sync below waits for it
+                prefetch = None
+                if self.one_step_off and step < total and not self.stop.requested:
+                    prefetch = Prefetch(self.manager, self.dataset, self.state.weight_version)
                 with timer.phase("memory_swap"):
                     self._to_training()
-                with timer.phase("update_actor"), progress.phase(step, "actor update"):
-                    actor_metrics = self._call("train_step", batch, limit="train_step_s")[0]
+                try:
+                    with timer.phase("update_actor"), progress.phase(step, "actor update"):
+                        actor_metrics = self._call("train_step", batch, limit="train_step_s")[0]
+                except BaseException:
+                    if prefetch is not None:  # do not leave a rollout running behind the error
+                        self._cancel_rollout = True
+                        prefetch.join(self.cfg.trainer.stop_timeout_s)
+                    raise
+                if prefetch is not None:
+                    with timer.phase("wait_data"), progress.phase(step, "waiting for the next rollout"):
+                        self._pending = prefetch.result()
+                    self._rollout_end = prefetch.finished_at
                 with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
                     revived = restart_down_engines(self.manager) if hasattr(self.manager, "down") else []
                     if revived:
@@ -290,6 +329,11 @@ class DAPOTrainer:
                     self._to_sync()
                     sync_metrics = self.sync(step)
                     return_to_service(self.manager, revived)  # only now, with the new weights
+                # engines idle from their last rollout until the new weights are in (validation aside)
+                sync_metrics["timing/engine_wait_weights_s"] = time.perf_counter() - self._rollout_end
+                sync_metrics["timing/actor_wait_data_s"] = timer.seconds.get("gen", 0.0) + timer.seconds.get(
+                    "wait_data", 0.0
+                )
                 self.state.step = step
                 self.state.weight_version = step
                 self.state.prompts_consumed += int(rollout.metrics.get("rollout/prompts_drawn", 0))

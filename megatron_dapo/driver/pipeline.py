@@ -1,0 +1,87 @@
+"""One-step-off pipelining: the next step's rollout runs on a thread while the actor trains.
+
+`trainer.mode=one_step_off`: while the actor trains on batch k, the engines generate batch k+1
+with the weights they hold (version k-1); the weight sync of step k waits for that rollout to
+finish, so no engine changes weights mid-generation and every token is exactly one version
+behind the actor that trains on it. The rollout itself is the manager's `collect`, unchanged
+(dynamic sampling, retries, the determinism of its seeds), only started earlier.
+
+A prefetched batch that is finished when a checkpoint is taken travels in the checkpoint
+(`rollout_to_state`), with the data cursor already past its prompts, so a resume trains on
+exactly the batch the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from megatron_dapo.data.types import PromptSample
+from megatron_dapo.rollout.manager import RolloutAbandoned
+from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
+
+MODES = ("sync", "one_step_off")
+
+
+class Prefetch:
+    """`manager.collect(dataset, version)` on a daemon thread.
+
+    The data cursor and the manager's state are snapshotted first: a rollout given up for a
+    stop is rewound (its prompts go back to the cursor), as the synchronous loop does."""
+
+    def __init__(self, manager: Any, dataset: Any, version: int):
+        self.manager = manager
+        self.dataset = dataset
+        self.version = version
+        self._cursor = copy.deepcopy(dataset.state_dict())
+        self._manager_state = copy.deepcopy(manager.state_dict()) if hasattr(manager, "state_dict") else None
+        self._batch: RolloutBatch | None = None
+        self._error: BaseException | None = None
+        self.finished_at: float | None = None  # perf_counter when the engines went idle
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"prefetch-v{version}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._batch = self.manager.collect(self.dataset, self.version)
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread in result()
+            self._error = e
+        finally:
+            self.finished_at = time.perf_counter()
+            self._done.set()
+
+    def result(self) -> RolloutBatch | None:
+        """The batch; None when the rollout was abandoned for a stop (the cursor is rewound).
+        Any other failure of the rollout is raised here, on the trainer's thread."""
+        self._done.wait()
+        if isinstance(self._error, RolloutAbandoned):
+            self.dataset.load_state_dict(self._cursor)
+            if self._manager_state is not None:
+                self.manager.load_state_dict(self._manager_state)
+            return None
+        if self._error is not None:
+            raise self._error
+        return self._batch
+
+    def join(self, timeout: float) -> None:
+        """For an error path: give the thread a bounded time to notice the stop and end."""
+        self._done.wait(timeout)
+
+
+# ---------------------------------------------------------------- checkpoint form
+def rollout_to_state(batch: RolloutBatch) -> dict[str, Any]:
+    """A finished rollout as JSON-able data for TrainerState (floats round-trip exactly)."""
+    return {"samples": [asdict(s) for s in batch.samples], "metrics": dict(batch.metrics)}
+
+
+def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
+    samples = []
+    for row in state["samples"]:
+        row = dict(row)
+        row["prompt"] = PromptSample(**row["prompt"])
+        samples.append(RolloutSample(**row))
+    return RolloutBatch(samples, dict(state["metrics"]))

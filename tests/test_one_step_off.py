@@ -1,0 +1,120 @@
+"""trainer.mode=one_step_off: the engines generate step k+1's batch while the actor trains step k.
+
+The promise (issue 13): every token of step k's batch comes from the weights of step k-2 (0 at
+steps 1 and 2), so staleness is 0 at step 1 and exactly 1 from step 2 on; the loss takes the
+rollout's log-probs as the behaviour policy; a checkpoint carries the batch prefetched for the
+next step, so SIGKILL + resume equals the uninterrupted run; colocated placement refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+from safetensors.torch import load_file
+from test_driver_e2e import DAPO_ON, ENV, REPO, _metrics, _overrides, _start_and_wait_for_step, _train_cmd
+
+from megatron_dapo.config import ConfigError, load_config
+
+STEPS = 3
+ONE_STEP_OFF = {
+    **DAPO_ON,
+    "trainer.mode": "one_step_off",
+    "trainer.placement": "disaggregated",
+    "trainer.val_before_train": "false",
+    "trainer.test_freq": 0,
+    "logging.plots_at_end": "false",
+    "rollout.dump_rollouts": "true",
+    # TIS with a cap the stale tokens rarely reach: the correction weight exp(pi_old - rollout)
+    # is then visible in the step metrics
+    "algorithm.rollout_correction.mode": "tis",
+    "algorithm.rollout_correction.threshold": 4.0,
+}
+
+
+def test_one_step_off_needs_engines_on_their_own_devices():
+    base = ["model.path=/nonexistent", "trainer.mode=one_step_off"]
+    with pytest.raises(ConfigError, match="trainer.mode=one_step_off") as e:
+        load_config(None, base)  # placement defaults to colocated
+    assert "trainer.placement=disaggregated" in str(e.value) and "\n" not in str(e.value)
+    assert load_config(None, [*base, "trainer.placement=disaggregated"]).trainer.mode == "one_step_off"
+    with pytest.raises(ConfigError, match="trainer.mode=async is not built yet") as e:
+        load_config(
+            None, ["model.path=/nonexistent", "trainer.mode=async", "trainer.placement=disaggregated"]
+        )
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """An uninterrupted 3-step one_step_off run (dynamic sampling on)."""
+    runs = tmp_path_factory.mktemp("one_step_off_runs")
+    subprocess.run(
+        _train_cmd(_overrides(assets, runs, "ref", STEPS, **ONE_STEP_OFF)),
+        check=True,
+        env=ENV,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        timeout=600,
+    )
+    return runs / "ref"
+
+
+def test_every_token_is_one_version_behind_from_step_2(reference):
+    records = _metrics(reference)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        # the rollout dump records the engine's weight version per sample: step k trains on
+        # what the weights of step k-2 generated (the initial weights for steps 1 and 2)
+        rows = [json.loads(line) for line in (reference / "rollouts" / f"step_{r['step']}.jsonl").open()]
+        assert rows and {row["weight_version"] for row in rows} == {max(r["step"] - 2, 0)}, r["step"]
+        lag = 0.0 if r["step"] == 1 else 1.0
+        for key in ("token_mean", "token_max", "sample_mean", "sample_max"):
+            assert r[f"rollout/staleness_{key}"] == lag, (r["step"], key)
+        assert r["timing/actor_wait_data_s"] >= 0 and r["timing/engine_wait_weights_s"] >= 0
+    # step 1 is on-policy: the actor's pi_old reproduces the rollout's log-probs and the
+    # correction weight exp(pi_old - rollout) is 1 on every token
+    first = records[0]
+    assert first["actor/rollout_logprob_abs_diff"] < 1e-4
+    assert first["actor/rollout_corr_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert first["actor/rollout_corr_weight_min"] == pytest.approx(1.0, abs=1e-4)
+    # from step 2 the behaviour log-probs are the stale rollout's, not the actor's: the loss's
+    # correction weights move off 1 by as much as the two policies differ
+    for r in records[1:]:
+        assert r["actor/rollout_logprob_abs_diff"] > 1e-3, r["step"]
+        spread = r["actor/rollout_corr_weight_max"] - r["actor/rollout_corr_weight_min"]
+        assert spread > 1e-3, (r["step"], spread)
+
+
+def test_sigkill_after_a_prefetch_and_resume_equals_the_uninterrupted_run(assets, reference, tmp_path):
+    """Held after step 1 (its checkpoint holds step 2's prefetched batch, generated with the
+    initial weights), killed, resumed: without that batch in the checkpoint the resumed step 2
+    would generate anew with step 1's weights and differ."""
+    args = _overrides(assets, tmp_path, "killed", STEPS, **ONE_STEP_OFF, **{"trainer.resume": "auto"})
+    run = tmp_path / "killed"
+    proc = _start_and_wait_for_step(args, run / "metrics.jsonl", 1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+
+    subprocess.run(_train_cmd(args), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 1
+    a = load_file(str(reference / "hf" / f"step_{STEPS}" / "model.safetensors"))
+    b = load_file(str(run / "hf" / f"step_{STEPS}" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] == b[name]).all(), f"{name} differs after resume"
+    ref, got = _metrics(reference), _metrics(run)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for key in (
+        "rollout/reward/mean",
+        "rollout/staleness_token_mean",
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/rollout_corr_weight_max",
+        "train/prompts_consumed",
+    ):
+        assert [r[key] for r in got] == [r[key] for r in ref], key
