@@ -36,10 +36,13 @@ from typing import Any
 log = logging.getLogger("megatron_dapo.train")
 
 
-def build_engines(cfg, engine_kind: str, servers=None) -> tuple[list[Any], Any, Callable[[], None]]:
+def build_engines(
+    cfg, engine_kind: str, servers=None, ranks=None
+) -> tuple[list[Any], Any, Callable[[], None]]:
     """Rank 0's engines, the weight transport to them, and how to stop them.
 
-    `servers`: the per-node launch (`sglang_torchrun.launch_node_servers`) when no URLs are given."""
+    `servers`: the per-node launch (`sglang_torchrun.launch_node_servers`) when no URLs are given;
+    `ranks`: the rank group through which another node restarts its servers."""
     if engine_kind == "hf":
         from megatron_dapo.driver.weight_transport import DirectTransport
         from megatron_dapo.rollout.hf_engine import HFEngine
@@ -57,7 +60,7 @@ def build_engines(cfg, engine_kind: str, servers=None) -> tuple[list[Any], Any, 
     if servers is not None:
         from megatron_dapo.driver.sglang_torchrun import rank0_engines
 
-        engines = rank0_engines(cfg, servers)
+        engines = rank0_engines(cfg, servers, ranks)
     else:
         engines = start_sglang_engines(cfg)
     try:
@@ -75,7 +78,7 @@ def run_rank0(cfg, worker, inputs, engine_kind: str, stop, servers=None) -> dict
     from megatron_dapo.driver.rank_group import SPMDRankGroup
 
     ranks = SPMDRankGroup(worker)  # pairs with the followers' group: the first collective after setup
-    engines, transport, stop_engines = build_engines(cfg, engine_kind, servers)
+    engines, transport, stop_engines = build_engines(cfg, engine_kind, servers, ranks)
     try:
         if getattr(transport, "every_rank", False):
             # colocated CUDA IPC: each engine TP rank's payload is made by the rank on its GPU
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_dapo.driver.sglang_torchrun import launch_node_servers
 
             servers = launch_node_servers(cfg)  # every node starts its own engines
+            worker.node_servers = servers  # and restarts them when rank 0 asks (restart_node_server)
         if rank != 0:
             from megatron_dapo.driver.rank_group import SPMDRankGroup
 

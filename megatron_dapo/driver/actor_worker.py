@@ -180,6 +180,12 @@ class ActorWorker:
         if reset is not None:
             reset()
 
+    def restart_node_server(self, index: int):
+        """Under torchrun: restart SGLang engine `index` if this rank's node started it here
+        (driver/sglang_torchrun.py, `NodeServers.restart`); None on every other rank."""
+        servers = getattr(self, "node_servers", None)
+        return None if servers is None else servers.restart(index)
+
     def push_weights(self, version: int) -> dict[str, float]:
         """Every rank iterates the gather; global rank 0 (a bucket holder) feeds its transport."""
         import torch.distributed as dist

@@ -6,8 +6,10 @@ down engine whose server this driver launched is restarted (`engine.server.resta
 stop/start/wait for a local `SGLangServer`); the transport then forgets per-server state such as
 a weight-update group (`ActorWorker.reset_transport`), the sync brings every engine, the
 restarted ones included, to the new weight version, and only then does the manager give them work
-again. A down engine that this driver cannot restart (a server given by URL) stays down; the sync
-then fails naming it, unless it came back by itself and answers `/health`.
+again. Under multi-node torchrun, another node's server is restarted by the process that started it
+(that node's LOCAL_RANK 0; `sglang_torchrun.PeerServer`). A down engine that this driver cannot
+restart (a server given by URL) stays down; the sync then fails naming it, unless it came back by
+itself and answers `/health`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,14 @@ every rank learns every engine's URL through an all-gather over the trainer's wo
 
 Rank 0 connects to the other nodes' servers by URL; each node's launcher stops its own servers
 when its rank ends (`NodeServers.stop`), after rank 0 has saved.
+
+A server is the child of the process that started it (it dies with it, it runs on that node's
+GPUs), so only that process can restart it. When one of another node's servers dies, rank 0's
+engine holds a `PeerServer`: its `restart()` is a rank call (`ActorWorker.restart_node_server`)
+that every rank runs and only the owning node's LOCAL_RANK 0 acts on (`NodeServers.restart`),
+so the engine is restarted there and then resynced like one of rank 0's own node's servers
+(driver/engine_restart.py). The call is bounded like every rank call (the watchdog ends the job
+with one line if the node does not answer).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.driver.sglang_placement import EnginePlan, GpuSlot, plan_engines
+from megatron_dapo.rollout.engine import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +90,23 @@ class NodeServers:
     urls: list[str]
     local: dict[int, Any] = field(default_factory=dict)  # engine index -> SGLangEngine with .server
 
+    def restart(self, index: int) -> tuple[bool, Any] | None:
+        """Restart engine `index` if this process started it: (True, new pid) or (False, why);
+        None when it is not ours. A failure is returned, not raised, so that rank 0 ends the run
+        naming the node and the server instead of this rank dying inside the call."""
+        engine = self.local.get(index)
+        if engine is None:
+            return None
+        server = engine.server
+        log.warning("restarting SGLang engine %d (%s), which this node started", index, server.cfg.url)
+        try:
+            server.stop()
+            server.start()
+            server.wait_healthy()
+        except Exception as e:  # noqa: BLE001 - reported by rank 0
+            return False, str(e)
+        return True, server.proc.pid
+
     def stop(self) -> None:
         from megatron_dapo.driver.sglang_engines import stop_sglang_engines
 
@@ -127,14 +153,58 @@ def launch_node_servers(cfg) -> NodeServers:
     servers = NodeServers(plans, [urls.get(p.index, "") for p in plans], local)
     if failures or len(urls) != len(plans):
         servers.stop()
-        from megatron_dapo.rollout.engine import EngineError
-
         raise EngineError("SGLang servers did not start: " + "; ".join(failures or ["missing URLs"]))
     return servers
 
 
-def rank0_engines(cfg, servers: NodeServers) -> list:
-    """Rank 0's engines in plan order: its own node's launched ones, the others connected by URL."""
+class PeerServer:
+    """Rank 0's handle on a server that another node's LOCAL_RANK 0 started (an engine's `server`)."""
+
+    def __init__(self, ranks: Any, plan: EnginePlan, url: str, timeout_s: float):
+        self.ranks = ranks
+        self.plan = plan
+        self.url = url
+        self.timeout_s = timeout_s
+
+    @property
+    def where(self) -> str:
+        return f"SGLang engine {self.plan.index} on {self.plan.node_id} ({self.url})"
+
+    def alive(self) -> bool:
+        # the process is on another node; the engine's HTTP health check decides
+        return True
+
+    def restart(self) -> int:
+        """The owning node restarts it and waits until it is healthy; its new pid there."""
+        results = self.ranks.call(
+            "restart_node_server",
+            self.plan.index,
+            timeout_s=self.timeout_s,
+            timeout_note=f"(restarting {self.where}; rollout.sglang.startup_timeout_s bounds it)",
+        )
+        done = [r for r in results if r is not None]
+        if not done:
+            raise EngineError(
+                f"{self.where} is down and no rank owns it to restart it "
+                f"(its node's LOCAL_RANK 0 launched nothing?); resume from the last checkpoint"
+            )
+        ok, detail = done[0]
+        if not ok:
+            first = str(detail).splitlines()[0] if str(detail) else "unknown error"
+            raise EngineError(
+                f"{self.where} died and its node could not restart it: {first} "
+                f"(see RUN_DIR/sglang/engine_{self.plan.index}.log on {self.plan.node_id}); "
+                "fix that node and resume from the last checkpoint"
+            )
+        return int(detail)
+
+    def stop(self) -> None:
+        """Nothing: the node that started it stops it when its rank ends (`NodeServers.stop`)."""
+
+
+def rank0_engines(cfg, servers: NodeServers, ranks: Any = None) -> list:
+    """Rank 0's engines in plan order: its own node's launched ones, the others connected by URL
+    (with a `PeerServer` through which their node restarts them, when `ranks` is given)."""
     from megatron_dapo.driver.sglang_engines import connect_sglang_engines
 
     engines: list[Any] = []
@@ -152,11 +222,13 @@ def rank0_engines(cfg, servers: NodeServers) -> list:
                     request_timeout_s=float(cfg.rollout.request_timeout_s),
                 )
                 engine.name = f"sglang-{p.index}@{url.split('//', 1)[-1]}"
+                if ranks is not None:
+                    engine.server = PeerServer(ranks, p, url, float(s.startup_timeout_s) + 120)
             engine.plan = p
             engines.append(engine)
     except BaseException:
         for e in engines:
-            if getattr(e, "server", None) is None:
+            if e.plan.index not in servers.local:  # connected here; launched ones stop with the node
                 e.close()
         raise
     # rank 0's engine list now owns its node's servers (`stop_sglang_engines` ends them); an engine

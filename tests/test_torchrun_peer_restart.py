@@ -1,0 +1,182 @@
+"""Under multi-node torchrun, a dead SGLang server of another node is restarted by the process
+that started it (that node's LOCAL_RANK 0), through a rank call from rank 0 (issue 10).
+
+Two ranks of a gloo world play two nodes: rank 1 ("node1", LOCAL_RANK 0) starts a stand-in server
+(a tiny HTTP server reporting its pid and parent pid) under its `NodeServers`; rank 0 builds its
+engines with `rank0_engines` (the connection itself is stubbed: the stand-in speaks no SGLang),
+kills the server, and runs the trainer's `restart_down_engines`. The server must come back as a
+child of rank 1. Then the server is made to fail at start: the restart must end with an
+EngineError naming the node, the URL and the log. Before the fix, rank 0's engine for another
+node's server had no server handle, and the dead server stayed dead.
+
+Each rank runs this file as a script (`python THIS rank`), with torchrun's environment variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import unittest.mock as mock
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+
+STANDIN = textwrap.dedent(
+    """
+    import json, os, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    if os.path.exists(sys.argv[3]):  # the test asks for a server that fails at start
+        sys.exit(3)
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"pid": os.getpid(), "ppid": os.getppid()}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    HTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()
+    """
+)
+
+
+def _get(url: str) -> dict | None:
+    import httpx
+
+    try:
+        return httpx.get(url + "/health_generate", timeout=10).json()
+    except Exception:  # noqa: BLE001 - a dead server
+        return None
+
+
+def _rank_main(tmp: Path) -> None:
+    import torch.distributed as dist
+
+    from megatron_dapo.actor.spawn import free_port
+    from megatron_dapo.driver import sglang_torchrun
+    from megatron_dapo.driver.actor_worker import ActorWorker
+    from megatron_dapo.driver.engine_restart import restart_down_engines
+    from megatron_dapo.driver.rank_group import SPMDRankGroup
+    from megatron_dapo.driver.sglang_placement import EnginePlan
+    from megatron_dapo.rollout.engine import EngineError
+    from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    worker = ActorWorker({})
+    script, fail_flag = tmp / "standin.py", tmp / "fail_at_start"
+    local = {}
+    if rank == 1:  # node1's LOCAL_RANK 0 launches the node's server, as launch_node_servers does
+        port = free_port()
+        scfg = SGLangServerConfig(
+            model_path="unused", port=port, startup_timeout_s=60, log_file=str(tmp / "engine_1.log")
+        )
+        srv = SGLangServer(
+            scfg, command=[sys.executable, str(script), "127.0.0.1", str(port), str(fail_flag)]
+        )
+        srv.poll_s = 0.2
+        srv.start().wait_healthy()
+        local = {1: SimpleNamespace(server=srv, name="sglang-1", close=lambda: None)}
+    urls: list = [None, None]
+    dist.all_gather_object(urls, local[1].server.cfg.url if local else None)
+    url = urls[1]
+    plan = EnginePlan(1, "node1", "127.0.0.1", (), int(url.rsplit(":", 1)[1]))
+    servers = sglang_torchrun.NodeServers([plan], [url], local)
+    if rank == 1:
+        worker.node_servers = servers  # as megatron_dapo.train does after launch_node_servers
+        try:
+            SPMDRankGroup.follow(worker)
+        finally:
+            servers.stop()
+        return
+
+    ranks = SPMDRankGroup(worker)
+    # the stand-in speaks no SGLang: connecting yields a client that only checks health
+    stub = SimpleNamespace(close=lambda: None, health=lambda: _get(url) is not None)
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(
+            sglang=SimpleNamespace(api_key=None, startup_timeout_s=60),
+            tensor_parallel_size=1,
+            request_timeout_s=30,
+        )
+    )
+    with mock.patch("megatron_dapo.driver.sglang_engines.connect_sglang_engines", return_value=[stub]):
+        (engine,) = sglang_torchrun.rank0_engines(cfg, servers, ranks)
+    result: dict = {"rank1_pid": ranks.peers[1][1], "before": _get(url), "name": engine.name, "url": url}
+    os.kill(result["before"]["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while _get(url) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    manager = SimpleNamespace(engines=[engine], down={engine.name: "killed"})
+    result["revived"] = restart_down_engines(manager)
+    result["after"] = _get(url)
+
+    result["error"] = None
+    if result["after"] is not None:
+        # a server that cannot start again: one error naming the node, the URL and the log
+        fail_flag.touch()
+        os.kill(result["after"]["pid"], signal.SIGKILL)
+        try:
+            restart_down_engines(manager)
+        except EngineError as e:
+            result["error"] = str(e)
+    ranks.shutdown()
+    (tmp / "result.json").write_text(json.dumps(result))
+
+
+def test_another_nodes_dead_server_is_restarted_by_its_node(tmp_path):
+    from megatron_dapo.actor.spawn import free_port
+
+    (tmp_path / "standin.py").write_text(STANDIN)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "rank", str(tmp_path)],
+            env=dict(env, RANK=str(r), GROUP_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r}:\n{out[-3000:]}"
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["before"]["ppid"] == res["rank1_pid"]
+    assert res["revived"] == [res["name"]]
+    # back, a new process, and a child of node1's rank (the one that started it), not of rank 0
+    assert res["after"] is not None, "the dead server was not restarted"
+    assert res["after"]["pid"] != res["before"]["pid"]
+    assert res["after"]["ppid"] == res["rank1_pid"]
+    err = res["error"]
+    assert err is not None and "\n" not in err, err
+    assert "node1" in err and res["url"] in err and "engine_1.log" in err, err
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["rank"]:
+    _rank_main(Path(sys.argv[2]))
