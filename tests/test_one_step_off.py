@@ -16,8 +16,13 @@ import subprocess
 import pytest
 from safetensors.torch import load_file
 from test_driver_e2e import DAPO_ON, ENV, REPO, _metrics, _overrides, _start_and_wait_for_step, _train_cmd
+from test_trainer_stop_resume import FakeDataset, FakeRanks, _cfg, _trainer
 
 from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.data.types import PromptSample
+from megatron_dapo.driver.stop import StopFlag
+from megatron_dapo.rollout.manager import RolloutAbandoned
+from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 
 STEPS = 3
 ONE_STEP_OFF = {
@@ -118,3 +123,76 @@ def test_sigkill_after_a_prefetch_and_resume_equals_the_uninterrupted_run(assets
         "train/prompts_consumed",
     ):
         assert [r[key] for r in got] == [r[key] for r in ref], key
+
+
+# ---------------------------------------------------------------- stand-in ranks (no Ray)
+def _sample(group: int, j: int, version: int) -> RolloutSample:
+    prompt = PromptSample(
+        index=group, data_source="d", messages=[], prompt_text="p", prompt_ids=[1, 2], ground_truth="1"
+    )
+    return RolloutSample(
+        group_id=group,
+        prompt=prompt,
+        response_ids=[3, 4],
+        rollout_logprobs=[-0.5, -1.25],
+        response_text="r",
+        finish_reason="stop",
+        score=float(j),
+        acc=bool(j),
+        pred="",
+        overlong_penalty=0.0,
+        final_reward=float(j),
+        weight_version=version,
+        truncated=False,
+        token_versions=[version, version],
+    )
+
+
+class TrainingRanks(FakeRanks):
+    def call(self, method, *args, **kwargs):
+        out = super().call(method, *args, **kwargs)
+        return [{}] if method == "train_step" else out
+
+
+class SigtermInPrefetch:
+    """Step 1's rollout comes back; the prefetch of step 2 draws its prompts, then the run finds
+    itself stopping (a SIGTERM while the actor trains step 1)."""
+
+    def __init__(self, stop: StopFlag):
+        self.stop = stop
+        self.should_stop = None
+        self.keep_rate = 0.5
+        self.versions: list[int] = []
+
+    def state_dict(self):
+        return {"keep_rate": self.keep_rate}
+
+    def load_state_dict(self, state):
+        self.keep_rate = state["keep_rate"]
+
+    def collect(self, dataset, version):
+        self.versions.append(version)
+        dataset.next_batch(4)
+        if len(self.versions) == 1:
+            samples = [_sample(g, j, version) for g in range(4) for j in range(2)]
+            return RolloutBatch(samples, {"rollout/prompts_drawn": 4})
+        self.keep_rate = 0.1  # the abandoned round's observation must not be kept
+        self.stop.set("SIGTERM")
+        assert self.should_stop()
+        raise RolloutAbandoned("stopping")
+
+
+def test_sigterm_during_the_prefetch_saves_the_finished_step_without_it(tmp_path):
+    cfg = _cfg(tmp_path, **{"trainer.resume": "never", **{k: v for k, v in ONE_STEP_OFF.items() if "." in k}})
+    stop = StopFlag()
+    ranks, dataset, manager = TrainingRanks(), FakeDataset(), SigtermInPrefetch(stop)
+    summary = _trainer(cfg, ranks, manager, dataset, stop).fit()
+    assert manager.versions == [0, 0], "step 2's rollout must start with the weights step 1 trained on"
+    assert [m for m, _ in ranks.calls if m == "train_step"] == ["train_step"]  # step 1 finished
+    saves = [a for m, a in ranks.calls if m == "save_checkpoint"]
+    assert len(saves) == 1
+    _root, step, state, _ = saves[0]
+    assert step == 1 and summary["stopped_by"] == "SIGTERM" and summary["step"] == 1
+    assert state["data_cursor"] == {"index": 4}, "the abandoned prefetch's prompts must be drawn again"
+    assert state["manager_state"] == {"keep_rate": 0.5}
+    assert state["prefetched"] == {}
