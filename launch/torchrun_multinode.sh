@@ -1,12 +1,13 @@
 #!/bin/bash
 # SPMD actor ranks under torchrun, no Ray: rank 0 drives rollouts against SGLang servers, either
-# the URLs in the config (rollout.sglang.urls) or servers this script starts on every node first.
+# the URLs in the config (rollout.sglang.urls) or, without them, servers the trainer itself starts
+# on every node (each node's LOCAL_RANK 0 starts the engines the plan puts there, restarts them if
+# they die, stops them at the end; driver/sglang_torchrun.py).
 # Run once per node (same arguments everywhere):
 #   srun --nodes=2 --ntasks-per-node=1 bash launch/torchrun_multinode.sh CONFIG [key=value ...]
 #   # or by hand on each node:
 #   NNODES=2 MASTER_ADDR=node0 bash launch/torchrun_multinode.sh CONFIG [key=value ...]
-# With START_SGLANG=1 each node first starts its servers (launch/start_sglang_servers.sh) on GPUs
-# SGLANG_FIRST_GPU.. and the actor uses GPUs 0..NPROC_PER_NODE-1 (disaggregated on each node).
+# DRY_RUN=1 prints the torchrun command instead of running it.
 set -euo pipefail
 
 # ---- what to change -------------------------------------------------------------------------
@@ -19,10 +20,12 @@ fi
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 RDZV_ID="${RDZV_ID:-${SLURM_JOB_ID:-megatron-dapo}}"  # same on every node, unique per job
-START_SGLANG="${START_SGLANG:-0}"              # 1: start SGLang servers on every node first
-SGLANG_TP="${SGLANG_TP:-1}"
-SGLANG_FIRST_GPU="${SGLANG_FIRST_GPU:-$NPROC_PER_NODE}"
-SGLANG_BASE_PORT="${SGLANG_BASE_PORT:-30000}"
+# Servers the trainer starts (no rollout.sglang.urls); each knob, when set, becomes an override:
+SGLANG_TP="${SGLANG_TP:-}"                     # GPUs per engine -> rollout.tensor_parallel_size
+SGLANG_BASE_PORT="${SGLANG_BASE_PORT:-}"       # first port on each node -> rollout.sglang.base_port
+# This node's address as the other nodes reach it (default: the route to MASTER_ADDR, else the
+# host name's address); set it on multi-NIC nodes: MEGATRON_DAPO_NODE_IP=10.1.2.3
+DRY_RUN="${DRY_RUN:-0}"
 # ---------------------------------------------------------------------------------------------
 
 [[ $# -ge 1 ]] || { echo "usage: $0 CONFIG [key=value ...]" >&2; exit 2; }
@@ -35,35 +38,18 @@ if [[ -f "${VENV_DIR:-.venv}/bin/activate" ]]; then
 fi
 
 OVERRIDES=("$@")
-if [[ "$START_SGLANG" == 1 ]]; then
-  MODEL_PATH="${MODEL_PATH:-$(python -c 'import sys; from megatron_dapo.config import load_config
-print(load_config(sys.argv[1], sys.argv[2:]).model.path)' "$CONFIG" "$@")}"
-  TOTAL_GPUS="$(nvidia-smi -L | wc -l)"
-  rm -f "/tmp/sglang_urls_$RDZV_ID"
-  # Each node starts and health-checks its own servers; the rendezvous below then waits for all nodes.
-  MODEL_PATH="$MODEL_PATH" TP_SIZE="$SGLANG_TP" FIRST_GPU="$SGLANG_FIRST_GPU" GPUS_PER_NODE="$TOTAL_GPUS" \
-    BASE_PORT="$SGLANG_BASE_PORT" bash launch/start_sglang_servers.sh --block >"/tmp/sglang_urls_$RDZV_ID" &
-  SGLANG_PID=$!
-  trap 'kill "$SGLANG_PID" 2>/dev/null || true' EXIT
-  until [[ -s "/tmp/sglang_urls_$RDZV_ID" ]]; do
-    kill -0 "$SGLANG_PID" 2>/dev/null || { echo "SGLang servers failed to start on $(hostname)" >&2; exit 1; }
-    sleep 5
-  done
-  # Rank 0 needs every node's servers: the same ports on each node of the allocation.
-  ENGINES_PER_NODE=$(( (TOTAL_GPUS - SGLANG_FIRST_GPU) / SGLANG_TP ))
-  URLS=()
-  if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
-    mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-  else
-    # Without Slurm list the nodes yourself: SGLANG_HOSTS="node0 node1".
-    read -r -a HOSTS <<<"${SGLANG_HOSTS:-$(hostname)}"
-  fi
-  for host in "${HOSTS[@]}"; do
-    for (( i = 0; i < ENGINES_PER_NODE; i++ )); do URLS+=("http://$host:$(( SGLANG_BASE_PORT + i ))"); done
-  done
-  OVERRIDES+=("rollout.sglang.urls=[$(IFS=,; echo "${URLS[*]}")]" "rollout.num_engines=${#URLS[@]}"
-              "rollout.tensor_parallel_size=$SGLANG_TP" "parallel.actor_world_size=$(( NNODES * NPROC_PER_NODE ))")
+# START_SGLANG=1 used to start servers from this script; the trainer now does it on every node
+# (with the node's GPUs, restarts, and logs in RUN_DIR/sglang/), so the knob only checks intent.
+if [[ "${START_SGLANG:-0}" == 1 ]] && printf '%s\n' "$@" | grep -q '^rollout\.sglang\.urls=\[[^]]'; then
+  echo "START_SGLANG=1 and rollout.sglang.urls both given: drop the URLs to let the trainer start the servers, or unset START_SGLANG" >&2
+  exit 2
 fi
+if [[ -n "${SGLANG_FIRST_GPU:-}" && "${SGLANG_FIRST_GPU}" != "$NPROC_PER_NODE" ]]; then
+  echo "SGLANG_FIRST_GPU=$SGLANG_FIRST_GPU: with trainer.placement=disaggregated the engines take the GPUs after the actor's (from NPROC_PER_NODE=$NPROC_PER_NODE); unset SGLANG_FIRST_GPU" >&2
+  exit 2
+fi
+[[ -n "$SGLANG_TP" ]] && OVERRIDES+=("rollout.tensor_parallel_size=$SGLANG_TP")
+[[ -n "$SGLANG_BASE_PORT" ]] && OVERRIDES+=("rollout.sglang.base_port=$SGLANG_BASE_PORT")
 
 # On SIGTERM (Slurm's preemption) torchrun forwards the signal to its workers and SIGKILLs them
 # this many seconds later (30 by default): leave room for trainer.stop_timeout_s (90 s) to save.
@@ -71,5 +57,9 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-110}"
 exec_or_run=(torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE"
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
   -m megatron_dapo.train "$CONFIG" trainer.resume=auto "${OVERRIDES[@]}")
+if [[ "$DRY_RUN" == 1 ]]; then
+  echo "${exec_or_run[*]}"
+  exit 0
+fi
 echo "[torchrun $(hostname)] ${exec_or_run[*]}" >&2
 "${exec_or_run[@]}"

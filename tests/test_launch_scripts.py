@@ -227,6 +227,45 @@ def test_torchrun_script_passes_the_rendezvous_flags(tmp_path):
     )
 
 
+def _dry_run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {"PATH": "/usr/bin:/bin", "NNODES": "2", "NPROC_PER_NODE": "4", "MASTER_ADDR": "10.0.0.1",
+            "RDZV_ID": "job7", "VENV_DIR": str(tmp_path / "none"), "DRY_RUN": "1"}  # fmt: skip
+    return subprocess.run(
+        ["bash", str(LAUNCH / "torchrun_multinode.sh"), "configs/dapo_qwen2.5_7b.yaml", *args],
+        cwd=tmp_path,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_torchrun_script_start_sglang_leaves_the_servers_to_the_trainer(tmp_path):
+    # the trainer starts every node's servers itself: the script starts none and passes no URLs,
+    # only the knobs that were set, as overrides (before: it ran start_sglang_servers.sh and
+    # nvidia-smi, and handed the trainer URLs of servers it could not restart)
+    (tmp_path / "bin").mkdir()
+    r = _dry_run(tmp_path, "trainer.placement=disaggregated", START_SGLANG="1", SGLANG_TP="2",
+                 SGLANG_BASE_PORT="31000", SGLANG_FIRST_GPU="4")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (
+        "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 "
+        "--rdzv-id job7 -m megatron_dapo.train configs/dapo_qwen2.5_7b.yaml trainer.resume=auto "
+        "trainer.placement=disaggregated rollout.tensor_parallel_size=2 rollout.sglang.base_port=31000"
+    )
+    # given URLs are passed as they are
+    r = _dry_run(tmp_path, "rollout.sglang.urls=[http://h:30000]")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("rollout.sglang.urls=[http://h:30000]"), r
+
+
+def test_torchrun_script_refuses_knobs_it_cannot_honour(tmp_path):
+    r = _dry_run(tmp_path, "rollout.sglang.urls=[http://h:30000]", START_SGLANG="1")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "START_SGLANG=1 and rollout.sglang.urls" in r.stderr
+    r = _dry_run(tmp_path, SGLANG_FIRST_GPU="6")  # the plan puts engines after the actor's 4 GPUs
+    assert r.returncode == 2 and "SGLANG_FIRST_GPU=6" in r.stderr and "unset SGLANG_FIRST_GPU" in r.stderr
+
+
 def test_ray_job_submit_uploads_the_repo_and_runs_train(tmp_path):
     (tmp_path / "bin").mkdir()
     _stub(tmp_path / "bin", "ray", 'echo "ray $*  [cwd=$PWD]" >>"$FAKE_LOG"')
