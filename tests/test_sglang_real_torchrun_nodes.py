@@ -56,7 +56,9 @@ def test_each_node_starts_its_own_server_and_both_train(tmp_path):
         "logging.plots_at_end": "false",
     }
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    # both "nodes" are this host: loopback is their address, said explicitly (a guessed one is refused)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               MEGATRON_DAPO_NODE_IP="127.0.0.1")  # fmt: skip
     agents, launched = [], {}
     try:
         for node in (0, 1):

@@ -24,6 +24,7 @@ with one line if the node does not answer).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -37,28 +38,88 @@ from megatron_dapo.rollout.engine import EngineError
 log = logging.getLogger(__name__)
 
 
+NODE_IP_ENV = "MEGATRON_DAPO_NODE_IP"
+
+
 @dataclass(frozen=True)
 class RankInfo:
-    """What one torchrun rank tells the others about where it runs."""
+    """What one torchrun rank tells the others about where it runs.
+
+    `ip_from` says where `node_ip` came from (the env variable, or how it was guessed), so that a
+    guessed loopback address on a multi-node run is refused naming its origin."""
 
     node_rank: int
     node_ip: str
     local_rank: int
     gpus: int
+    ip_from: str = NODE_IP_ENV
 
 
 def node_id(node_rank: int) -> str:
     return f"node{node_rank}"
 
 
+def route_address(host: str) -> str | None:
+    """This machine's address on the route to `host` (a UDP connect sends nothing); None if unknown."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:  # a host name given in the env variable: taken as it is
+        return False
+
+
+def node_address() -> tuple[str, str]:
+    """(address the other nodes reach this node at, where it came from).
+
+    MEGATRON_DAPO_NODE_IP if set; else the source address of the route to MASTER_ADDR (the node
+    that every other node already reaches, so the interface they share); else the host name's
+    address. On multi-NIC nodes the host name can resolve to the wrong interface or to 127.x."""
+    explicit = os.environ.get(NODE_IP_ENV)
+    if explicit:
+        return explicit, NODE_IP_ENV
+    master = os.environ.get("MASTER_ADDR")
+    routed = route_address(master) if master else None
+    if routed and not _loopback(routed):
+        return routed, f"the route to MASTER_ADDR={master}"
+    host = socket.gethostname()
+    return socket.gethostbyname(host), f"the address of host name {host}"
+
+
 def this_rank(gpus: int) -> RankInfo:
     """This process's node (torchrun's GROUP_RANK), address, local rank and GPU count."""
-    ip = os.environ.get("MEGATRON_DAPO_NODE_IP") or socket.gethostbyname(socket.gethostname())
-    return RankInfo(int(os.environ.get("GROUP_RANK", "0")), ip, int(os.environ.get("LOCAL_RANK", "0")), gpus)
+    ip, source = node_address()
+    return RankInfo(
+        int(os.environ.get("GROUP_RANK", "0")), ip, int(os.environ.get("LOCAL_RANK", "0")), gpus, source
+    )
+
+
+def check_node_addresses(ranks: list[RankInfo]) -> None:
+    """Several nodes: a guessed loopback address would give the other nodes URLs that point at
+    themselves. Pure, so every rank raises the same ConfigError."""
+    if len({r.node_rank for r in ranks}) < 2:
+        return
+    for r in ranks:
+        if r.ip_from != NODE_IP_ENV and _loopback(r.node_ip):
+            from megatron_dapo.config import ConfigError
+
+            raise ConfigError(
+                f"node {r.node_rank}'s address is {r.node_ip} (from {r.ip_from}), a loopback address the "
+                f"other nodes cannot reach its SGLang servers at; set {NODE_IP_ENV} on every node to the "
+                "address of its interface that the other nodes reach (e.g. from `ip -4 addr`)"
+            )
 
 
 def torchrun_plans(cfg, ranks: list[RankInfo], cpu: bool) -> list[EnginePlan]:
     """The run's engines from every rank's `RankInfo` (rank r at position r); pure arithmetic."""
+    check_node_addresses(ranks)
     n = int(cfg.rollout.num_engines)
     ips = {node_id(r.node_rank): r.node_ip for r in ranks}
     if len(ips) == 1:  # one node: rollout.sglang.host, as before (127.0.0.1 unless set)
