@@ -13,7 +13,7 @@ from megatron_dapo.actor.model import ModelConfigError, arch_spec, transformer_c
 from megatron_dapo.actor.spawn import run_ranks
 
 MODELS = ("norm-topk", "tied-raw-topk")  # untied with norm_topk_prob; tied without
-LAYOUTS = [(1, 1), (1, 2)]  # (tp, pp) on 2 ranks; tp=1 pp=1 is data parallel 2
+LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, ep) on 2 ranks; tp=pp=1 is data parallel 2
 BATCH, SEQ = 2, 12
 
 
@@ -48,8 +48,8 @@ def _rank_run(rank, world, model_dirs):
     out = {}
     for name, hf_dir in model_dirs.items():
         config = load_hf_config(hf_dir)
-        for tp, pp in LAYOUTS:
-            init_parallel(tp=tp, pp=pp)
+        for tp, pp, ep in LAYOUTS:
+            init_parallel(tp=tp, pp=pp, ep=ep)
             chunks = build_gpt_model(config, perform_initialization=False)
             load_hf_weights(chunks, hf_dir)
             logits = forward_logits(chunks, _ids(config.vocab_size))
@@ -57,7 +57,8 @@ def _rank_run(rank, world, model_dirs):
             for bucket in iter_hf_buckets(chunks, bucket_bytes=32 << 10):
                 if bucket is not None:
                     state.update(bucket)
-            out[(name, tp, pp)] = dict(logits=logits, state=state if rank == 0 else None)
+            # At EP=2 both ranks hold buckets (one per data-parallel replica), each with all experts.
+            out[(name, tp, pp, ep)] = dict(logits=logits, state=state if rank == 0 or ep > 1 else None)
     return out
 
 
@@ -87,14 +88,14 @@ def hf_reference(checkpoints):
     return ref
 
 
-CASES = [(m, tp, pp) for m in MODELS for tp, pp in LAYOUTS]
+CASES = [(m, *layout) for m in MODELS for layout in LAYOUTS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,tp,pp", CASES)
-def test_moe_logits_match_hf(runs, hf_reference, model, tp, pp):
+@pytest.mark.parametrize("model,tp,pp,ep", CASES)
+def test_moe_logits_match_hf(runs, hf_reference, model, tp, pp, ep):
     ref = hf_reference[model]["logits"]
-    got = [r[(model, tp, pp)]["logits"] for r in runs if r[(model, tp, pp)]["logits"] is not None]
+    got = [r[(model, tp, pp, ep)]["logits"] for r in runs if r[(model, tp, pp, ep)]["logits"] is not None]
     assert len(got) == 2 // pp  # the last stage of each data-parallel replica
     for g in got:
         diff = (g - ref).abs().max().item()
@@ -102,14 +103,16 @@ def test_moe_logits_match_hf(runs, hf_reference, model, tp, pp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,tp,pp", CASES)
-def test_moe_sync_buckets_equal_hf_state_dict(runs, hf_reference, model, tp, pp):
+@pytest.mark.parametrize("model,tp,pp,ep", CASES)
+def test_moe_sync_buckets_equal_hf_state_dict(runs, hf_reference, model, tp, pp, ep):
     ref = hf_reference[model]["state"]
-    state = runs[0][(model, tp, pp)]["state"]
-    assert sorted(state) == sorted(ref)
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in state
-    for key, tensor in ref.items():
-        assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), key
+    states = [r[(model, tp, pp, ep)]["state"] for r in runs if r[(model, tp, pp, ep)]["state"] is not None]
+    assert len(states) == (2 if ep > 1 else 1)
+    for state in states:
+        assert sorted(state) == sorted(ref)
+        assert "model.layers.1.mlp.experts.7.down_proj.weight" in state
+        for key, tensor in ref.items():
+            assert state[key].dtype == tensor.dtype and torch.equal(state[key], tensor), key
 
 
 def test_moe_expected_shapes_equal_hfs(checkpoints):
@@ -151,13 +154,18 @@ def test_the_planner_refuses_moe_configs_by_name(tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_converts_hf_to_pp2_to_hf_bit_exact_and_verify_model(tiny_hf_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("pp,ep", [(2, 1), (1, 2)], ids=["pp2", "ep2"])
+def test_moe_converts_hf_to_megatron_to_hf_bit_exact_and_verify_model(
+    tiny_hf_checkpoint, tmp_path, capsys, pp, ep
+):
     from megatron_dapo.cli import main as cli
     from megatron_dapo.weights.convert import hf_to_megatron, megatron_to_hf
+    from megatron_dapo.weights.dist_ckpt import read_layout
 
     src = tiny_hf_checkpoint(family="qwen3_moe", num_layers=4, seed=33)
-    meg, back = tmp_path / "meg_pp2", tmp_path / "hf_back"
-    hf_to_megatron(src, meg, tp=1, pp=2, progress=False)
+    meg, back = tmp_path / "meg", tmp_path / "hf_back"
+    hf_to_megatron(src, meg, tp=1, pp=pp, ep=ep, progress=False)
+    assert (read_layout(meg)["pp"], read_layout(meg)["ep"]) == (pp, ep)
     megatron_to_hf(meg, back, progress=False)
     a, b = hf_state_dict(src), hf_state_dict(back)
     assert sorted(a) == sorted(b)

@@ -121,13 +121,15 @@ def _rank_run(rank, world, hf_dir, inputs, layouts):
         for bucket in iter_hf_buckets(actor.model):
             if bucket:
                 state.update({k: v.clone() for k, v in bucket.items()})
-        out[tuple(sorted(layout.items()))] = dict(metrics=metrics, state=state if rank == 0 else None)
+        # At EP=2 every rank holds buckets (one per data-parallel replica): keep both.
+        keep = rank == 0 or layout.get("ep", 1) > 1
+        out[tuple(sorted(layout.items()))] = dict(metrics=metrics, state=state if keep else None)
     return _as_bytes(out)
 
 
 def _results(hf_dir, inputs, world, layouts):
-    raw = run_ranks(_rank_run, world, hf_dir, inputs, layouts, timeout_s=600)[0]
-    return torch.load(io.BytesIO(raw), weights_only=False)
+    raws = run_ranks(_rank_run, world, hf_dir, inputs, layouts, timeout_s=600)
+    return [torch.load(io.BytesIO(raw), weights_only=False) for raw in raws]
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +190,17 @@ def reference(hf_dir, inputs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ep1(hf_dir, inputs):
-    return _results(hf_dir, inputs, 1, [dict(tp=1, pp=1)])[(("pp", 1), ("tp", 1))]
+    return _results(hf_dir, inputs, 1, [dict(tp=1, pp=1)])[0][(("pp", 1), ("tp", 1))]
+
+
+EP2, PP2 = (("ep", 2), ("pp", 1), ("tp", 1)), (("ep", 1), ("pp", 2), ("tp", 1))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(hf_dir, inputs):
+    """EP=2 (the experts split over the two data-parallel ranks, tokens exchanged all-to-all over
+    gloo) and PP=2, in one launch."""
+    return _results(hf_dir, inputs, 2, [dict(tp=1, pp=1, ep=2), dict(tp=1, pp=2, ep=1)])
 
 
 def _check_against_reference(got, reference):
@@ -212,3 +224,17 @@ def test_moe_train_step_ep1_equals_hf_reference(ep1, reference, hf_dir):
     moved = [k for k in initial if not torch.equal(initial[k], ep1["state"][k])]
     assert any(".mlp.gate.weight" in k for k in moved)
     assert sum(".mlp.experts." in k for k in moved) >= 8
+
+
+@pytest.mark.parametrize("layout", [EP2, PP2], ids=["ep2", "pp2"])
+def test_moe_train_step_is_layout_invariant(two_ranks, ep1, reference, layout):
+    ranks = [r[layout] for r in two_ranks]
+    holders = [r for r in ranks if r["state"] is not None]
+    assert len(holders) == (2 if layout == EP2 else 1)  # at EP=2 each replica gathers all experts
+    for got in holders:
+        _check_against_reference(got, reference)
+        ref_u, got_u = ep1["metrics"]["updates"][0], got["metrics"]["updates"][0]
+        assert abs(got_u["loss"] - ref_u["loss"]) <= 1e-6 * abs(ref_u["loss"])
+        assert abs(got_u["grad_norm"] - ref_u["grad_norm"]) <= 1e-6 * ref_u["grad_norm"]
+        for name, w in ep1["state"].items():
+            assert (got["state"][name] - w).abs().max() <= 1e-6 * w.abs().max(), name

@@ -44,10 +44,10 @@ Patches (all installed together, once per process):
    ``MoEAlltoAllTokenDispatcher.__init__`` creates the class-level ``cuda_dtoh_stream`` with
    ``torch.cuda.Stream()`` when it is None, and ``_maybe_dtoh_and_synchronize`` enters that
    stream, moves the split counts GPU -> CPU (``maybe_move_tensor_to_cpu``, identity for CPU
-   tensors) and records/synchronises an event on it. On CPU the class attribute is set to
-   :class:`CpuDtohStreamStandIn` (so no stream is created) and ``_maybe_dtoh_and_synchronize``
-   returns its ``tokens_per_expert`` unchanged, which is what the original computes for CPU
-   tensors, minus the stream and event. The aux-loss tracker's ``device="cuda"`` zeros in
+   tensors) and turns the all-to-all splits into numpy arrays there, then records/synchronises an
+   event on it. On CPU the class attribute is set to :class:`CpuDtohStreamStandIn` (so no stream
+   is created) and ``_maybe_dtoh_and_synchronize`` does only the numpy conversion (gloo's
+   ``all_to_all_single`` takes split sequences, not tensors), without stream or event. The aux-loss tracker's ``device="cuda"`` zeros in
    ``transformer.moe.moe_utils`` get the proxy of patch 3. The router's
    ``torch.cuda.current_device()`` buffers are covered by patch 1; the expert-parallel all-to-all
    itself is ``all_to_all_single``, which gloo implements (uneven splits included).
@@ -299,9 +299,15 @@ class CpuDtohStreamStandIn:
 
 
 def _dtoh_and_synchronize_on_cpu(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
-    # The original copies the split counts device -> host on the side stream; on CPU they are
-    # host tensors already (maybe_move_tensor_to_cpu returns CPU tensors as they are), so only
-    # the stream and its event, which CPU does not have, are left out.
+    # The original, at the dispatcher's dtoh point, copies the split counts device -> host on the
+    # side stream and turns the all-to-all splits into numpy arrays (all_to_all_single takes
+    # sequences, not tensors); then it synchronises on an event. On CPU the counts are host
+    # tensors already, so only the numpy conversion is left to do, without stream or event.
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
     return tokens_per_expert
 
 

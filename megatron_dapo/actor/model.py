@@ -236,6 +236,7 @@ def transformer_config_from_hf(
     tp = tp or (ps.get_tensor_model_parallel_world_size() if init else 1)
     pp = pp or (ps.get_pipeline_model_parallel_world_size() if init else 1)
     cp = cp or (ps.get_context_parallel_world_size() if init else 1)
+    ep = ps.get_expert_model_parallel_world_size() if init else 1
     if vpp is None and init:
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     layers = hf_config.num_hidden_layers
@@ -299,7 +300,12 @@ def transformer_config_from_hf(
         )
     )
     if spec.num_experts:
-        kwargs.update(_moe_kwargs(spec))
+        if spec.num_experts % ep:
+            raise ModelConfigError(
+                f"num_experts={spec.num_experts} is not divisible by expert parallel size {ep}; "
+                "choose parallel.expert_model_parallel_size dividing it"
+            )
+        kwargs.update(_moe_kwargs(spec), expert_model_parallel_size=ep)
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe)
     if recompute:

@@ -35,6 +35,8 @@ class ParallelLayout:
     vpp_size: int | None
     is_first_stage: bool
     is_last_stage: bool
+    ep_size: int = 1  # expert parallel: MoE experts split over this many ranks of the DP x CP grid
+    ep_rank: int = 0
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -81,6 +83,7 @@ def init_parallel(
     cp: int = 1,
     seed: int = 1234,
     *,
+    ep: int = 1,
     timeout_minutes: int = 30,
 ) -> ParallelLayout:
     """Join the process group (if needed) and build megatron's parallel groups; DP is the rest.
@@ -104,6 +107,9 @@ def init_parallel(
     if vpp is not None and vpp > 1 and pp == 1:
         raise ValueError("virtual pipeline stages (vpp) need pipeline parallelism (pp > 1)")
     vpp = vpp if vpp and vpp > 1 else None
+    if ep > 1 and (world // (tp * pp)) % ep:
+        # Megatron's expert grid (expert TP 1) splits the experts over ranks of one pipeline stage.
+        raise ValueError(f"expert parallel size {ep} must divide world/(tp*pp) = {world // (tp * pp)}")
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
@@ -111,6 +117,7 @@ def init_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
         distributed_timeout_minutes=timeout_minutes,
     )
     compat.model_parallel_manual_seed(seed)
@@ -135,6 +142,8 @@ def current_layout() -> ParallelLayout:
         vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         is_first_stage=ps.is_pipeline_first_stage(ignore_virtual=True),
         is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 

@@ -45,13 +45,13 @@ def _check_hf_dir(hf_dir: str | os.PathLike):
     return config
 
 
-def _hf_to_megatron_rank(rank, world, hf_dir, out_dir, tp, pp, vpp, dtype, progress):
+def _hf_to_megatron_rank(rank, world, hf_dir, out_dir, tp, pp, vpp, dtype, progress, ep=1):
     from megatron_dapo.actor.model import build_gpt_model, load_hf_config
     from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
     from megatron_dapo.weights.dist_ckpt import save_model_checkpoint
     from megatron_dapo.weights.load import load_hf_weights
 
-    init_parallel(tp=tp, pp=pp, vpp=vpp)
+    init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep)
     chunks = build_gpt_model(load_hf_config(hf_dir), params_dtype=DTYPES[dtype], perform_initialization=False)
     load_hf_weights(chunks, hf_dir, progress=progress)
     save_model_checkpoint(chunks, out_dir, hf_dir=hf_dir)
@@ -67,10 +67,12 @@ def hf_to_megatron(
     dtype: str = "auto",
     overwrite: bool = False,
     progress: bool = True,
+    ep: int = 1,
 ) -> Path:
-    """Convert an HF checkpoint into a Megatron dist checkpoint written at layout TP x PP (x VPP);
-    runs ``tp * pp`` local ranks. Returns the checkpoint directory."""
-    from megatron_dapo.actor.model import transformer_config_from_hf
+    """Convert an HF checkpoint into a Megatron dist checkpoint written at layout TP x PP (x VPP),
+    MoE experts split over ``ep`` expert-parallel ranks; runs ``tp * pp * ep`` local ranks.
+    Returns the checkpoint directory."""
+    from megatron_dapo.actor.model import arch_spec, transformer_config_from_hf
     from megatron_dapo.actor.spawn import run_ranks
 
     config = _check_hf_dir(hf_dir)
@@ -78,8 +80,10 @@ def hf_to_megatron(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
     transformer_config_from_hf(config, tp=tp, pp=pp, vpp=vpp)  # layout errors before launching
+    if ep > 1 and arch_spec(config).num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide the model's num_experts={arch_spec(config).num_experts}")
     with atomic_directory(megatron_dir, overwrite) as tmp:
-        run_ranks(_hf_to_megatron_rank, tp * pp, str(hf_dir), str(tmp), tp, pp, vpp, dtype, progress)
+        run_ranks(_hf_to_megatron_rank, tp * pp * ep, str(hf_dir), str(tmp), tp, pp, vpp, dtype, progress, ep)
     return Path(megatron_dir)
 
 

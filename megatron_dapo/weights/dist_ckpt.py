@@ -6,7 +6,7 @@ Layout of a checkpoint directory (shared by the converter and the trainer's trai
   megatron's ``{"model0": ..., "model1": ...}``), plus whatever else the caller saves in the same
   call (``extra``: e.g. ``"optimizer"``, ``"rng"``, ``"iteration"``);
 - ``config.json`` and the tokenizer files of the HF model (:func:`copy_hf_metadata`);
-- ``megatron_dapo_model.json``: the layout it was written with (tp, pp, vpp, params dtype,
+- ``megatron_dapo_model.json``: the layout it was written with (tp, pp, ep, vpp, params dtype,
   architecture), informative only, since dist checkpoints load into any layout.
 
 Every rank of the world calls save/load (dist_checkpointing is collective).
@@ -60,6 +60,7 @@ def _layout_record(model_chunks: list[Any]) -> dict[str, Any]:
         "model_keys": model_keys(len(model_chunks)),
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
         "vpp": len(model_chunks) if len(model_chunks) > 1 else None,
         "params_dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
         "architecture": arch_spec(hf_config_of(model_chunks)).architecture,

@@ -12,9 +12,12 @@ rank 0 is always one). Tensors are on the parameters' device, in the parameters'
 exact HF names and shapes (vocabulary padding dropped; no ``lm_head.weight`` when the HF config
 ties embeddings).
 
-How: one all-gather of small metadata over the PP group fixes the global order (HF order) and
-owner stage of every tensor; then, per tensor, the owner stage's TP ranks gather their shards to TP rank 0
-and the owner's TP rank 0 merges them into HF layout and, if it is not the holder's stage, sends
+How: one all-gather of small metadata over the PP group (and, for MoE with expert parallelism,
+first over the EP group) fixes the global order (HF order) and owner stage (and owner EP rank) of
+every tensor; then, per tensor, the owner stage's TP ranks gather their shards to TP rank 0
+and the owner's TP rank 0 merges them into HF layout; an expert's tensors are then broadcast
+from the EP rank that holds the expert to the other EP ranks of that stage (each DP replica has a
+holder, and each needs every expert); if it is not the holder's stage, the owner stage sends
 them to the holder (point-to-point). A bucket is yielded when its bytes reach ``bucket_bytes``,
 so the holder keeps at most one bucket plus one tensor, and other ranks one tensor.
 """
@@ -30,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_dapo.weights.layout import MERGERS, Dims
 from megatron_dapo.weights.model_io import hf_config_of, padded_vocab_of, unwrap
-from megatron_dapo.weights.plan import bind, dims_of, expected_hf_names
+from megatron_dapo.weights.plan import bind, dims_of, expected_hf_names, is_expert
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class _Item:
     hf_names: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype
+    owner_ep: int | None = None  # the EP rank holding an expert's tensors; None: every EP rank
 
     @property
     def nbytes(self) -> int:
@@ -85,9 +89,13 @@ def _plan(model_chunks: list[Any]) -> tuple[list[_Item], list[Any], Dims]:
             b.hf_names,
             _hf_shapes(b.kind, tuple(b.param.shape), tp, dims),
             b.param.dtype,
+            None,
         )
         for i, b in enumerate(exported)
     ]
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1:
+        local = _with_other_ep_ranks_experts(local, exported, ep)
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp > 1:
         gathered: list[Any] = [None] * pp
@@ -95,15 +103,50 @@ def _plan(model_chunks: list[Any]) -> tuple[list[_Item], list[Any], Dims]:
     else:
         gathered = [local]
     items = [
-        _Item(key, stage, i, kind, names, shapes, dtype)
+        _Item(key, stage, i, kind, names, shapes, dtype, owner_ep)
         for stage, entries in enumerate(gathered)
-        for key, i, kind, names, shapes, dtype in entries
+        for key, i, kind, names, shapes, dtype, owner_ep in entries
     ]
     items.sort(key=lambda it: it.key)
     missing = set(order) - {n for it in items for n in it.hf_names}
     if missing:
         raise RuntimeError(f"model chunks do not cover HF tensors {sorted(missing)[:5]} ...")
     return items, exported, dims
+
+
+def _with_other_ep_ranks_experts(local: list[tuple], exported: list[Any], ep: int) -> list[tuple]:
+    """This stage's entries with every EP rank's experts: the dense tensors are the same on all EP
+    ranks (kept once, from this rank), each expert is owned by the EP rank that holds it."""
+    from megatron.core import parallel_state as ps
+
+    gathered: list[Any] = [None] * ep
+    dist.all_gather_object(gathered, local, group=ps.get_expert_model_parallel_group())
+    dense = [e for e, b in zip(local, exported) if not is_expert(b)]
+    experts = [
+        (*entry[:-1], r)
+        for r, entries in enumerate(gathered)
+        for entry in entries
+        if ".mlp.experts." in entry[3][0]
+    ]
+    return dense + experts
+
+
+def _expert_broadcast(
+    item: _Item, tensors: list[torch.Tensor] | None, device: torch.device
+) -> list[torch.Tensor]:
+    """The owner EP rank's merged expert tensors, on every EP rank of the owner stage."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    if ps.get_expert_model_parallel_rank() != item.owner_ep:
+        tensors = [torch.empty(shape, dtype=item.dtype, device=device) for shape in item.hf_shapes]
+    src = dist.get_global_rank(group, item.owner_ep)
+    out = []
+    for t in tensors:
+        t = t.contiguous()
+        dist.broadcast(t, src, group=group)
+        out.append(t)
+    return out
 
 
 def _merged_on_owner(item: _Item, binding: Any, dims: Dims) -> list[torch.Tensor] | None:
@@ -160,7 +203,12 @@ def iter_hf_buckets(
     for item in items:
         tensors: list[torch.Tensor] | None = None
         if pp_rank == item.owner_pp:
-            tensors = _merged_on_owner(item, exported[item.local_index], dims)
+            if item.owner_ep is None:
+                tensors = _merged_on_owner(item, exported[item.local_index], dims)
+            else:
+                mine = ps.get_expert_model_parallel_rank() == item.owner_ep
+                merged = _merged_on_owner(item, exported[item.local_index], dims) if mine else None
+                tensors = _expert_broadcast(item, merged, exported[0].param.device)
             if tensors is not None and item.owner_pp != 0:
                 for t in tensors:
                     dist.send(t.contiguous(), holder_global)

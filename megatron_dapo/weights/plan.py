@@ -72,19 +72,22 @@ def bind(model_chunks: list[Any], hf_config: Any) -> list[Binding]:
     global_rules = _index(fmap.global_rules, on)
     layer_rules = _index(fmap.layer_rules, on)
     out: list[Binding] = []
+    # Megatron numbers experts locally; EP rank r holds global experts r*n .. r*n + n-1.
+    expert_offset = _expert_offset(spec.num_experts)
     for c, chunk in enumerate(model_chunks):
         chunk = unwrap(chunk)
         layers = chunk.decoder.layers
         for name, param in chunk.named_parameters():
             m = _LAYER.match(name)
             if m:
-                # Expert parameters share one rule; the index goes into the HF name (EP=1: global).
+                # Expert parameters share one rule; the global index goes into the HF name.
                 e = _EXPERT.search(m.group(2))
                 rule = layer_rules.get(_EXPERT.sub("local_experts.{e}.", m.group(2)))
                 if rule is None:
                     raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({spec.architecture})")
                 layer = layers[int(m.group(1))].layer_number - 1
-                hf = tuple(h.format(i=layer, e=e.group(1) if e else "") for h in rule.hf)
+                expert = str(expert_offset + int(e.group(1))) if e else ""
+                hf = tuple(h.format(i=layer, e=expert) for h in rule.hf)
                 out.append(Binding(c, name, param, hf, rule.kind))
             elif name == "output_layer.weight" and spec.tie_word_embeddings:
                 out.append(Binding(c, name, param, ("model.embed_tokens.weight",), "vocab", export=False))
@@ -94,6 +97,20 @@ def bind(model_chunks: list[Any], hf_config: Any) -> list[Binding]:
             else:
                 raise KeyError(f"no HF mapping for Megatron parameter {name!r} ({spec.architecture})")
     return out
+
+
+def _expert_offset(num_experts: int) -> int:
+    """Global index of this rank's first local expert (0 without MoE or expert parallelism)."""
+    from megatron.core import parallel_state as ps
+
+    if not num_experts or not ps.model_parallel_is_initialized():
+        return 0
+    return ps.get_expert_model_parallel_rank() * (num_experts // ps.get_expert_model_parallel_world_size())
+
+
+def is_expert(binding: Binding) -> bool:
+    """Whether the parameter is one expert's (split over expert-parallel ranks, not replicated)."""
+    return ".mlp.experts." in binding.hf_names[0]
 
 
 def expected_hf_names(hf_config: Any) -> list[str]:

@@ -2,7 +2,8 @@
 top-k router and SwiGLU experts in place of the dense MLP in every layer, no shared expert.
 
 ``{e}`` in a name is the expert index (megatron's ``local_experts.{e}``, HF's ``experts.{e}``),
-global at expert parallel size 1, the only size built so far.
+global in HF names; EP rank r holds experts r*n .. r*n+n-1 (n = num_experts / EP), see
+``weights.plan.bind``.
 """
 
 from dataclasses import replace
