@@ -9,7 +9,10 @@ the checkpoint a resume uses), posts an abort key to the store and leaves with `
 Each follower runs a thread that polls the store for that key and leaves the same way, printing
 one `[rank N] stopped: ...` line, so a follower hung in the same call (or blocked in the
 collective behind it) does not wait for torchrun's shutdown timeout. The store is torchrun's
-agent store, which outlives rank 0.
+agent store, which outlives rank 0, and also the job's failed attempts: with `--max-restarts` the
+next attempt's ranks talk to the same store, so every key carries the attempt number
+(TORCHELASTIC_RESTART_COUNT); otherwise the next attempt's followers would read the last one's
+abort key and stop at once.
 
 `os._exit` skips Python's cleanup on purpose: the main thread is stuck and would never let a
 normal exit finish. Checkpoints stay intact because a checkpoint is published (`latest`) only
@@ -29,8 +32,15 @@ import sys
 import threading
 from typing import Any
 
-ABORT_KEY = "megatron_dapo/abort"
 POLL_S = 0.5
+
+
+def _prefix() -> str:
+    return f"megatron_dapo/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def abort_key() -> str:
+    return f"{_prefix()}/abort"
 
 
 def _store():
@@ -40,7 +50,7 @@ def _store():
 
 
 def answered_key(seq: int, rank: int) -> str:
-    return f"megatron_dapo/answered/{seq}/{rank}"
+    return f"{_prefix()}/answered/{seq}/{rank}"
 
 
 def mark_answered(store: Any, seq: int, rank: int) -> None:
@@ -103,20 +113,20 @@ class CallWatchdog:
             line += f" {note}"
         # if the store fails, followers end by torchrun's shutdown instead
         with contextlib.suppress(Exception):
-            self.store.set(ABORT_KEY, line)
+            self.store.set(abort_key(), line)
         _exit_with(line)
 
 
 def watch_for_abort(rank: int) -> threading.Thread:
     """Followers: leave as soon as rank 0's watchdog posts the abort key."""
-    store = _store()
+    store, key = _store(), abort_key()
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.wait(POLL_S):
             try:
-                if store.check([ABORT_KEY]):
-                    reason = store.get(ABORT_KEY).decode()
+                if store.check([key]):
+                    reason = store.get(key).decode()
                     _exit_with(
                         f"[rank {rank}] stopped: rank 0 ended the run ({reason.removeprefix('failed: ')})"
                     )
