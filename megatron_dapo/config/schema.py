@@ -36,6 +36,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
+    # MoE: experts split over this many of the data-parallel x context-parallel ranks.
+    expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     # Actor world size; data parallel = world / (tp * pp * cp).
     actor_world_size: int = 1

@@ -41,6 +41,7 @@ POSITIVE_INTS = (
     "parallel.tensor_model_parallel_size",
     "parallel.pipeline_model_parallel_size",
     "parallel.context_parallel_size",
+    "parallel.expert_model_parallel_size",
     "parallel.actor_world_size",
     "data.max_prompt_length",
     "data.max_response_length",
@@ -149,6 +150,12 @@ def validate(cfg: DictConfig) -> None:
             f"use a world size of {model_parallel}, {2 * model_parallel}, ... or change the layout"
         )
     dp = par.actor_world_size // model_parallel
+    ep = par.expert_model_parallel_size
+    if (dp * cp) % ep:
+        raise ConfigError(
+            f"parallel.expert_model_parallel_size={ep} must divide the {dp * cp} data x context parallel "
+            "ranks (actor_world_size / (tp*pp)); megatron splits experts over those"
+        )
     if par.sequence_parallel and tp == 1:
         raise ConfigError(
             "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; set it to false"

@@ -79,6 +79,7 @@ class ActorWorker:
             pp=par["pipeline_model_parallel_size"],
             vpp=par["virtual_pipeline_model_parallel_size"],
             cp=par["context_parallel_size"],
+            ep=par.get("expert_model_parallel_size", 1),
             seed=cfg["trainer"]["seed"],
         )
         dtype = cfg["model"]["dtype"]

@@ -18,6 +18,7 @@ class PlanInputs:
     pp: int = 1
     vpp: int | None = None
     cp: int = 1
+    ep: int = 1  # expert parallel (MoE): experts split over this many of the DP x CP ranks
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
     actor_world_size: int = 1
@@ -56,6 +57,7 @@ CONFIG_KEYS: dict[str, str] = {
     "pp": "parallel.pipeline_model_parallel_size",
     "vpp": "parallel.virtual_pipeline_model_parallel_size",
     "cp": "parallel.context_parallel_size",
+    "ep": "parallel.expert_model_parallel_size",
     "sequence_parallel": "parallel.sequence_parallel",
     "use_distributed_optimizer": "parallel.use_distributed_optimizer",
     "actor_world_size": "parallel.actor_world_size",

@@ -24,6 +24,12 @@ class ModelShape:
     qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama does not.
     gated_mlp: bool = True  # SwiGLU: gate + up + down projections.
     qk_norm: bool = False  # Qwen3: an RMSNorm of head_dim weights on q and one on k per layer.
+    # Mixture of experts (Qwen3-MoE: every layer's MLP is a router plus num_experts SwiGLU experts
+    # of moe_intermediate_size, moe_topk of them per token). For MoE shapes intermediate_size is
+    # the FFN width one token passes through (topk x moe_intermediate_size), which sizes activations.
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -44,6 +50,23 @@ QWEN3: dict[str, ModelShape] = {
     s.name: s
     for s in (
         ModelShape("Qwen3-8B", 4096, 12288, 36, 32, 8, 151936, False, 128, qkv_bias=False, qk_norm=True),
+        # Qwen/Qwen3-30B-A3B: 128 experts of 768, top-8 (8 x 768 = 6144 per token).
+        ModelShape(
+            "Qwen3-30B-A3B",
+            2048,
+            6144,
+            48,
+            32,
+            4,
+            151936,
+            False,
+            128,
+            qkv_bias=False,
+            qk_norm=True,
+            num_experts=128,
+            moe_topk=8,
+            moe_intermediate_size=768,
+        ),
     )
 }
 
@@ -71,16 +94,13 @@ def shape_from_hf_config(cfg: dict, name: str = "model") -> ModelShape:
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"{name}: config.json lacks {', '.join(missing)}; is it a decoder-only LM config?")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        raise ValueError(
-            f"{name}: a mixture-of-experts config (num_experts); the planner counts dense models only so far"
-        )
+    moe = _moe_fields(cfg, name)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     model_type = str(cfg.get("model_type", "qwen2"))
     # Qwen2 always has q/k/v biases; Llama-style configs say so with `attention_bias`.
     qkv_bias = bool(cfg.get("attention_bias", model_type.startswith("qwen2")))
-    return ModelShape(
+    fields = dict(
         name=name,
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
@@ -92,6 +112,32 @@ def shape_from_hf_config(cfg: dict, name: str = "model") -> ModelShape:
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         qkv_bias=qkv_bias,
         qk_norm=model_type.startswith("qwen3"),
+    )
+    return ModelShape(**{**fields, **moe})
+
+
+def _moe_fields(cfg: dict, name: str) -> dict:
+    """Qwen3-MoE's expert fields (intermediate_size replaced by the per-token FFN width); {} for a
+    dense config; other MoE layouts are refused by name."""
+    if cfg.get("num_local_experts"):
+        raise ValueError(f"{name}: num_local_experts (Mixtral-style MoE) is not supported; Qwen3-MoE is")
+    if not cfg.get("num_experts"):
+        return {}
+    if (
+        cfg.get("mlp_only_layers")
+        or int(cfg.get("decoder_sparse_step", 1)) != 1
+        or cfg.get("shared_expert_intermediate_size")
+    ):
+        raise ValueError(
+            f"{name}: only MoE in every layer without a shared expert is supported "
+            "(decoder_sparse_step=1, mlp_only_layers=[], no shared_expert_intermediate_size)"
+        )
+    topk, width = int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"])
+    return dict(
+        num_experts=int(cfg["num_experts"]),
+        moe_topk=topk,
+        moe_intermediate_size=width,
+        intermediate_size=topk * width,
     )
 
 

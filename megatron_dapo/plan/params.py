@@ -16,6 +16,8 @@ class ParamCount:
     norms_per_layer: int
     final_norm: int
     output_head: int  # 0 when tied to the embedding
+    experts_per_layer: int = 0  # the part of mlp_per_layer in experts (split over EP)
+    active_experts_per_layer: int = 0  # the experts one token passes through (top-k of them)
 
     @property
     def per_layer(self) -> int:
@@ -23,6 +25,11 @@ class ParamCount:
 
     def total(self, num_layers: int) -> int:
         return self.embedding + num_layers * self.per_layer + self.final_norm + self.output_head
+
+    def active(self, num_layers: int) -> int:
+        """Parameters one token uses: the total less the experts it is not routed to (= total for
+        a dense model)."""
+        return self.total(num_layers) - num_layers * (self.experts_per_layer - self.active_experts_per_layer)
 
 
 def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
@@ -39,7 +46,15 @@ def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
     if m.qkv_bias:
         attn += m.q_dim + 2 * m.kv_dim
     mlp = (3 if m.gated_mlp else 2) * h * f
+    experts = active = 0
+    if m.num_experts:
+        # Router (num_experts x h, no bias) plus SwiGLU experts.
+        expert = 3 * h * m.moe_intermediate_size
+        experts, active = m.num_experts * expert, m.moe_topk * expert
+        mlp = m.num_experts * h + experts
     return ParamCount(
+        experts_per_layer=experts,
+        active_experts_per_layer=active,
         embedding=v * h,
         attention_per_layer=attn,
         mlp_per_layer=mlp,
@@ -63,27 +78,39 @@ class StageParams:
     layers: int
     params: int
     has_head: bool  # computes the logits (last stage)
+    expert_params: int = (
+        0  # the part of params in MoE experts (their grads/optimizer shard over EP x expert-DP)
+    )
 
 
-def params_per_gpu(m: ModelShape, tp: int, pp: int, divisible_by: int = 128) -> list[StageParams]:
+def params_per_gpu(
+    m: ModelShape, tp: int, pp: int, divisible_by: int = 128, ep: int = 1
+) -> list[StageParams]:
     """Parameters on one GPU of the first and last pipeline stage (one entry when PP=1).
 
     Linear weights and biases split over TP; RMSNorm weights are replicated (small). The word
     embedding (vocab-parallel, padded) sits on the first stage, the final norm and LM head on the
     last; with PP > 1 a tied embedding is held on both (Megatron keeps a copy on the last stage and
     all-reduces their grads). Middle stages hold only layers, so they are never the largest.
+    MoE experts split over EP x TP (megatron's expert tensor parallel size defaults to TP).
     """
     if m.num_layers % pp:
         raise ValueError(f"{m.num_layers} layers do not split into {pp} pipeline stages")
+    if m.num_experts % ep:
+        raise ValueError(f"{m.num_experts} experts do not split over expert parallel size {ep}")
     c = count_params(m, padded_vocab(m.vocab_size, divisible_by, tp))
     layers = m.num_layers // pp
-    body = layers * ((c.attention_per_layer + c.mlp_per_layer) // tp + c.norms_per_layer)
+    experts = layers * (c.experts_per_layer // (tp * ep))
+    body = layers * (
+        (c.attention_per_layer + c.mlp_per_layer - c.experts_per_layer) // tp + c.norms_per_layer
+    )
+    body += experts
     emb = c.embedding // tp
     head = emb if m.tie_word_embeddings else c.output_head // tp
     if pp == 1:
         untied_head = 0 if m.tie_word_embeddings else head
-        return [StageParams("only", layers, body + emb + c.final_norm + untied_head, True)]
+        return [StageParams("only", layers, body + emb + c.final_norm + untied_head, True, experts)]
     return [
-        StageParams("first", layers, body + emb, False),
-        StageParams("last", layers, body + c.final_norm + head, True),
+        StageParams("first", layers, body + emb, False, experts),
+        StageParams("last", layers, body + c.final_norm + head, True, experts),
     ]

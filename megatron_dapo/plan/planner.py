@@ -19,7 +19,7 @@ from megatron_dapo.plan.memory import (
     static_state_bytes,
 )
 from megatron_dapo.plan.models import ModelShape
-from megatron_dapo.plan.params import count_params, padded_vocab, params_per_gpu
+from megatron_dapo.plan.params import StageParams, count_params, padded_vocab, params_per_gpu
 from megatron_dapo.plan.throughput import (
     StepTokens,
     TimeSplit,
@@ -77,6 +77,7 @@ class Plan:
     times: TimeSplit
     checks: list[Check]
     assumptions: list[tuple[str, str, str]]  # (name, value, why)
+    active_params: int = 0  # per token (MoE: the top-k experts only); = total_params for dense
 
     @property
     def fits(self) -> bool:
@@ -128,7 +129,7 @@ def actor_stages(
     # A micro-batch is at most the token budget, but never less than one whole sequence.
     tokens = max(p.micro_batch_max_tokens, p.max_seq_len) / p.cp
     out = []
-    for st in params_per_gpu(shape, p.tp, p.pp, p.make_vocab_size_divisible_by):
+    for st in params_per_gpu(shape, p.tp, p.pp, p.make_vocab_size_divisible_by, p.ep):
         stage_index = 0 if st.stage in ("first", "only") else p.pp - 1
         flight = in_flight_microbatches(stage_index, p.pp, micro, p.vpp)
         act = [
@@ -139,7 +140,7 @@ def actor_stages(
             StageMemory(
                 stage=st.stage if p.pp > 1 else "only",
                 params=st.params,
-                state=static_state_bytes(st.params, p.dtype, p.dp * p.cp, p.use_distributed_optimizer),
+                state=_stage_state(st, p),
                 activations=act[0],
                 activations_other=act[1],
                 logits=logits_bytes(tokens, vocab, p.tp) if st.has_head else 0.0,
@@ -147,6 +148,22 @@ def actor_stages(
             )
         )
     return out, micro
+
+
+def _stage_state(st: StageParams, p: PlanInputs) -> StaticState:
+    """Static bytes of one stage's GPU: the distributed optimizer shards dense parameters over
+    DP x CP, experts over their expert-data-parallel ranks (DP x CP / EP)."""
+    dense = static_state_bytes(
+        st.params - st.expert_params, p.dtype, p.dp * p.cp, p.use_distributed_optimizer
+    )
+    if not st.expert_params:
+        return dense
+    experts = static_state_bytes(
+        st.expert_params, p.dtype, max(1, p.dp * p.cp // p.ep), p.use_distributed_optimizer
+    )
+    return StaticState(
+        dense.weights + experts.weights, dense.grads + experts.grads, dense.optimizer + experts.optimizer
+    )
 
 
 def _actor_fits(
@@ -186,6 +203,8 @@ def find_actor_fix(
         for pp in pps:
             mp = tp * pp * p.cp
             if p.actor_world_size % mp or (p.ppo_mini_batch_size * p.n) % (p.actor_world_size // mp):
+                continue
+            if (p.actor_world_size // (tp * pp)) % p.ep:  # experts split over the DP x CP ranks
                 continue
             for rc in sorted({p.recompute, True}):
                 for mbt in budgets:
@@ -345,7 +364,9 @@ def make_plan(
     """The whole plan for config values `p` on `gpu`. Pure: no config files, no network."""
     a = a or Assumptions()
     roles, p = assign_roles(p, num_gpus)
-    total_params = count_params(shape).total(shape.num_layers)
+    counts = count_params(shape)
+    total_params = counts.total(shape.num_layers)
+    active_params = counts.active(shape.num_layers)
     r = resolve_assumptions(p, shape, gpu, a, total_params)
     mean_seq = r["mean_prompt"] + r["mean_response"]
     checks = _layout_checks(p, shape, roles)
@@ -407,7 +428,8 @@ def make_plan(
     )
     times = time_split(
         tokens,
-        forward_flops_per_token(shape, total_params, mean_seq),
+        # A token's matmuls run through its top-k experts only (MoE): FLOPs follow active params.
+        forward_flops_per_token(shape, active_params, mean_seq),
         p.ppo_epochs,
         p.recompute,
         roles.rollout_gpus,
@@ -469,4 +491,5 @@ def make_plan(
         times,
         checks,
         assumptions,
+        active_params=active_params,
     )

@@ -24,6 +24,12 @@ def render(plan: Plan, console: Console) -> None:
         title=f"megatron-dapo plan: {shape.name} on {roles.total_gpus} x {plan.gpu.name}", show_header=False
     )
     head.add_row("parameters", f"{plan.total_params:,} ({plan.total_params / 1e9:.2f} B)")
+    if plan.shape.num_experts:
+        head.add_row(
+            "active parameters",
+            f"{plan.active_params:,} ({plan.active_params / 1e9:.2f} B; top-{plan.shape.moe_topk} of "
+            f"{plan.shape.num_experts} experts, EP={plan.inputs.ep})",
+        )
     head.add_row(
         "shape",
         f"h={shape.hidden_size} ffn={shape.intermediate_size} layers={shape.num_layers} heads={shape.num_heads} "
