@@ -38,10 +38,15 @@ def _dcp_tensors(ckpt_dir: Path, tmp_path: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "family,arch", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")], ids=["qwen2", "qwen3"]
+    "family,arch,reconvert",
+    # qwen3 stops after the bit-exact round trip: its weight map at TP=1 against HF logits is
+    # test_model_hf_equivalence's qwen3 cases, and the TP=1 reconversion and verify-model below
+    # go through the family-independent dist-checkpoint code that qwen2 proves.
+    [("qwen2", "Qwen2ForCausalLM", True), ("qwen3", "Qwen3ForCausalLM", False)],
+    ids=["qwen2", "qwen3"],
 )
 def test_hf_to_tp2_pp2_to_hf_is_bit_exact_and_reconverts_to_tp1(
-    tiny_hf_checkpoint, tmp_path, capsys, family, arch
+    tiny_hf_checkpoint, tmp_path, capsys, family, arch, reconvert
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -62,6 +67,8 @@ def test_hf_to_tp2_pp2_to_hf_is_bit_exact_and_reconverts_to_tp1(
         == AutoTokenizer.from_pretrained(src)("ab").input_ids
     )
 
+    if not reconvert:
+        return
     # Megatron TP=2 x PP=2 -> HF -> Megatron TP=1: the same full tensors in both dist checkpoints.
     hf_to_megatron(hf_back, m11, tp=1, pp=1, progress=False)
     a, b = _dcp_tensors(m22, tmp_path), _dcp_tensors(m11, tmp_path)
