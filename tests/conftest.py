@@ -75,3 +75,22 @@ def assets(tmp_path_factory):
     from megatron_dapo.demo.assets import prepare_demo_assets
 
     return prepare_demo_assets(tmp_path_factory.mktemp("demo_assets"), eval_problems=8)
+
+
+@pytest.fixture(scope="session")
+def small_demo_assets(tmp_path_factory):
+    """``small_demo_assets(sft_steps=5, eval_problems=4)`` -> the demo's model and data after a few
+    warm-start steps, built once per session for each distinct set of arguments (the real-SGLang
+    and torchrun modules need a model, not a good one). Read-only: runs write elsewhere."""
+    from megatron_dapo.demo.assets import prepare_demo_assets
+
+    cache: dict[tuple, object] = {}
+
+    def make(sft_steps: int = 5, eval_problems: int = 4):
+        key = (sft_steps, eval_problems)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"demo_assets_sft{sft_steps}")
+            cache[key] = prepare_demo_assets(root, sft_steps=sft_steps, eval_problems=eval_problems)
+        return cache[key]
+
+    return make

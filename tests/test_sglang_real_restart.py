@@ -37,11 +37,9 @@ N, GROUPS = 4, 4
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(small_demo_assets):
     require_sglang()
-    from megatron_dapo.demo.assets import prepare_demo_assets
-
-    return prepare_demo_assets(tmp_path_factory.mktemp("demo_assets"), sft_steps=5, eval_problems=4)
+    return small_demo_assets(sft_steps=5, eval_problems=4)
 
 
 def _prefilled(url: str) -> int:

@@ -38,11 +38,9 @@ SEQUENCE = [5, 6, 7, 8, 40, 41, 42, 100, 3, 77]
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(small_demo_assets):
     require_sglang()
-    from megatron_dapo.demo.assets import prepare_demo_assets
-
-    return prepare_demo_assets(tmp_path_factory.mktemp("demo_assets"), sft_steps=5, eval_problems=4)
+    return small_demo_assets(sft_steps=5, eval_problems=4)
 
 
 def _args(assets, runs: Path) -> list[str]:

@@ -25,13 +25,9 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(small_demo_assets):
     require_sglang()
-    from megatron_dapo.demo.assets import prepare_demo_assets
-
-    return prepare_demo_assets(
-        tmp_path_factory.mktemp("torchrun_sglang_assets"), sft_steps=5, eval_problems=4
-    )
+    return small_demo_assets(sft_steps=5, eval_problems=4)
 
 
 def _server_pid(root: int, deadline_s: float = 600) -> int:

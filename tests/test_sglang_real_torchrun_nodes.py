@@ -22,14 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def test_each_node_starts_its_own_server_and_both_train(tmp_path):
+def test_each_node_starts_its_own_server_and_both_train(small_demo_assets, tmp_path):
     require_sglang()
     import psutil
 
     from megatron_dapo.actor.spawn import free_port
-    from megatron_dapo.demo.assets import prepare_demo_assets
 
-    assets = prepare_demo_assets(tmp_path / "assets", sft_steps=5, eval_problems=4)
+    assets = small_demo_assets(sft_steps=5, eval_problems=4)
     overrides = {
         "model.path": assets.hf_dir,
         "data.train_files": f"[{assets.train_file}]",
