@@ -105,10 +105,11 @@ def _rank_run(rank, world, hf_dir, inputs, layouts):
     ).with_old_logprobs(inputs["old"])
     out = {}
     for layout in layouts:
-        init_parallel(**layout)
+        budget = layout.get("budget", 10_000)
+        init_parallel(**{k: v for k, v in layout.items() if k != "budget"})
         cfg = ActorConfig(
             ppo_mini_batch_size=4,
-            micro_batch_max_tokens=10_000,
+            micro_batch_max_tokens=budget,
             loss_agg_mode="token-mean",
             temperature=TEMPERATURE,
             tis_cap=TIS_CAP,
@@ -194,13 +195,16 @@ def ep1(hf_dir, inputs):
 
 
 EP2, PP2 = (("ep", 2), ("pp", 1), ("tp", 1)), (("ep", 1), ("pp", 2), ("tp", 1))
+# A budget of 14 tokens packs the two data-parallel halves into 4 and 3 micro-batches.
+EP2_UNEVEN = (("budget", 14), ("ep", 2), ("pp", 1), ("tp", 1))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(hf_dir, inputs):
     """EP=2 (the experts split over the two data-parallel ranks, tokens exchanged all-to-all over
     gloo) and PP=2, in one launch."""
-    return _results(hf_dir, inputs, 2, [dict(tp=1, pp=1, ep=2), dict(tp=1, pp=2, ep=1)])
+    layouts = [dict(tp=1, pp=1, ep=2), dict(tp=1, pp=2, ep=1), dict(tp=1, pp=1, ep=2, budget=14)]
+    return _results(hf_dir, inputs, 2, layouts)
 
 
 def _check_against_reference(got, reference):
@@ -226,11 +230,11 @@ def test_moe_train_step_ep1_equals_hf_reference(ep1, reference, hf_dir):
     assert sum(".mlp.experts." in k for k in moved) >= 8
 
 
-@pytest.mark.parametrize("layout", [EP2, PP2], ids=["ep2", "pp2"])
+@pytest.mark.parametrize("layout", [EP2, PP2, EP2_UNEVEN], ids=["ep2", "pp2", "ep2-uneven-micro-batches"])
 def test_moe_train_step_is_layout_invariant(two_ranks, ep1, reference, layout):
     ranks = [r[layout] for r in two_ranks]
     holders = [r for r in ranks if r["state"] is not None]
-    assert len(holders) == (2 if layout == EP2 else 1)  # at EP=2 each replica gathers all experts
+    assert len(holders) == (1 if layout == PP2 else 2)  # at EP=2 each replica gathers all experts
     for got in holders:
         _check_against_reference(got, reference)
         ref_u, got_u = ep1["metrics"]["updates"][0], got["metrics"]["updates"][0]

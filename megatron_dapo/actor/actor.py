@@ -28,6 +28,7 @@ from megatron_dapo.actor.micro_batches import (
     pack_fixed_shape,
     positions_to_response,
     split_over_ranks,
+    split_to_count,
 )
 from megatron_dapo.actor.optimizer import (
     OptimizerSettings,
@@ -189,7 +190,17 @@ class Actor:
                 for g in groups
             ]
         groups = pack_by_token_budget(lengths, mine, budget, self._micro_multiple)
+        if self.layout.ep_size > 1:
+            groups = split_to_count(groups, self._max_over_data_parallel(len(groups)))
         return [collate(batch, g, self.cfg.pad_token_id, self._pad_multiple) for g in groups]
+
+    def _max_over_data_parallel(self, value: int) -> int:
+        """The largest ``value`` of the data-parallel ranks (EP groups lie within them)."""
+        from megatron.core import parallel_state as ps
+
+        t = torch.tensor([value], dtype=torch.int64, device=compat.device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group(with_context_parallel=True))
+        return int(t.item())
 
     def _reports(self) -> bool:
         """The one rank per DP replica whose numbers enter world-wide sums."""

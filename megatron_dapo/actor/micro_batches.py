@@ -87,6 +87,24 @@ def pack_by_token_budget(
     return groups
 
 
+def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
+    """``groups`` with the largest halved until there are ``count`` of them (expert parallelism:
+    every rank of an EP group must run the same number of micro-batches, since each forward
+    exchanges tokens all-to-all). Raises :class:`BatchError` when there are fewer samples."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        biggest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+        if len(groups[biggest]) < 2:
+            raise BatchError(
+                f"{sum(map(len, groups))} samples cannot form {count} micro-batches (another expert-parallel "
+                "rank has that many); give each data-parallel rank more samples"
+            )
+        g = groups.pop(biggest)
+        half = (len(g) + 1) // 2
+        groups[biggest:biggest] = [g[:half], g[half:]]
+    return groups
+
+
 def pack_fixed_shape(
     lengths: list[int], indices: list[int], max_tokens: int, multiple_of: int = 1, pad_multiple: int = 1
 ) -> tuple[list[list[int]], int, int]:
