@@ -8,7 +8,12 @@ tokens, or sequences, of the whole optimizer mini-batch) is all-reduced over DP 
 backward passes; metric sums are all-reduced over the world from the last pipeline stage's first
 TP rank, so every rank returns the same metrics.
 
-Unsupported here: context parallelism (log-probs would need the sequence re-assembled).
+Context parallelism (CP): every CP rank of a DP replica plans the same micro-batches (padded
+to a multiple of ``2 * CP``) and runs its load-balanced share of each row (``train_step``); the
+loss normaliser is the DP-wide token count of whole sequences, gradients are summed over DP x CP
+by megatron's DDP (its ``dp_cp`` group), per-token outputs are gathered over CP, and metric sums
+come from every CP rank. Sequence-level quantities that need a whole row on one rank
+(``seq-mean-token-mean``, sequence/geometric rollout correction) are refused with CP > 1.
 """
 
 from __future__ import annotations
@@ -106,6 +111,21 @@ class ActorState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _check_cp_supported(cfg: ActorConfig) -> None:
+    """Refuse the loss settings that need a whole sequence on one rank (a CP rank holds 1/CP)."""
+    if cfg.loss_agg_mode == "seq-mean-token-mean":
+        raise ValueError(
+            "loss_agg_mode='seq-mean-token-mean' is not supported with context_parallel_size > 1 "
+            "(a sequence's token mean spans CP ranks); use token-mean or seq-mean-token-sum(-norm), or cp=1"
+        )
+    rc = cfg.rollout_correction
+    if rc is not None and rc.active and rc.level != "token":
+        raise ValueError(
+            f"rollout_correction.level={rc.level!r} is not supported with context_parallel_size > 1 "
+            "(it multiplies over a whole sequence); use level='token', or cp=1"
+        )
+
+
 class Actor:
     """Trainer half of DAPO over DDP-wrapped megatron model chunks.
 
@@ -121,7 +141,7 @@ class Actor:
         from megatron_dapo.weights.model_io import unwrap
 
         if layout.cp_size > 1:
-            raise ValueError("the actor does not support context parallelism (cp > 1) yet; use cp=1")
+            _check_cp_supported(cfg)
         config = model_chunks[0].config
         if not (config.calculate_per_token_loss and config.variable_seq_lengths):
             raise ValueError(
@@ -141,6 +161,10 @@ class Actor:
         self._pad_multiple = gpu_settings.seq_pad_multiple(
             layout.tp_size, config.sequence_parallel, config.fp8, config.fp8_recipe or "delayed"
         )
+        if layout.cp_size > 1:
+            # 2 * CP load-balanced chunks, each itself a multiple of the TP/FP8 alignment (a CP
+            # rank's share is what sequence parallelism and FP8 GEMMs see).
+            self._pad_multiple *= 2 * layout.cp_size
         self._micro_multiple = layout.pp_size if len(model_chunks) > 1 else 1
         if len(model_chunks) > 1:
             if compat.on_cpu():
@@ -206,9 +230,11 @@ class Actor:
         """The one rank per DP replica whose numbers enter world-wide sums."""
         return self.layout.is_last_stage and self.layout.tp_rank == 0
 
-    def _world_sum(self, t: torch.Tensor) -> torch.Tensor:
+    def _world_sum(self, t: torch.Tensor, gathered_over_cp: bool = False) -> torch.Tensor:
+        """Sum over the reporting ranks; ``gathered_over_cp``: every CP rank holds the same whole
+        rows (cp_gather), so only CP rank 0 contributes."""
         t = t.to(compat.device())
-        if not self._reports():
+        if not self._reports() or (gathered_over_cp and self.layout.cp_rank != 0):
             t.zero_()
         dist.all_reduce(t)
         return t.cpu()
@@ -237,7 +263,7 @@ class Actor:
             positions_to_response(lp, micro, batch, out[0])
             if with_entropy:
                 positions_to_response(ent, micro, batch, out[1])
-        out = self._world_sum(out)
+        out = self._world_sum(out, gathered_over_cp=True)
         return (out[0], out[1]) if with_entropy else out[0]
 
     # ------------------------------------------------------------------ training
@@ -292,6 +318,10 @@ class Actor:
         micros = self._my_micro_batches(batch, indices)
         zero_grads(self.model, self.optimizer)
         sums = self._world_stats(backward_micro_batches(self.model, micros, settings))
+        if self.layout.cp_size > 1:
+            # Every CP rank counted the rows it holds a loss token of; the normaliser counted
+            # whole sequences once.
+            sums[STAT_NAMES.index("seqs")] = num_seqs
         loss = float(sums[STAT_NAMES.index("loss")])
         if num_tokens == 0:
             self.optimizer.zero_grad()

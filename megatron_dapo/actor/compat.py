@@ -51,6 +51,13 @@ Patches (all installed together, once per process):
    ``transformer.moe.moe_utils`` get the proxy of patch 3. The router's
    ``torch.cuda.current_device()`` buffers are covered by patch 1; the expert-parallel all-to-all
    itself is ``all_to_all_single``, which gloo implements (uneven splits included).
+8. Context parallelism (``cpu_context_parallel_spec``, its own section at the end of this file).
+   megatron-core 0.16's local ``DotProductAttention`` asserts ``context_parallel_size == 1``; on
+   CPU with CP > 1 the layer spec's core attention is ``cpu_cp_attention.CpuContextParallelAttention``,
+   an exact (not fast) stand-in for TE's ring attention: K/V all-gathered over the CP group, causal
+   mask from the global positions of the load-balanced chunks. On GPU TE's attention is used.
+   RoPE's per-CP-rank slice (``rope_utils.get_pos_emb_on_this_cp_rank``) pins and ``.cuda()``-moves
+   its chunk index: on CPU pinning is dropped and ``.cuda()`` is the identity for that call.
 
 Not patched, because the CPU path does not use them: the distributed optimizer (the CPU path uses
 megatron's non-distributed optimizer), CUDA graphs, NCCL user buffers, overlapped grad reduce /
@@ -282,6 +289,7 @@ def apply_cpu_compat() -> None:
     )
     _install_cpu_rng_tracker()
     _apply_moe_cpu_compat()
+    _apply_cp_cpu_compat()
     _APPLIED = True
 
 
@@ -319,3 +327,62 @@ def _apply_moe_cpu_compat() -> None:
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _dtoh_and_synchronize_on_cpu
     if not isinstance(moe_utils.torch, _CudaLiteralsOnCpu):
         moe_utils.torch = _CudaLiteralsOnCpu(torch)
+
+
+# ---- Context parallelism on CPU (patch 8): a stand-in for TE's CP attention ----
+
+
+def cpu_context_parallel_spec(spec: Any, config: Any) -> Any:
+    """Patch 8. megatron-core's local attention refuses ``context_parallel_size > 1`` (only TE's
+    attention takes a CP group, and TE needs a GPU). On CPU with CP > 1 the layer spec's core
+    attention becomes :class:`megatron_dapo.actor.cpu_cp_attention.CpuContextParallelAttention`
+    (exact attention over K/V all-gathered across CP); with CUDA, or CP 1, ``spec`` is returned
+    unchanged, so the GPU path keeps TE's attention with megatron's CP group."""
+    if not on_cpu() or config.context_parallel_size == 1:
+        return spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_dapo.actor.cpu_cp_attention import CpuContextParallelAttention
+
+    attention = spec.submodules.self_attention.submodules
+    if attention.core_attention is not DotProductAttention:
+        raise ValueError(
+            f"context parallelism on CPU needs the local spec's DotProductAttention, got {attention.core_attention}"
+        )
+    attention.core_attention = CpuContextParallelAttention
+    return spec
+
+
+class _NoPinnedMemory:
+    """Stand-in for ``torch`` inside one megatron module whose tensor factories drop
+    ``pin_memory=True`` (CPU-only torch has no pinned-memory allocator)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        for name in _FACTORIES:
+            setattr(self, name, self._wrap(getattr(real, name)))
+
+    @staticmethod
+    def _wrap(factory: Callable) -> Callable:
+        @functools.wraps(factory)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _apply_cp_cpu_compat() -> None:
+    """Patch 8, RoPE part: ``rope_utils.get_pos_emb_on_this_cp_rank`` (the CP rank's RoPE chunks)
+    builds its chunk index with ``pin_memory=True`` and moves it with ``.cuda()``: on CPU the
+    factory drops ``pin_memory`` and ``Tensor.cuda()`` is the identity during that call."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    if not isinstance(rope_utils.torch, _NoPinnedMemory):
+        rope_utils.torch = _NoPinnedMemory(rope_utils.torch)
+    wrapped = _within(_tensor_cuda_is_identity, rope_utils.get_pos_emb_on_this_cp_rank)
+    rope_utils.get_pos_emb_on_this_cp_rank = wrapped
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = wrapped

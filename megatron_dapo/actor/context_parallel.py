@@ -1,6 +1,8 @@
 """The pure pieces of context parallelism (CP): how a sequence is cut across CP ranks and how the
-per-token reductions are normalised. No process groups here; the actor's CP path (GPU only, TE
-attention with a CP group) is built on these.
+per-token reductions are normalised. The actor's CP path is built on these: ``train_step`` runs
+each micro-batch's :func:`cp_split_micro` share and gathers per-token outputs with
+:func:`cp_gather`; attention is TE's with megatron's CP group on GPU and
+``cpu_cp_attention.CpuContextParallelAttention`` on CPU (see ``compat``).
 
 Megatron-core's CP attention (Transformer Engine's ring attention) expects each sequence cut into
 ``2 * cp`` equal chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``: with a causal
@@ -97,3 +99,25 @@ def cp_reduce_token_mean(local_sum: torch.Tensor, local_count: torch.Tensor, gro
     both = torch.stack([local_sum.detach().to(torch.float64), local_count.to(torch.float64)])
     dist.all_reduce(both, group=group)
     return both[0] / both[1].clamp(min=1)
+
+
+def cp_split_micro(micro, cp: int, rank: int):
+    """This CP rank's share of a :class:`~megatron_dapo.actor.micro_batches.MicroBatch`: every
+    per-position tensor cut along the sequence with :func:`cp_split` (labels and positions were
+    taken from the whole row when it was collated, so no target is lost at a chunk boundary);
+    per-row fields (``sample_index``, ``advantages``) are kept whole."""
+    if cp == 1:
+        return micro
+    fields = dict(micro.__dict__)
+    for key in (
+        "tokens",
+        "position_ids",
+        "labels",
+        "loss_mask",
+        "score_mask",
+        "old_logprobs",
+        "rollout_logprobs",
+    ):
+        if fields[key] is not None:
+            fields[key] = cp_split(fields[key], cp, rank, dim=1)
+    return type(micro)(**fields)

@@ -21,6 +21,11 @@ tested on CPU. CPU/GPU differences of the actor live here and in :mod:`compat` (
    plain path). overlap_param_gather is exposed but off by default: with it the distributed
    optimizer's parameter all-gather is deferred to the next forward, and the weight sync to the
    rollout engines reads the parameters right after the step, before any forward.
+6. Context parallelism: on GPU the TE layer spec's ``TEDotProductAttention`` receives megatron's
+   CP group (ring attention, megatron's default ``cp_comm_type``) and RoPE is sliced per CP rank
+   inside megatron; on CPU the local spec's core attention is replaced by the exact stand-in
+   ``cpu_cp_attention.CpuContextParallelAttention`` (``compat`` patch 8). With CP the actor pads
+   lengths to ``2 * CP`` times :func:`seq_pad_multiple` (each of the 2*CP chunks stays aligned).
 """
 
 from __future__ import annotations

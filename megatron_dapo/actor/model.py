@@ -371,7 +371,8 @@ def layer_spec(config: Any, use_te: bool | None = None) -> Any:
         _moe_without_te()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm, **moe)
+    local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm, **moe)
+    return compat.cpu_context_parallel_spec(local, config)  # CP > 1 on CPU only
 
 
 def build_gpt_model(

@@ -90,13 +90,6 @@ def init_parallel(
 
     Raises ValueError when the world size is not divisible by tp*pp*cp or vpp is given with pp=1.
     """
-    if cp > 1 and not torch.cuda.is_available():
-        # Checked before joining any group, so a CPU job fails at once instead of hanging a peer.
-        raise ValueError(
-            f"context_parallel_size={cp} needs GPUs: megatron's local (CPU) attention has no context "
-            "parallelism, only Transformer Engine's attention does; set parallel.context_parallel_size=1 "
-            "on CPU (use tp/pp/dp), or run on GPUs with transformer-engine installed"
-        )
     compat.apply_cpu_compat()
     _init_process_group(timeout_minutes)
     from megatron.core import parallel_state as ps

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.actor import compat
+from megatron_dapo.actor.context_parallel import cp_gather, cp_split_micro
 from megatron_dapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_dapo.actor.micro_batches import MicroBatch
 from megatron_dapo.algo import RolloutCorrection, policy_loss
@@ -64,7 +65,18 @@ class LossSettings:
     rollout_correction: RolloutCorrection | None = None  # None / mode none: today's loss
 
 
+def _cp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+
+
 def _to_device(micro: MicroBatch) -> MicroBatch:
+    """This rank's part of ``micro`` on the device: with context parallelism its load-balanced
+    CP share (RoPE is cut the same way inside megatron, from the CP group)."""
+    from megatron.core import parallel_state as ps
+
+    micro = cp_split_micro(micro, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
     dev = compat.device()
     fields = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in micro.__dict__.items()}
     return MicroBatch(**fields)
@@ -84,11 +96,17 @@ def _run_schedule(
         model=model_chunks if multi else model_chunks[0],
         num_microbatches=len(micros),
         # With variable_seq_lengths megatron sends each micro-batch's shape first; these only
-        # seed the first exchange.
-        seq_length=first.tokens.shape[1],
+        # seed the first exchange (a CP rank's share is 1/CP of the row).
+        seq_length=first.tokens.shape[1] // _cp_size(),
         micro_batch_size=first.tokens.shape[0],
         forward_only=forward_only,
     )
+
+
+def _cp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_world_size()
 
 
 def _tp_group():
@@ -105,10 +123,12 @@ def score_micro_batches(
     vocab_size: int,
     with_entropy: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Forward-only log-probs and entropy ``[b, L]`` per micro-batch (CPU tensors), in order, on
-    the last pipeline stage; an empty list elsewhere."""
+    """Forward-only log-probs and entropy ``[b, L]`` per micro-batch (CPU tensors, whole rows
+    gathered over context parallelism), in order, on the last pipeline stage; an empty list
+    elsewhere."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     tp_group = _tp_group()
+    cp_group = _cp_group()
 
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
@@ -123,6 +143,8 @@ def score_micro_batches(
                 tp_group=tp_group,
                 with_entropy=with_entropy,
             )
+            if cp_group is not None:
+                lp, ent = cp_gather(lp.float(), cp_group, dim=1), cp_gather(ent.float(), cp_group, dim=1)
             out.append((lp.float().cpu(), ent.float().cpu()))
             zero = logits.sum() * 0
             return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}

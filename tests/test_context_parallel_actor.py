@@ -1,0 +1,121 @@
+"""Context parallelism wired through the actor, on CPU (2 gloo ranks, CP=2, with the CPU stand-in
+for TE's CP attention, ``actor/cpu_cp_attention.py``).
+
+One launch of 2 ranks checks, on the ragged batch of ``test_actor_layouts`` (short rows, loss
+tokens unevenly spread over the two CP ranks):
+- log-probs of every response token at CP=2 equal an HF transformers forward within 1e-5, and
+  the entropy equals the CP=1 run's;
+- one DAPO step at CP=2 with four micro-batches equals CP=1 (DP=2, one micro-batch; DP is
+  checked against DP=1 by test_actor_layouts): loss, grad norm, clip fractions and every updated
+  weight within the fp32 tolerance of the dense layout test (1e-6 relative);
+- the CP=2 loss equals ``algo.policy_loss`` on HF log-probs (an independent reference).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_actor_layouts import (
+    BIG,
+    CLIP,
+    MODEL,
+    SMALL,
+    TEMPERATURE,
+    TIS_CAP,
+    _actor,
+    _as_bytes,
+    _close,
+    _from_bytes,
+    _hf_state,
+    _make_batch,
+)
+
+from megatron_dapo.actor.spawn import run_ranks
+
+
+def _rank_run(rank, world, hf_dir, batch, old):
+    from megatron_dapo.actor.parallel import init_parallel
+
+    out = {}
+    for cp, budget in ((2, SMALL), (1, BIG)):
+        layout = init_parallel(cp=cp)
+        assert layout.cp_size == cp and layout.dp_size == world // cp
+        actor = _actor(hf_dir, budget, "token-mean")
+        logprobs, entropy = actor.compute_logprobs(batch, TEMPERATURE, with_entropy=True)
+        metrics = actor.update(batch.with_old_logprobs(old.float()))
+        out[cp] = dict(logprobs=logprobs, entropy=entropy, metrics=metrics, state=_hf_state(actor))
+    return _as_bytes(out)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tiny_hf_checkpoint):
+    return str(tiny_hf_checkpoint(**MODEL))
+
+
+@pytest.fixture(scope="module")
+def data(hf_dir):
+    return _make_batch(hf_dir)
+
+
+@pytest.fixture(scope="module")
+def results(hf_dir, data):
+    batch, old, _ = data
+    ranks = run_ranks(_rank_run, 2, hf_dir, batch, old, timeout_s=600)
+    return [_from_bytes(r) for r in ranks]
+
+
+def test_cp2_logprobs_equal_transformers(results, data):
+    batch, _, hf = data
+    mask = batch.response_mask | (torch.arange(batch.max_response_len) < batch.response_lens[:, None])
+    for per_rank in results:  # every rank returns the whole rows
+        got = per_rank[2]["logprobs"].double()
+        assert (got - hf).abs()[mask].max() < 1e-5
+        assert torch.allclose(per_rank[2]["entropy"], per_rank[1]["entropy"], rtol=1e-5, atol=1e-6)
+
+
+def test_cp2_step_equals_cp1(results):
+    ref, got = results[0][1], results[0][2]
+    ref_u, got_u = ref["metrics"]["updates"][0], got["metrics"]["updates"][0]
+    assert ref_u["updated"] and got_u["updated"]
+    assert _close(got_u["loss"], ref_u["loss"]), (got_u["loss"], ref_u["loss"])
+    assert _close(got_u["grad_norm"], ref_u["grad_norm"]), (got_u["grad_norm"], ref_u["grad_norm"])
+    for key in ("tokens", "seqs"):
+        assert got_u[key] == ref_u[key], key
+    for key in ("clipfrac", "clipfrac_high", "clipfrac_low", "entropy", "ppo_kl", "tis_mean", "mismatch_k3"):
+        assert _close(got_u[key], ref_u[key], 1e-5), (key, got_u[key], ref_u[key])
+    assert got["state"].keys() == ref["state"].keys()
+    for name, w in ref["state"].items():
+        diff = (got["state"][name] - w).abs().max()
+        assert diff <= 1e-6 * w.abs().max(), (name, float(diff))
+    # both CP ranks hold the same (DP x CP-reduced) weights
+    for name, w in got["state"].items():
+        assert torch.equal(results[1][2]["state"][name], w), name
+
+
+def test_cp2_loss_equals_policy_loss_on_hf_logprobs(results, data):
+    from megatron_dapo.algo import policy_loss
+
+    batch, old, hf = data
+    loss, _ = policy_loss(
+        hf,
+        old.float().double(),
+        batch.advantages.double(),
+        batch.response_mask,
+        **CLIP,
+        loss_agg_mode="token-mean",
+        rollout_logprobs=batch.rollout_logprobs.double(),
+        tis_cap=TIS_CAP,
+    )
+    got = results[0][2]["metrics"]["updates"][0]["loss"]
+    assert abs(got - float(loss)) < 1e-5 * max(1.0, abs(float(loss)))
+
+
+def test_cp_refuses_sequence_level_losses():
+    from megatron_dapo.actor.actor import ActorConfig, _check_cp_supported
+    from megatron_dapo.algo import RolloutCorrection
+
+    _check_cp_supported(ActorConfig(loss_agg_mode="seq-mean-token-sum"))
+    with pytest.raises(ValueError, match=r"seq-mean-token-mean.*context_parallel_size > 1"):
+        _check_cp_supported(ActorConfig(loss_agg_mode="seq-mean-token-mean"))
+    with pytest.raises(ValueError, match=r"rollout_correction.level='sequence'"):
+        _check_cp_supported(ActorConfig(rollout_correction=RolloutCorrection(mode="tis", level="sequence")))
