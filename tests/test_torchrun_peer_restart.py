@@ -180,3 +180,43 @@ def test_another_nodes_dead_server_is_restarted_by_its_node(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["rank"]:
     _rank_main(Path(sys.argv[2]))
+
+
+def test_peer_server_alive_is_whether_its_port_accepts():
+    import socket
+
+    from megatron_dapo.driver.sglang_placement import EnginePlan
+    from megatron_dapo.driver.sglang_torchrun import PeerServer
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        plan = EnginePlan(1, "node1", "127.0.0.1", (), port)
+        server = PeerServer(None, plan, f"http://127.0.0.1:{port}", 60)
+        assert server.alive()
+    assert not server.alive()  # the port is closed now: a dead server refuses at once
+
+
+def test_a_server_that_died_without_work_is_restarted_before_the_sync():
+    # killed during the actor update: no request failed on it, so the manager did not mark it down
+    # (before: the sync's first request to it failed and ended the run)
+    from megatron_dapo.driver.engine_restart import restart_down_engines
+
+    class Server:
+        def __init__(self, up):
+            self.up, self.restarts = up, 0
+
+        def alive(self):
+            return self.up
+
+        def restart(self):
+            self.restarts += 1
+            self.up = True
+
+    dead = SimpleNamespace(name="sglang-1", server=Server(False))
+    live = SimpleNamespace(name="sglang-0", server=Server(True))
+    manager = SimpleNamespace(engines=[live, dead], down={})
+    assert restart_down_engines(manager) == ["sglang-1"]
+    assert (dead.server.restarts, live.server.restarts) == (1, 0)
+    assert manager.down == {"sglang-1": "its server is gone"}  # back in service only after the sync

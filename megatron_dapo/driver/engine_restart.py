@@ -21,7 +21,15 @@ log = logging.getLogger(__name__)
 
 
 def restart_down_engines(manager: Any) -> list[str]:
-    """Restart the down engines that can be restarted (or came back); their names."""
+    """Restart the down engines that can be restarted (or came back); their names.
+
+    A server that died while no request was on it (during the actor update, or an engine the
+    rollout gave no work) is not in `manager.down`; its process is checked here so that it is
+    restarted too, instead of failing the weight sync that follows."""
+    for engine in manager.engines:
+        server = getattr(engine, "server", None)
+        if engine.name not in manager.down and server is not None and not _alive(server):
+            manager.down[engine.name] = "its server is gone"
     revived = []
     for engine in manager.engines:
         why = manager.down.get(engine.name)
@@ -48,6 +56,13 @@ def return_to_service(manager: Any, names: list[str]) -> None:
     """The engines got the current weights: the manager may give them work again."""
     for name in names:
         manager.down.pop(name, None)
+
+
+def _alive(server: Any) -> bool:
+    try:
+        return bool(server.alive())
+    except Exception:  # noqa: BLE001 - a server that cannot say is taken as alive: the sync will tell
+        return True
 
 
 def _healthy(engine: Any) -> bool:

@@ -31,6 +31,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from megatron_dapo.driver.sglang_placement import EnginePlan, GpuSlot, plan_engines
 from megatron_dapo.rollout.engine import EngineError
@@ -232,8 +233,16 @@ class PeerServer:
         return f"SGLang engine {self.plan.index} on {self.plan.node_id} ({self.url})"
 
     def alive(self) -> bool:
-        # the process is on another node; the engine's HTTP health check decides
-        return True
+        """Its port accepts a connection (the process is on another node: a dead server's port
+        refuses at once; a hung one is left to the engine's HTTP timeouts)."""
+        parsed = urlparse(self.url)
+        try:
+            with socket.create_connection((parsed.hostname, parsed.port), timeout=10):
+                return True
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # a slow or unreachable network is not a dead server
+            return True
 
     def restart(self) -> int:
         """The owning node restarts it and waits until it is healthy; its new pid there."""
