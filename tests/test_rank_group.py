@@ -124,7 +124,8 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
         WeightSyncTimeout, match=r"engine hf-7 did not take bucket 1 \(1 tensors.*lm_head.weight"
     ):
         transport.send(1, {"lm_head.weight": torch.zeros(4, 2)})
-    assert time.monotonic() - start < 10
+    # well short of the host's 30 s hang (a loaded machine stretches the 2 s deadline, not the hang)
+    assert time.monotonic() - start < 20
     with pytest.raises(EngineError, match="engine hf-7: generate .* failed: .*device-side assert"):
         RemoteEngine("hf-7", handle, timeout_s=10).generate([])
     ray.kill(handle)

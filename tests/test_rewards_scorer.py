@@ -122,7 +122,9 @@ def test_raising_hanging_crashing_rewards_do_not_stop_scoring(custom_file, caplo
         t0 = time.monotonic()
         results = scorer.score_many(items)
         elapsed = time.monotonic() - t0
-        assert elapsed < 10, "the hang must cost about one timeout, not 60 s"
+        # the 60 s hang, not a bound on speed: a loaded machine (worker restarts after the crash)
+        # can take many times the 0.5 s timeout
+        assert elapsed < 40, "the hang must cost about one timeout, not 60 s"
         assert [r.score for r in results] == [1.0, -1.0, -1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0]
         assert [r.acc for r in results] == [True, False, False, False, True, False, False, True, True]
         assert results[1].error == "ZeroDivisionError: division by zero in reward"

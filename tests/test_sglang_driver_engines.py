@@ -51,7 +51,8 @@ def test_dead_url_fails_clearly_within_the_startup_timeout():
             EngineError, match=rf"sglang-1@127.0.0.1:\d+ at {dead} is not healthy after .*ConnectError"
         ):
             start_sglang_engines(cfg)
-        assert time.monotonic() - start < 6
+        # the 1.5 s configured, not the 900 s default: generous for a loaded machine
+        assert time.monotonic() - start < 60
     finally:
         alive.close()
 
