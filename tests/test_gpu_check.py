@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA_ONLY = {"te_vs_local_logits", "fp8_step_odd_lengths", "offload_roundtrip", "mfu_bf16_1.5B"}
+CUDA_ONLY = {
+    "te_vs_local_logits",
+    "fp8_step_odd_lengths",
+    "offload_roundtrip",
+    "mfu_bf16_1.5B",
+    "sglang_colocated_ipc_sync",
+    "dapo_2_steps_colocated",
+}
 
 
 def test_gpu_check_sh_parses():
@@ -73,3 +80,28 @@ def test_mfu_flops_by_hand(size):
     assert {"0.5B": 0.494e9, "1.5B": 1.544e9}[size] == pytest.approx(n, rel=2e-3)  # published sizes
     seq, tokens = 4096, 4 * 4096
     assert train_step_flops(n, L, h, seq, tokens) == (6 * n + 12 * L * h * seq) * tokens
+
+
+def test_stack_figures_from_a_run_and_the_mismatch(tmp_path):
+    """The 2-step run's verdict from its metrics.jsonl (hand-written here), and the mismatch
+    figure of the colocated sync check."""
+    from tools.gpu_checks.runner import CheckFailed
+    from tools.gpu_checks.stack import MISMATCH_BOUND, dapo_figures, mismatch
+
+    assert mismatch([-1.0, -2.0, -3.0], [-1.5, -2.0, -2.0]) == (0.5, 1.0)
+    with pytest.raises(CheckFailed, match="lengths differ"):
+        mismatch([-1.0], [])
+    path = tmp_path / "metrics.jsonl"
+
+    def write(*steps):
+        path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+
+    ok = {"actor/rollout_logprob_abs_diff": 0.01, "rollout/engines_down": 0}
+    write({"step": 0}, {"step": 1, **ok}, {"step": 2, **ok})
+    assert dapo_figures(path) == {"steps": 2, "rollout_logprob_abs_diff": [0.01, 0.01]}
+    write({"step": 1, **ok})
+    with pytest.raises(CheckFailed, match=r"steps \[1\], not 1..2"):
+        dapo_figures(path)
+    write({"step": 1, **ok}, {"step": 2, **ok, "actor/rollout_logprob_abs_diff": 2 * MISMATCH_BOUND})
+    with pytest.raises(CheckFailed, match="mismatch per step"):
+        dapo_figures(path)

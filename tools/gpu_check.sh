@@ -12,11 +12,14 @@
 #   fp8_step_odd_lengths         an FP8 update with odd sequence lengths (delayed; MXFP8 on Blackwell)
 #   offload_roundtrip            offload/onload of params + optimizer: bytes freed, weights restored
 #   mfu_bf16_1.5B                MFU of a Qwen2.5-1.5B-shaped bf16 forward+backward, formula printed
-# Not covered yet: the colocated SGLang server with CUDA-IPC weight sync, and a 2-step DAPO run.
-# Context parallelism is not checked here: ring attention needs >= 2 GPUs, and the actor's CP path is
-# not wired yet (megatron groups and TransformerConfig get cp; the per-rank split of the batch and the
-# gather/reduction helpers in actor/context_parallel.py are not yet called by the train step). The CPU
-# path refuses cp > 1.
+#   stack_plumbing               (CPU too) the run's overrides pass the config loader, colocation on
+#                                GPUs resolves to CUDA IPC, the SGLang server command
+#   sglang_colocated_ipc_sync    the real SGLang server on the same GPU, the actor's weights after one
+#                                step pushed over CUDA IPC: log-prob mismatch before -> after the sync
+#   dapo_2_steps_colocated       2 DAPO steps through the whole stack (demo command, --engine sglang,
+#                                colocated, cuda_ipc): exit 0, per-step rollout/actor mismatch
+# Context parallelism is not checked here (ring attention needs >= 2 GPUs); the actor's CP path is
+# tested on CPU (tests/test_context_parallel_actor.py, exact stand-in for TE's CP attention).
 # --dry runs on CPU: tiny shapes, the CUDA-only checks reported NOT RUN (the test suite does this).
 # The whole run is limited to 10 minutes.
 set -euo pipefail

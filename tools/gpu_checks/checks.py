@@ -2,9 +2,8 @@
 weights at real Qwen2.5 shapes on GPU, a tiny shape in dry mode) and returns a :class:`Figure`
 or raises :class:`CheckFailed` / :class:`MissingPiece`.
 
-Not covered yet (issue 12 lists them; no check pretends to): the real SGLang server colocated on
-the same GPU with CUDA-IPC weight sync and the log-prob mismatch after it, and a 2-step DAPO run
-through the whole stack.
+The whole-stack checks (the real SGLang server colocated with CUDA-IPC weight sync, a 2-step
+colocated DAPO run) live in :mod:`tools.gpu_checks.stack`, registered after these.
 """
 
 from __future__ import annotations
@@ -267,3 +266,7 @@ def mfu(ctx: Context) -> Figure:
         f"{tflops:.0f} TFLOP/s, MFU {100 * mfu_v:.1f}%",
         {"tflops": tflops, "mfu": mfu_v, "step_s": dt, "formula": MFU_FORMULA},
     )
+
+
+# Registered last: they start servers and a whole run, after the cheaper checks have passed.
+from tools.gpu_checks import stack  # noqa: E402, F401
