@@ -119,3 +119,14 @@ def test_cp_refuses_sequence_level_losses():
         _check_cp_supported(ActorConfig(loss_agg_mode="seq-mean-token-mean"))
     with pytest.raises(ValueError, match=r"rollout_correction.level='sequence'"):
         _check_cp_supported(ActorConfig(rollout_correction=RolloutCorrection(mode="tis", level="sequence")))
+
+
+def test_config_refuses_sequence_level_losses_with_cp(tmp_path):
+    """The same refusal at config time, before any rank or server starts."""
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.config.loader import load_config
+
+    base = [f"model.path={tmp_path}", "parallel.actor_world_size=2", "parallel.context_parallel_size=2"]
+    load_config(None, base)  # token-mean (the default) is fine
+    with pytest.raises(ConfigError, match=r"context_parallel_size=2: loss_agg_mode='seq-mean-token-mean'"):
+        load_config(None, [*base, "algorithm.loss_agg_mode=seq-mean-token-mean"])

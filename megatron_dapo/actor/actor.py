@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron_dapo.actor import compat, gpu_settings
 from megatron_dapo.actor.batch import ActorBatch, BatchError
+from megatron_dapo.actor.context_parallel import cp_config_problem
 from megatron_dapo.actor.micro_batches import (
     collate,
     pack_by_token_budget,
@@ -112,18 +113,9 @@ class ActorState:
 
 
 def _check_cp_supported(cfg: ActorConfig) -> None:
-    """Refuse the loss settings that need a whole sequence on one rank (a CP rank holds 1/CP)."""
-    if cfg.loss_agg_mode == "seq-mean-token-mean":
-        raise ValueError(
-            "loss_agg_mode='seq-mean-token-mean' is not supported with context_parallel_size > 1 "
-            "(a sequence's token mean spans CP ranks); use token-mean or seq-mean-token-sum(-norm), or cp=1"
-        )
-    rc = cfg.rollout_correction
-    if rc is not None and rc.active and rc.level != "token":
-        raise ValueError(
-            f"rollout_correction.level={rc.level!r} is not supported with context_parallel_size > 1 "
-            "(it multiplies over a whole sequence); use level='token', or cp=1"
-        )
+    problem = cp_config_problem(cfg.loss_agg_mode, cfg.rollout_correction)
+    if problem:
+        raise ValueError(problem)
 
 
 class Actor:

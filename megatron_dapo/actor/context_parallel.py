@@ -121,3 +121,20 @@ def cp_split_micro(micro, cp: int, rank: int):
         if fields[key] is not None:
             fields[key] = cp_split(fields[key], cp, rank, dim=1)
     return type(micro)(**fields)
+
+
+def cp_config_problem(loss_agg_mode: str, rollout_correction) -> str | None:
+    """Why these loss settings cannot run with context parallelism (a CP rank holds 1/CP of each
+    sequence, so whole-sequence quantities are out of reach), or None."""
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (
+            "loss_agg_mode='seq-mean-token-mean' is not supported with context_parallel_size > 1 "
+            "(a sequence's token mean spans CP ranks); use token-mean or seq-mean-token-sum(-norm), or cp=1"
+        )
+    rc = rollout_correction
+    if rc is not None and rc.mode != "none" and rc.level != "token":
+        return (
+            f"rollout_correction.level={rc.level!r} is not supported with context_parallel_size > 1 "
+            "(it multiplies over a whole sequence); use level='token', or cp=1"
+        )
+    return None
