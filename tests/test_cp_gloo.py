@@ -1,7 +1,8 @@
 """CP log-prob gather and token-mean reduction over gloo with 2 processes, against the unsplit
-(CP=1) computation on the same tokens. Megatron's attention cannot run with CP on CPU (only TE's
-does), so the model is a position-wise stand-in: logits from the token and its full-row position,
-which is exactly what a CP rank sees of each token."""
+(CP=1) computation on the same tokens, with a position-wise stand-in model (logits from the token
+and its full-row position, exactly what a CP rank sees of each token) so the reductions are
+checked apart from attention. The whole actor at CP=2 (megatron model, the CPU stand-in for TE's
+CP attention) is tested in test_context_parallel_actor.py."""
 
 from __future__ import annotations
 
