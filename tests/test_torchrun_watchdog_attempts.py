@@ -1,75 +1,86 @@
 """The call watchdog's store keys belong to one torchrun attempt (issue 16).
 
-With `--max-restarts`, torchrun's next attempt runs on the same agent store (c10d rendezvous shares
-its TCP store across rounds). Attempt 0: rank 1 hangs in a call, rank 0's watchdog ends the job and
-posts its abort key. Attempt 1: the same call returns after a few of the followers' abort polls;
-the run must finish. Before the keys carried the attempt, attempt 1's follower read attempt 0's
-abort key, stopped at once, and the job failed.
+With `--max-restarts`, torchrun's next attempt runs on the same agent store (the c10d rendezvous
+shares its TCP store across rounds), so attempt 0's abort key and answered marks are still there
+when attempt 1 starts. Attempt 1's follower must not read attempt 0's abort (before: it stopped at
+once), and attempt 0's answered marks must not hide a rank that hangs in attempt 1.
 
-The ranks are stand-ins (`SPMDRankGroup` over a worker with one method), run by real torchrun.
+In process: a real TCPStore, the watchdog's own functions, `_exit_with` recorded instead of
+ending the test process; TORCHELASTIC_RESTART_COUNT set as torchrun sets it.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+import pytest
+import torch.distributed as dist
 
-
-class _Worker:
-    def __init__(self, rank: int, attempt: int):
-        self.rank, self.attempt = rank, attempt
-
-    def work(self) -> int:
-        if self.rank == 1:
-            if self.attempt == 0:
-                threading.Event().wait()  # hung: the watchdog must end the attempt
-            time.sleep(4 * 0.5)  # several abort polls (spmd_watchdog.POLL_S) while the call runs
-        return self.rank
+from megatron_dapo.driver import spmd_watchdog as wd
 
 
-def _rank_main() -> None:
-    import torch.distributed as dist
+class CountingStore:
+    """A real TCPStore whose `check` calls (the watcher's polls) can be waited on."""
 
-    from megatron_dapo.driver.rank_group import SPMDRankGroup
+    def __init__(self, store):
+        self.store, self.polls = store, threading.Semaphore(0)
 
-    dist.init_process_group("gloo")
-    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    worker = _Worker(rank, attempt)
-    if rank != 0:
-        SPMDRankGroup.follow(worker)
-        return
-    ranks = SPMDRankGroup(worker)
-    got = ranks.call("work", timeout_s=5 if attempt == 0 else 120, timeout_note="(test)")
-    ranks.shutdown()
-    print(f"attempt {attempt} finished: {got}", flush=True)
+    def check(self, keys):
+        self.polls.release()
+        return self.store.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
 
 
-def test_a_restarted_attempt_does_not_read_the_last_attempts_abort(tmp_path):
+@pytest.fixture
+def store(monkeypatch):
     from megatron_dapo.actor.spawn import free_port
 
-    cmd = [str(TORCHRUN), "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           __file__, "rank"]  # fmt: skip
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
-    out = r.stdout + r.stderr
-    # attempt 0 ended by the watchdog, naming the hung rank
-    assert "failed: work: ranks [1] did not finish within 5s (test)" in out, out[-3000:]
-    assert r.returncode == 0, out[-3000:]
-    assert "attempt 1 finished: [0, 1]" in out, out[-3000:]
-    assert "[rank 1] stopped" not in out.split("attempt 1")[-1]
+    s = CountingStore(dist.TCPStore("127.0.0.1", free_port(), 1, True))
+    monkeypatch.setattr(wd, "_store", lambda: s)
+    return s
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["rank"]:
-    _rank_main()
+def test_a_restarted_attempt_does_not_read_the_last_attempts_abort(store, monkeypatch):
+    exits: list[str] = []
+    exited = threading.Event()
+
+    def record(line: str) -> None:
+        exits.append(line)
+        if line.startswith("[rank "):  # a follower's watcher: it keeps polling until stopped
+            exited.set()
+            return
+        raise SystemExit  # rank 0's watchdog, called here in the test's thread: leaves the call
+
+    monkeypatch.setattr(wd, "_exit_with", record)
+    # attempt 0: rank 1 answered call 1, then rank 0's watchdog ended the attempt on call 2
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    wd.mark_answered(store, 1, 1)
+    dog = wd.CallWatchdog(2)
+    with pytest.raises(SystemExit):
+        dog._expired(2, "train_step", 5, "(test)")
+    assert exits == ["failed: train_step: ranks [0, 1] did not finish within 5s (test)"]
+
+    # attempt 1: the follower's watcher polls the same store
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    watcher = wd.watch_for_abort(1)
+    try:
+        for _ in range(3):  # three polls of the store, none of them may end the rank
+            assert store.polls.acquire(timeout=60)
+        assert len(exits) == 1, exits
+        # attempt 1's rank 1 has not answered call 1 of this attempt
+        fresh = wd.CallWatchdog(2)
+        fresh.mine_done()
+        assert fresh.late_ranks(1) == [1]
+        # this attempt's own abort does end it (the watcher works)
+        with pytest.raises(SystemExit):
+            fresh._expired(1, "train_step", 5, "(test)")
+        assert exited.wait(60)
+        assert (
+            exits[-1]
+            == "[rank 1] stopped: rank 0 ended the run (train_step: ranks [1] did not finish within 5s (test))"
+        )
+    finally:
+        watcher.stop.set()
+        watcher.join(60)
