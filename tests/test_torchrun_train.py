@@ -17,16 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.demo.assets import prepare_demo_assets
-
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    # a weak model is fine: this is about plumbing, with dynamic sampling off
-    return prepare_demo_assets(tmp_path_factory.mktemp("torchrun_assets"), sft_steps=5, eval_problems=8)
+def assets(small_demo_assets):
+    # a weak model is fine: this is about plumbing, with dynamic sampling off (the session's one
+    # few-step build, shared with the real-SGLang modules)
+    return small_demo_assets(sft_steps=5, eval_problems=4)
 
 
 def _cmd(assets, runs_dir, name, steps, **extra) -> list[str]:
