@@ -292,6 +292,9 @@ def rank0_engines(cfg, servers: NodeServers, ranks: Any = None) -> list:
                     request_timeout_s=float(cfg.rollout.request_timeout_s),
                 )
                 engine.name = f"sglang-{p.index}@{url.split('//', 1)[-1]}"
+                client = getattr(engine, "client", None)
+                if client is not None:  # its errors name the engine by its plan index too
+                    client.name = engine.name
                 if ranks is not None:
                     engine.server = PeerServer(ranks, p, url, float(s.startup_timeout_s) + 120)
             engine.plan = p
