@@ -8,7 +8,7 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-from megatron_dapo.commands.demo import bar_miss
+from megatron_dapo.commands.demo import bar_miss, phase_breakdown
 from megatron_dapo.demo import environment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,3 +53,18 @@ def test_bar_check_names_each_miss():
     assert "ended at 70.0%, needs 80%" in bar_miss(0.45, 0.70, 30, 80)
     assert bar_miss(0.60, 0.79, 0, 80) == "ended at 79.0%, needs 80% (--bar-final)"
     assert bar_miss(0.45, 0.70, 0, 0) is None  # the bar switched off
+
+
+def test_phase_breakdown_leaves_out_the_wait_times_that_overlap_the_phases(tmp_path):
+    # the actor's wait for data is its gen phase, the engines' wait spans the update: summing them
+    # as phases counted 42% + 42% for one 74 s and read "other 0s" in the demo's last line
+    step = {"timing/gen": 20.0, "timing/update_actor": 10.0, "timing/step": 31.0}
+    waits = {"timing/actor_wait_data_s": 20.0, "timing/engine_wait_weights_s": 12.0}
+    lines = [json.dumps({"step": s, **step, **waits}) for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    line = phase_breakdown(10.0, False, tmp_path, 100.0)
+    assert "wait" not in line
+    # by hand: gen 2 x 20, update 2 x 10, warm start 10, other 100 - 10 - 40 - 20 = 30
+    assert "gen 40s (40%)" in line and "update_actor 20s (20%)" in line
+    assert "warm start + assets 10s (10%)" in line
+    assert line.endswith("other (Ray/worker start, val before, shutdown) 30s (30%)")

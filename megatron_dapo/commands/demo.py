@@ -142,12 +142,18 @@ def bar_miss(before: float | None, after: float, gain_points: float, final_perce
 
 def phase_breakdown(t_assets: float, reused: bool, run_dir: Path, total: float) -> str:
     """Where the demo's wall time went: warm start, then the trainer's per-step phases summed."""
+    from megatron_dapo.driver.pipeline import WAIT_METRICS
     from megatron_dapo.driver.run_dir import read_metrics
 
     sums: dict[str, float] = {}
     for record in read_metrics(run_dir / "metrics.jsonl"):
         for k, v in record.items():
-            if k.startswith("timing/") and k != "timing/step" and isinstance(v, (int, float)):
+            if (
+                k.startswith("timing/")
+                and k != "timing/step"
+                and k not in WAIT_METRICS
+                and isinstance(v, (int, float))
+            ):
                 sums[k[7:]] = sums.get(k[7:], 0.0) + float(v)
     rows = [("assets (reused)" if reused else "warm start + assets", t_assets)]
     rows += sorted(sums.items(), key=lambda kv: -kv[1])

@@ -25,6 +25,10 @@ from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 
 MODES = ("sync", "one_step_off")
 
+# Per-step idle times, not phases: they overlap the phases (the actor's wait is its gen or
+# wait_data phase; the engines' wait spans the update), so a sum of phases must leave them out.
+WAIT_METRICS = ("timing/actor_wait_data_s", "timing/engine_wait_weights_s")
+
 
 class Prefetch:
     """`manager.collect(dataset, version)` on a daemon thread.
