@@ -91,3 +91,14 @@ def test_collate_aligns_labels_and_masks_with_response_tokens():
     out = torch.zeros(3, 3)
     positions_to_response(torch.arange(16.0).reshape(2, 8), m, b, out)
     assert out.tolist() == [[2.0, 3.0, 0.0], [0.0, 0.0, 0.0], [8.0, 0.0, 0.0]]
+
+
+def test_split_to_count_halves_the_biggest_group_until_the_count_is_reached():
+    from megatron_dapo.actor.micro_batches import split_to_count
+
+    # by hand: [0,1,2] is the biggest -> [0,1],[2]; then [0,1] (first of the biggest) -> [0],[1]
+    assert split_to_count([[0, 1, 2], [3]], 3) == [[0, 1], [2], [3]]
+    assert split_to_count([[0, 1, 2], [3]], 4) == [[0], [1], [2], [3]]
+    assert split_to_count([[0, 1], [2]], 2) == [[0, 1], [2]]  # already there: unchanged
+    with pytest.raises(BatchError, match="4 samples cannot form 5 micro-batches"):
+        split_to_count([[0, 1, 2], [3]], 5)

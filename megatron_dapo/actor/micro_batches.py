@@ -75,16 +75,23 @@ def pack_by_token_budget(
         else:
             groups.append([i])
     while len(groups) % multiple_of:
-        biggest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
-        if len(groups[biggest]) < 2:
-            raise BatchError(
-                f"{len(indices)} samples cannot form a multiple of {multiple_of} micro-batches "
-                "(the interleaved pipeline schedule needs one); give each DP rank more samples"
-            )
-        g = groups.pop(biggest)
-        half = (len(g) + 1) // 2
-        groups[biggest:biggest] = [g[:half], g[half:]]
+        _halve_biggest(
+            groups,
+            f"{len(indices)} samples cannot form a multiple of {multiple_of} micro-batches "
+            "(the interleaved pipeline schedule needs one); give each DP rank more samples",
+        )
     return groups
+
+
+def _halve_biggest(groups: list[list[int]], error: str) -> None:
+    """Split the largest group (the first of equals) in place into two halves next to each other;
+    raise BatchError(error) when no group has two samples left to split."""
+    biggest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
+    if len(groups[biggest]) < 2:
+        raise BatchError(error)
+    g = groups.pop(biggest)
+    half = (len(g) + 1) // 2
+    groups[biggest:biggest] = [g[:half], g[half:]]
 
 
 def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
@@ -93,15 +100,11 @@ def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
     exchanges tokens all-to-all). Raises :class:`BatchError` when there are fewer samples."""
     groups = [list(g) for g in groups]
     while len(groups) < count:
-        biggest = max(range(len(groups)), key=lambda g: (len(groups[g]), -g))
-        if len(groups[biggest]) < 2:
-            raise BatchError(
-                f"{sum(map(len, groups))} samples cannot form {count} micro-batches (another expert-parallel "
-                "rank has that many); give each data-parallel rank more samples"
-            )
-        g = groups.pop(biggest)
-        half = (len(g) + 1) // 2
-        groups[biggest:biggest] = [g[:half], g[half:]]
+        _halve_biggest(
+            groups,
+            f"{sum(map(len, groups))} samples cannot form {count} micro-batches (another expert-parallel "
+            "rank has that many); give each data-parallel rank more samples",
+        )
     return groups
 
 
