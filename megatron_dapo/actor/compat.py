@@ -112,9 +112,9 @@ def _cpu_if_cuda(dev: Any) -> Any:
     return dev
 
 
-class _CudaLiteralsOnCpu:
+class _TorchFactoriesRewritten:
     """Stand-in for the ``torch`` module inside one megatron module: same attributes, except that
-    the tensor factories place ``device="cuda"`` tensors on the CPU."""
+    the tensor factories' keyword arguments go through ``fix_kwargs`` first."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
@@ -122,17 +122,28 @@ class _CudaLiteralsOnCpu:
             setattr(self, name, self._wrap(getattr(real, name)))
 
     @staticmethod
-    def _wrap(factory: Callable) -> Callable:
+    def fix_kwargs(kwargs: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _wrap(self, factory: Callable) -> Callable:
         @functools.wraps(factory)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if "device" in kwargs:
-                kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+            self.fix_kwargs(kwargs)
             return factory(*args, **kwargs)
 
         return call
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
+
+
+class _CudaLiteralsOnCpu(_TorchFactoriesRewritten):
+    """``torch`` whose tensor factories place ``device="cuda"`` tensors on the CPU."""
+
+    @staticmethod
+    def fix_kwargs(kwargs: dict[str, Any]) -> None:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
 
 
 class CpuRNGStatesTracker:
@@ -353,26 +364,13 @@ def cpu_context_parallel_spec(spec: Any, config: Any) -> Any:
     return spec
 
 
-class _NoPinnedMemory:
-    """Stand-in for ``torch`` inside one megatron module whose tensor factories drop
-    ``pin_memory=True`` (CPU-only torch has no pinned-memory allocator)."""
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-        for name in _FACTORIES:
-            setattr(self, name, self._wrap(getattr(real, name)))
+class _NoPinnedMemory(_TorchFactoriesRewritten):
+    """``torch`` whose tensor factories drop ``pin_memory=True`` (CPU-only torch has no
+    pinned-memory allocator)."""
 
     @staticmethod
-    def _wrap(factory: Callable) -> Callable:
-        @functools.wraps(factory)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            kwargs.pop("pin_memory", None)
-            return factory(*args, **kwargs)
-
-        return call
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+    def fix_kwargs(kwargs: dict[str, Any]) -> None:
+        kwargs.pop("pin_memory", None)
 
 
 def _apply_cp_cpu_compat() -> None:
