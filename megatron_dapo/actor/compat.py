@@ -114,16 +114,12 @@ def _cpu_if_cuda(dev: Any) -> Any:
 
 class _TorchFactoriesRewritten:
     """Stand-in for the ``torch`` module inside one megatron module: same attributes, except that
-    the tensor factories' keyword arguments go through ``fix_kwargs`` first."""
+    the tensor factories' keyword arguments go through the subclass's ``fix_kwargs`` first."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
         for name in _FACTORIES:
             setattr(self, name, self._wrap(getattr(real, name)))
-
-    @staticmethod
-    def fix_kwargs(kwargs: dict[str, Any]) -> None:
-        raise NotImplementedError
 
     def _wrap(self, factory: Callable) -> Callable:
         @functools.wraps(factory)
