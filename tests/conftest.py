@@ -94,3 +94,19 @@ def small_demo_assets(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def layout_hf_dir(tiny_hf_checkpoint):
+    """The tiny Qwen2 of the actor-layout tests (tests/layout_harness.py)."""
+    from layout_harness import MODEL
+
+    return str(tiny_hf_checkpoint(**MODEL))
+
+
+@pytest.fixture(scope="session")
+def layout_data(layout_hf_dir):
+    """(batch, pi_old log-probs, HF log-probs as a padded [n, max_response] float64 matrix)."""
+    from layout_harness import make_batch
+
+    return make_batch(layout_hf_dir)

@@ -157,3 +157,30 @@ def find_tool(name: str) -> str | None:
 
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     return shutil.which(name, path=path)
+
+
+def hf_state(actor) -> dict:
+    """The actor's weights under HF names, gathered over TP/PP/EP as the weight sync sends them."""
+    from megatron_dapo.weights.gather import iter_hf_buckets
+
+    state = {}
+    for bucket in iter_hf_buckets(actor.model):
+        if bucket:
+            state.update({k: v.clone() for k, v in bucket.items()})
+    return state
+
+
+def as_bytes(obj) -> bytes:
+    """Results leave a spawned rank as plain bytes: tensors sent through a torch multiprocessing
+    queue travel as shared-memory file descriptors, which vanish when the rank exits first."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes):
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=False)

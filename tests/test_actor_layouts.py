@@ -16,104 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import as_bytes, from_bytes, hf_state
+from layout_harness import BIG, CLIP, MODES, SMALL, TEMPERATURE, TIS_CAP, close, layout_actor
 
 from megatron_dapo.actor.spawn import run_ranks
-
-MODEL = dict(family="qwen2", tie_word_embeddings=False, num_layers=2, vocab=250, seed=5)
-TEMPERATURE = 0.8
-CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-TIS_CAP = 1.5
-BIG, SMALL = 10_000, 24  # token budgets: one micro-batch vs four (checked below)
-MODES = ("token-mean", "seq-mean-token-mean")
-
-
-def _hf_logprobs(hf_dir, prompts, responses):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for p, r in zip(prompts, responses):
-            ids = torch.tensor([p + r])
-            logits = model(ids).logits[0, len(p) - 1 : len(p) - 1 + len(r)].double() / TEMPERATURE
-            out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1))
-    return out
-
-
-def _make_batch(hf_dir):
-    from megatron_dapo.actor.batch import make_actor_batch
-
-    gen = torch.Generator().manual_seed(11)
-    n = 8
-    p_lens = [3, 5, 4, 6, 2, 5, 3, 4]
-    r_lens = [6, 2, 8, 3, 5, 7, 1, 4]
-    prompts = [torch.randint(0, 250, (k,), generator=gen).tolist() for k in p_lens]
-    responses = [torch.randint(0, 250, (k,), generator=gen).tolist() for k in r_lens]
-    hf = _hf_logprobs(hf_dir, prompts, responses)
-    rollout = [(lp + 0.05 * torch.randn(lp.shape, generator=gen, dtype=torch.float64)).tolist() for lp in hf]
-    batch = make_actor_batch(
-        prompts,
-        responses,
-        advantages=torch.randn(n, generator=gen),
-        group_index=[0, 0, 1, 1, 2, 2, 3, 3],
-        rollout_logprobs=rollout,
-        loss_mask=[True, True, True, False, True, True, True, True],
-    )
-    r = batch.max_response_len
-    old = torch.zeros(n, r, dtype=torch.float64)
-    hf_mat = torch.zeros(n, r, dtype=torch.float64)
-    for i, lp in enumerate(hf):
-        old[i, : len(lp)] = lp + 0.25 * torch.randn(lp.shape, generator=gen, dtype=torch.float64)
-        hf_mat[i, : len(lp)] = lp
-    return batch, old, hf_mat
-
-
-def _actor(hf_dir, budget, mode, mini_batch=4, **extra):
-    from megatron_dapo.actor.actor import ActorConfig, build_actor
-    from megatron_dapo.actor.optimizer import OptimizerSettings
-
-    cfg = ActorConfig(
-        ppo_mini_batch_size=mini_batch,
-        micro_batch_max_tokens=budget,
-        loss_agg_mode=mode,
-        temperature=TEMPERATURE,
-        tis_cap=TIS_CAP,
-        shuffle=False,
-        **CLIP,
-        **extra,
-    )
-    # Adam's first step is lr * g / (|g| + eps): with a small eps, a gradient entry near zero
-    # turns fp32 summation-order noise (~1e-7 absolute between layouts) into weight differences
-    # of order lr. eps=1e-2, above the clipped gradients, makes the step ~ lr * g / eps: well
-    # conditioned, and sensitive to the gradient's scale (a wrong normaliser shows).
-    optim = OptimizerSettings(lr=1e-2, weight_decay=0.1, clip_grad=1.0, lr_warmup_steps=0, adam_eps=1e-2)
-    return build_actor(hf_dir, cfg, optim, total_updates=8)
-
-
-def _hf_state(actor):
-    from megatron_dapo.weights.gather import iter_hf_buckets
-
-    state = {}
-    for bucket in iter_hf_buckets(actor.model):
-        if bucket:
-            state.update({k: v.clone() for k, v in bucket.items()})
-    return state
-
-
-def _as_bytes(obj) -> bytes:
-    """Results leave the rank as plain bytes: tensors sent through a torch multiprocessing queue
-    travel as shared-memory file descriptors, which vanish when the rank exits first."""
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _from_bytes(data: bytes):
-    import io
-
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _rank_run(rank, world, hf_dir, batch, old, runs):
@@ -122,9 +28,9 @@ def _rank_run(rank, world, hf_dir, batch, old, runs):
     out = {}
     for tp, pp, budget, mode in runs:
         init_parallel(tp=tp, pp=pp)
-        actor = _actor(hf_dir, budget, mode)
+        actor = layout_actor(hf_dir, budget, mode)
         metrics = actor.update(batch.with_old_logprobs(old.float()))
-        state = _hf_state(actor)
+        state = hf_state(actor)
         out[(tp, pp, world // (tp * pp), budget, mode)] = dict(
             metrics=metrics, state=state if rank == 0 else None
         )
@@ -132,7 +38,7 @@ def _rank_run(rank, world, hf_dir, batch, old, runs):
         out["pi_old"] = _pi_old_checks(hf_dir, batch)
     else:
         out["skips"] = _skip_checks(hf_dir, batch)
-    return _as_bytes(out)
+    return as_bytes(out)
 
 
 def _pi_old_checks(hf_dir, batch):
@@ -141,11 +47,11 @@ def _pi_old_checks(hf_dir, batch):
     from megatron_dapo.actor.parallel import init_parallel
 
     init_parallel(tp=2, pp=1)
-    actor = _actor(hf_dir, BIG, "token-mean", mini_batch=2)
+    actor = layout_actor(hf_dir, BIG, "token-mean", mini_batch=2)
     logprobs, entropy = actor.compute_logprobs(batch, TEMPERATURE, with_entropy=True)
     recomputed = actor.update(batch)
-    single = _actor(hf_dir, BIG, "token-mean", mini_batch=4).update(batch)
-    epochs = _actor(hf_dir, BIG, "token-mean", mini_batch=4, ppo_epochs=2).update(batch)
+    single = layout_actor(hf_dir, BIG, "token-mean", mini_batch=4).update(batch)
+    epochs = layout_actor(hf_dir, BIG, "token-mean", mini_batch=4, ppo_epochs=2).update(batch)
     return dict(logprobs=logprobs, entropy=entropy, recomputed=recomputed, single=single, epochs=epochs)
 
 
@@ -155,7 +61,7 @@ def _skip_checks(hf_dir, batch):
     from megatron_dapo.weights.model_io import unwrap
 
     init_parallel(tp=1, pp=1)
-    actor = _actor(hf_dir, BIG, "token-mean", mini_batch=4, max_consecutive_skips=2)
+    actor = layout_actor(hf_dir, BIG, "token-mean", mini_batch=4, max_consecutive_skips=2)
     norm = unwrap(actor.model[-1]).decoder.final_layernorm.weight
     with torch.no_grad():
         norm[0] = float("nan")
@@ -172,36 +78,22 @@ def _skip_checks(hf_dir, batch):
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tiny_hf_checkpoint):
-    return str(tiny_hf_checkpoint(**MODEL))
-
-
-@pytest.fixture(scope="module")
-def data(hf_dir):
-    return _make_batch(hf_dir)
-
-
-@pytest.fixture(scope="module")
-def results(hf_dir, data):
-    batch, old, _ = data
+def results(layout_hf_dir, layout_data):
+    batch, old, _ = layout_data
     solo = [(1, 1, b, m) for m in MODES for b in (BIG, SMALL)]
     pair = [(tp, pp, BIG, m) for m in MODES for tp, pp in ((2, 1), (1, 2), (1, 1))]
-    one = _from_bytes(run_ranks(_rank_run, 1, hf_dir, batch, old, solo, timeout_s=600)[0])
-    two = _from_bytes(run_ranks(_rank_run, 2, hf_dir, batch, old, pair, timeout_s=600)[0])
+    one = from_bytes(run_ranks(_rank_run, 1, layout_hf_dir, batch, old, solo, timeout_s=600)[0])
+    two = from_bytes(run_ranks(_rank_run, 2, layout_hf_dir, batch, old, pair, timeout_s=600)[0])
     return {**one, **two}
 
 
-def test_small_budget_gives_four_micro_batches(data):
+def test_small_budget_gives_four_micro_batches(layout_data):
     from megatron_dapo.actor.micro_batches import pack_by_token_budget
 
-    batch = data[0]
+    batch = layout_data[0]
     lengths = batch.seq_lens.tolist()
     assert len(pack_by_token_budget(lengths, list(range(len(batch))), SMALL)) == 4
     assert len(pack_by_token_budget(lengths, list(range(len(batch))), BIG)) == 1
-
-
-def _close(a: float, b: float, rel: float = 1e-6) -> bool:
-    return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -214,20 +106,20 @@ def test_layout_invariance(results, mode, layout):
     got = results[(tp, pp, dp, budget, mode)]
     ref_u, got_u = ref["metrics"]["updates"][0], got["metrics"]["updates"][0]
     assert ref_u["updated"] and got_u["updated"]
-    assert _close(got_u["loss"], ref_u["loss"]), (got_u["loss"], ref_u["loss"])
-    assert _close(got_u["grad_norm"], ref_u["grad_norm"]), (got_u["grad_norm"], ref_u["grad_norm"])
+    assert close(got_u["loss"], ref_u["loss"]), (got_u["loss"], ref_u["loss"])
+    assert close(got_u["grad_norm"], ref_u["grad_norm"]), (got_u["grad_norm"], ref_u["grad_norm"])
     for key in ("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_lower", "tis_mean", "mismatch_k3"):
-        assert _close(got_u[key], ref_u[key], 1e-5), key
+        assert close(got_u[key], ref_u[key], 1e-5), key
     assert got["state"].keys() == ref["state"].keys()
     for name, w in ref["state"].items():
         diff = (got["state"][name] - w).abs().max()
         assert diff <= 1e-6 * w.abs().max(), (name, float(diff))
 
 
-def test_step_really_trains_and_clips(results, hf_dir):
+def test_step_really_trains_and_clips(results, layout_hf_dir):
     from helpers import hf_state_dict
 
-    initial = hf_state_dict(hf_dir)
+    initial = hf_state_dict(layout_hf_dir)
     updated = results[(1, 1, 1, BIG, "token-mean")]["state"]
     assert all((updated[k] - w).abs().max() > 1e-4 for k, w in initial.items() if "layernorm" not in k)
     m = results[(1, 1, 1, BIG, "token-mean")]["metrics"]
@@ -238,10 +130,10 @@ def test_step_really_trains_and_clips(results, hf_dir):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_loss_equals_policy_loss_on_hf_logprobs(results, data, mode):
+def test_loss_equals_policy_loss_on_hf_logprobs(results, layout_data, mode):
     from megatron_dapo.algo import policy_loss
 
-    batch, old, hf = data
+    batch, old, hf = layout_data
     loss, metrics = policy_loss(
         hf,
         old.float().double(),
@@ -258,8 +150,8 @@ def test_loss_equals_policy_loss_on_hf_logprobs(results, data, mode):
     assert got["clipfrac"] == pytest.approx(float(metrics["clipfrac"]), abs=1e-9)
 
 
-def test_pi_old_is_current_policy_before_first_update(results, data):
-    batch, _, hf = data
+def test_pi_old_is_current_policy_before_first_update(results, layout_data):
+    batch, _, hf = layout_data
     r = results["pi_old"]
     mask = torch.arange(batch.max_response_len)[None] < batch.response_lens[:, None]
     assert (r["logprobs"].double() - hf).abs()[mask].max() < 1e-5

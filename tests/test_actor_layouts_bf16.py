@@ -26,17 +26,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_actor_layouts import (
-    BIG,
-    CLIP,
-    MODEL,
-    TEMPERATURE,
-    TIS_CAP,
-    _as_bytes,
-    _from_bytes,
-    _hf_state,
-    _make_batch,
-)
+from helpers import as_bytes, from_bytes, hf_state
+from layout_harness import BIG, layout_actor
 
 from megatron_dapo.actor.spawn import run_ranks
 
@@ -45,45 +36,28 @@ REL = 2.0**-6  # loss / grad norm, derived in the module docstring
 ULP = 2.0**-7  # one bf16 ulp, relative, at most
 
 
-def _actor(hf_dir, dtype):
-    from megatron_dapo.actor.actor import ActorConfig, build_actor
-    from megatron_dapo.actor.optimizer import OptimizerSettings
-
-    cfg = ActorConfig(
-        ppo_mini_batch_size=4,
-        micro_batch_max_tokens=BIG,
-        loss_agg_mode="token-mean",
-        temperature=TEMPERATURE,
-        tis_cap=TIS_CAP,
-        shuffle=False,
-        **CLIP,
-    )
-    optim = OptimizerSettings(lr=LR, weight_decay=0.1, clip_grad=1.0, lr_warmup_steps=0, adam_eps=1e-2)
-    return build_actor(hf_dir, cfg, optim, total_updates=8, params_dtype=dtype)
-
-
 def _rank_run(rank, world, hf_dir, batch, old, runs):
     from megatron_dapo.actor.parallel import init_parallel
 
     out = {}
     for tp, pp, dtype in runs:
         init_parallel(tp=tp, pp=pp)
-        actor = _actor(hf_dir, dtype)
+        actor = layout_actor(hf_dir, BIG, "token-mean", params_dtype=dtype)
         dtypes = {str(p.dtype) for c in actor.model for p in c.parameters()}
         metrics = actor.update(batch.with_old_logprobs(old.float()))
-        state = _hf_state(actor)
+        state = hf_state(actor)
         out[(tp, pp, str(dtype))] = dict(metrics=metrics, dtypes=dtypes, state=state if rank == 0 else None)
-    return _as_bytes(out)
+    return as_bytes(out)
 
 
 @pytest.fixture(scope="module")
-def results(tiny_hf_checkpoint):
-    hf_dir = str(tiny_hf_checkpoint(**MODEL))
-    batch, old, _ = _make_batch(hf_dir)
+def results(layout_hf_dir, layout_data):
+    hf_dir = layout_hf_dir
+    batch, old, _ = layout_data
     solo = [(1, 1, torch.bfloat16), (1, 1, torch.float32)]
     pair = [(2, 1, torch.bfloat16), (1, 2, torch.bfloat16)]
-    one = _from_bytes(run_ranks(_rank_run, 1, hf_dir, batch, old, solo, timeout_s=600)[0])
-    two = _from_bytes(run_ranks(_rank_run, 2, hf_dir, batch, old, pair, timeout_s=600)[0])
+    one = from_bytes(run_ranks(_rank_run, 1, hf_dir, batch, old, solo, timeout_s=600)[0])
+    two = from_bytes(run_ranks(_rank_run, 2, hf_dir, batch, old, pair, timeout_s=600)[0])
     return {**one, **two}
 
 

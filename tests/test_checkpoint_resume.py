@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import as_bytes, from_bytes, hf_state
 
 from megatron_dapo.actor.spawn import run_ranks
 
@@ -52,30 +53,6 @@ def _actor(hf_dir, load_weights=True):
     return build_actor(hf_dir, cfg, optim, total_updates=12, load_weights=load_weights)
 
 
-def _hf_state(actor):
-    from megatron_dapo.weights.gather import iter_hf_buckets
-
-    state = {}
-    for bucket in iter_hf_buckets(actor.model):
-        if bucket:
-            state.update({k: v.clone() for k, v in bucket.items()})
-    return state
-
-
-def _as_bytes(obj) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _from_bytes(data: bytes):
-    import io
-
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
 def _train(rank, world, hf_dir, root):
     from megatron_dapo.actor.checkpoint import save_checkpoint
     from megatron_dapo.actor.parallel import init_parallel
@@ -89,7 +66,7 @@ def _train(rank, world, hf_dir, root):
         rngs.append(torch.get_rng_state())
         trainer = {"cursor": {"epoch": 0, "index": 4 * (step + 1)}, "metrics_lines": step + 1}
         save_checkpoint(root, step, actor, trainer_state=trainer, hf_dir=hf_dir, keep_last=2)
-    return _as_bytes(dict(state=_hf_state(actor), lrs=lrs, rngs=rngs, actor_state=actor.state))
+    return as_bytes(dict(state=hf_state(actor), lrs=lrs, rngs=rngs, actor_state=actor.state))
 
 
 def _resume(rank, world, hf_dir, root):
@@ -104,21 +81,21 @@ def _resume(rank, world, hf_dir, root):
         rng_after_load = torch.get_rng_state()
         actor.update(_batch(record["step"] + 1))
         out[(tp, pp)] = dict(
-            state=_hf_state(actor),
+            state=hf_state(actor),
             record={k: v for k, v in record.items() if k != "path"},
             lr=actor.optimizer.param_groups[0]["lr"],
             actor_state=actor.state,
             rng=rng_after_load,
         )
-    return _as_bytes(out)
+    return as_bytes(out)
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_hf_checkpoint, tmp_path_factory):
     hf_dir = str(tiny_hf_checkpoint(**MODEL))
     root = tmp_path_factory.mktemp("ckpt") / "run"
-    full = [_from_bytes(r) for r in run_ranks(_train, 2, hf_dir, str(root), timeout_s=600)]
-    resumed = [_from_bytes(r) for r in run_ranks(_resume, 2, hf_dir, str(root), timeout_s=600)]
+    full = [from_bytes(r) for r in run_ranks(_train, 2, hf_dir, str(root), timeout_s=600)]
+    resumed = [from_bytes(r) for r in run_ranks(_resume, 2, hf_dir, str(root), timeout_s=600)]
     return dict(root=root, full=full[0], resumed=resumed[0], full_ranks=full, resumed_ranks=resumed)
 
 

@@ -15,20 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_actor_layouts import (
-    BIG,
-    CLIP,
-    MODEL,
-    SMALL,
-    TEMPERATURE,
-    TIS_CAP,
-    _actor,
-    _as_bytes,
-    _close,
-    _from_bytes,
-    _hf_state,
-    _make_batch,
-)
+from helpers import as_bytes, from_bytes, hf_state
+from layout_harness import BIG, CLIP, SMALL, TEMPERATURE, TIS_CAP, close, layout_actor
 
 from megatron_dapo.actor.spawn import run_ranks
 
@@ -40,32 +28,22 @@ def _rank_run(rank, world, hf_dir, batch, old):
     for cp, budget in ((2, SMALL), (1, BIG)):
         layout = init_parallel(cp=cp)
         assert layout.cp_size == cp and layout.dp_size == world // cp
-        actor = _actor(hf_dir, budget, "token-mean")
+        actor = layout_actor(hf_dir, budget, "token-mean")
         logprobs, entropy = actor.compute_logprobs(batch, TEMPERATURE, with_entropy=True)
         metrics = actor.update(batch.with_old_logprobs(old.float()))
-        out[cp] = dict(logprobs=logprobs, entropy=entropy, metrics=metrics, state=_hf_state(actor))
-    return _as_bytes(out)
+        out[cp] = dict(logprobs=logprobs, entropy=entropy, metrics=metrics, state=hf_state(actor))
+    return as_bytes(out)
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tiny_hf_checkpoint):
-    return str(tiny_hf_checkpoint(**MODEL))
+def results(layout_hf_dir, layout_data):
+    batch, old, _ = layout_data
+    ranks = run_ranks(_rank_run, 2, layout_hf_dir, batch, old, timeout_s=600)
+    return [from_bytes(r) for r in ranks]
 
 
-@pytest.fixture(scope="module")
-def data(hf_dir):
-    return _make_batch(hf_dir)
-
-
-@pytest.fixture(scope="module")
-def results(hf_dir, data):
-    batch, old, _ = data
-    ranks = run_ranks(_rank_run, 2, hf_dir, batch, old, timeout_s=600)
-    return [_from_bytes(r) for r in ranks]
-
-
-def test_cp2_logprobs_equal_transformers(results, data):
-    batch, _, hf = data
+def test_cp2_logprobs_equal_transformers(results, layout_data):
+    batch, _, hf = layout_data
     mask = batch.response_mask | (torch.arange(batch.max_response_len) < batch.response_lens[:, None])
     for per_rank in results:  # every rank returns the whole rows
         got = per_rank[2]["logprobs"].double()
@@ -77,12 +55,12 @@ def test_cp2_step_equals_cp1(results):
     ref, got = results[0][1], results[0][2]
     ref_u, got_u = ref["metrics"]["updates"][0], got["metrics"]["updates"][0]
     assert ref_u["updated"] and got_u["updated"]
-    assert _close(got_u["loss"], ref_u["loss"]), (got_u["loss"], ref_u["loss"])
-    assert _close(got_u["grad_norm"], ref_u["grad_norm"]), (got_u["grad_norm"], ref_u["grad_norm"])
+    assert close(got_u["loss"], ref_u["loss"]), (got_u["loss"], ref_u["loss"])
+    assert close(got_u["grad_norm"], ref_u["grad_norm"]), (got_u["grad_norm"], ref_u["grad_norm"])
     for key in ("tokens", "seqs"):
         assert got_u[key] == ref_u[key], key
     for key in ("clipfrac", "clipfrac_high", "clipfrac_low", "entropy", "ppo_kl", "tis_mean", "mismatch_k3"):
-        assert _close(got_u[key], ref_u[key], 1e-5), (key, got_u[key], ref_u[key])
+        assert close(got_u[key], ref_u[key], 1e-5), (key, got_u[key], ref_u[key])
     assert got["state"].keys() == ref["state"].keys()
     for name, w in ref["state"].items():
         diff = (got["state"][name] - w).abs().max()
@@ -92,10 +70,10 @@ def test_cp2_step_equals_cp1(results):
         assert torch.equal(results[1][2]["state"][name], w), name
 
 
-def test_cp2_loss_equals_policy_loss_on_hf_logprobs(results, data):
+def test_cp2_loss_equals_policy_loss_on_hf_logprobs(results, layout_data):
     from megatron_dapo.algo import policy_loss
 
-    batch, old, hf = data
+    batch, old, hf = layout_data
     loss, _ = policy_loss(
         hf,
         old.float().double(),
