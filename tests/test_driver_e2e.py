@@ -8,55 +8,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from e2e_harness import (
+    DAPO_ON,
+    ENV,
+    REPO,
+    read_metrics,
+    release,
+    start_and_wait_for_step,
+    train_cmd,
+    train_overrides,
+    train_to_end,
+)
 from safetensors.torch import load_file
 
 from megatron_dapo.driver.launch import load_for_cli, run_train
-from megatron_dapo.driver.test_hold import HANG_ENV, HOLD_ENV, RELEASE_ENV
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _overrides(assets, runs_dir, name, steps, **extra):
-    base = {
-        "model.path": assets.hf_dir,
-        "data.train_files": f"[{assets.train_file}]",
-        "data.val_files": f"[{assets.val_file}]",
-        "data.val_max_samples": 6,
-        "trainer.runs_dir": runs_dir,
-        "trainer.run_name": name,
-        "trainer.total_steps": steps,
-        "trainer.train_batch_size": 4,
-        "rollout.gen_batch_size": 4,
-        "rollout.n": 4,
-        "rollout.groups_per_call": 4,
-        "rollout.val.n": 2,
-        "actor.ppo_mini_batch_size": 4,
-        "algorithm.filter_groups.enable": "false",
-        "algorithm.allow_partial_batch": "false",
-        "trainer.test_freq": 2,
-        "trainer.save_freq": 1,
-        "logging.progress": "false",
-        "logging.plots_at_end": "true",
-    }
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-# dynamic sampling (unbounded rounds: the batch always fills) and overlong shaping on, as in DAPO
-DAPO_ON = {
-    "algorithm.filter_groups.enable": "true",
-    "algorithm.filter_groups.max_num_gen_batches": 0,
-    "algorithm.overlong_buffer.enable": "true",
-}
+from megatron_dapo.driver.test_hold import HANG_ENV
 
 
 def _assert_engine_matches_trainer(records: list[dict]) -> None:
@@ -70,10 +39,12 @@ def _assert_engine_matches_trainer(records: list[dict]) -> None:
 
 
 def test_two_steps_end_to_end(assets, tmp_path):
-    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), _overrides(assets, tmp_path, "e2e", 2, **DAPO_ON))
+    cfg = load_for_cli(
+        str(REPO / "configs/demo.yaml"), train_overrides(assets, tmp_path, "e2e", 2, **DAPO_ON)
+    )
     summary = run_train(cfg)
     run = Path(summary["run_dir"])
-    records = _metrics(run)
+    records = read_metrics(run)
     assert [r["step"] for r in records] == [0, 1, 2]  # step 0 = validation before training
     assert "val/avg@2" in records[0] and "val/avg@2" in records[2]
     first = records[1]
@@ -122,65 +93,25 @@ def test_the_mismatch_check_catches_a_skipped_weight_sync(assets, tmp_path, monk
         "trainer.test_freq": 0,
         "trainer.hf_export_at_end": "false",
     }
-    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), _overrides(assets, tmp_path, "nosync", 2, **over))
-    records = _metrics(Path(run_train(cfg)["run_dir"]))
+    cfg = load_for_cli(
+        str(REPO / "configs/demo.yaml"), train_overrides(assets, tmp_path, "nosync", 2, **over)
+    )
+    records = read_metrics(Path(run_train(cfg)["run_dir"]))
     assert records[0]["actor/rollout_logprob_abs_diff"] < 1e-4  # step 1: nothing to sync yet
     with pytest.raises(AssertionError):
         _assert_engine_matches_trainer(records)
 
 
-def _train_cmd(args):
-    return [sys.executable, "-m", "megatron_dapo.cli", "train", str(REPO / "configs/demo.yaml"), *args]
-
-
 STEPS = 3
 COMMON = {"trainer.val_before_train": "false", "trainer.test_freq": 0, "logging.plots_at_end": "false"}
-ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory):
     """An uninterrupted 3-step run: what every interrupted-and-resumed run must reproduce."""
     runs = tmp_path_factory.mktemp("ref_runs")
-    subprocess.run(
-        _train_cmd(_overrides(assets, runs, "ref", STEPS, **COMMON)),
-        check=True,
-        env=ENV,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        timeout=600,
-    )
+    train_to_end(train_overrides(assets, runs, "ref", STEPS, **COMMON))
     return runs / "ref"
-
-
-def _start_and_wait_for_step(args, metrics: Path, step: int) -> subprocess.Popen:
-    """Start a training run in its own process group; return once `step` is in its metrics.
-
-    The driver is held after `step` (a test-only hook) until a stop signal or `_release(run_dir)`,
-    so the interruption always lands mid-run however fast or loaded the machine is."""
-    hold = {HOLD_ENV: str(step), RELEASE_ENV: str(metrics.parent / "release_hold")}
-    proc = subprocess.Popen(
-        _train_cmd(args),
-        env=dict(ENV, **hold),
-        cwd=REPO,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline:
-        if metrics.is_file() and any(r["step"] >= step for r in _metrics(metrics.parent)):
-            return proc
-        assert proc.poll() is None, "the run ended before it could be interrupted: " + proc.stderr.read()
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"the run did not reach step {step} in time")
-
-
-def _release(run: Path) -> None:
-    """Let a run held by `_start_and_wait_for_step` go on."""
-    (run / "release_hold").touch()
 
 
 def test_rollout_correction_reaches_the_actor_loss(assets, reference, tmp_path):
@@ -194,16 +125,9 @@ def test_rollout_correction_reaches_the_actor_loss(assets, reference, tmp_path):
         "algorithm.rollout_correction.mode": "tis",
         "algorithm.rollout_correction.threshold": 0.5,
     }
-    subprocess.run(
-        _train_cmd(_overrides(assets, tmp_path, "tis", 1, **over)),
-        check=True,
-        env=ENV,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        timeout=600,
-    )
-    (got,) = _metrics(tmp_path / "tis")
-    ref = _metrics(reference)[0]
+    train_to_end(train_overrides(assets, tmp_path, "tis", 1, **over))
+    (got,) = read_metrics(tmp_path / "tis")
+    ref = read_metrics(reference)[0]
     assert got["rollout/reward/mean"] == ref["rollout/reward/mean"]
     assert got["actor/pg_loss"] == 0.5 * ref["actor/pg_loss"]
     assert ref["actor/grad_norm"] > 0
@@ -220,7 +144,7 @@ def _assert_same_as_reference(reference: Path, run: Path) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] == b[name]).all(), f"{name} differs after resume"
-    ref_records, res_records = _metrics(reference), _metrics(run)
+    ref_records, res_records = read_metrics(reference), read_metrics(run)
     assert [r["step"] for r in res_records] == list(range(1, STEPS + 1)), "a step was repeated or skipped"
     for key in ("rollout/reward/mean", "actor/pg_loss", "actor/grad_norm", "train/prompts_consumed"):
         assert [r[key] for r in res_records] == [r[key] for r in ref_records], key
@@ -232,16 +156,16 @@ def _latest_checkpoint_step(run: Path) -> int | None:
 
 
 def test_sigkill_and_resume_reproduces_the_uninterrupted_run(assets, reference, tmp_path):
-    killed = _overrides(assets, tmp_path, "killed", STEPS, **COMMON, **{"trainer.resume": "auto"})
+    killed = train_overrides(assets, tmp_path, "killed", STEPS, **COMMON, **{"trainer.resume": "auto"})
     run = tmp_path / "killed"
     # held after step 1 is saved (save_freq 1) and logged: the kill lands mid-run on any machine
-    proc = _start_and_wait_for_step(killed, run / "metrics.jsonl", 1)
+    proc = start_and_wait_for_step(killed, run / "metrics.jsonl", 1)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started
     proc.wait(timeout=30)
     left = _latest_checkpoint_step(run)
     assert left == 1, f"the kill must land after step 1 (latest checkpoint: {left})"
 
-    subprocess.run(_train_cmd(killed), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+    train_to_end(killed)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == left, "the second run must continue from the newest complete checkpoint"
     _assert_same_as_reference(reference, run)
@@ -256,23 +180,23 @@ def test_signal_to_the_process_group_saves_and_resumes_exactly(assets, reference
     """Slurm's preemption: the signal reaches every process of the job, Ray's included. The run
     must checkpoint its last finished step (save_freq is far away) and exit 0 in bounded time;
     the resumed run then equals the uninterrupted one."""
-    args = _overrides(
+    args = train_overrides(
         assets, tmp_path, "stopped", STEPS, **COMMON, **{"trainer.save_freq": 100, "trainer.resume": "auto"}
     )
     run = tmp_path / "stopped"
-    proc = _start_and_wait_for_step(args, run / "metrics.jsonl", 1)
+    proc = start_and_wait_for_step(args, run / "metrics.jsonl", 1)
     os.killpg(proc.pid, sig)
     _, stderr = proc.communicate(timeout=120)  # the default trainer.stop_timeout_s is 90
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
-    last = max(r["step"] for r in _metrics(run))
+    last = max(r["step"] for r in read_metrics(run))
     assert last == 1, "the driver was held after step 1 until the signal"
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
     assert json.loads((run / "summary.json").read_text())["stopped_by"] == sig.name
     if not resume:
         return
 
-    subprocess.run(_train_cmd(args), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+    train_to_end(args)
     assert json.loads((run / "summary.json").read_text())["resumed_from"] == last
     _assert_same_as_reference(reference, run)
 
@@ -322,9 +246,9 @@ def test_a_killed_rank_stops_the_run_with_one_line(assets, tmp_path):
     with one line naming the rank, its pid and the checkpoint a resume would use; never a hang."""
     import psutil
 
-    args = _overrides(assets, tmp_path, "rank_killed", 6, **COMMON)
+    args = train_overrides(assets, tmp_path, "rank_killed", 6, **COMMON)
     run = tmp_path / "rank_killed"
-    proc = _start_and_wait_for_step(args, run / "metrics.jsonl", 1)
+    proc = start_and_wait_for_step(args, run / "metrics.jsonl", 1)
     # the rank processes descend from the driver (driver -> raylet -> worker)
     ranks = [
         p for p in psutil.Process(proc.pid).children(recursive=True) if "ActorWorker" in " ".join(_cmdline(p))
@@ -332,7 +256,7 @@ def test_a_killed_rank_stops_the_run_with_one_line(assets, tmp_path):
     assert len(ranks) == 2, [_cmdline(p) for p in ranks]
     victim = ranks[-1].pid
     os.kill(victim, signal.SIGKILL)
-    _release(run)
+    release(run)
     line = _the_one_failure_line(proc, timeout=300)
     assert f"pid {victim}" in line and "died" in line
     assert "trainer.resume=auto continues from" in line and "step_0000000" in line
@@ -358,10 +282,12 @@ def test_a_hung_rank_ends_the_run_with_one_line_naming_the_call(assets, tmp_path
     train_step is bounded by trainer.call_timeout.train_step_s, so the run ends, exit 1, with one
     line naming the call, the knob and the checkpoint a resume would use; step 1's checkpoint is
     intact. Without the bound the driver would wait on the ranks for ever."""
-    args = _overrides(assets, tmp_path, "rank_hung", 3, **COMMON, **{"trainer.call_timeout.train_step_s": 20})
+    args = train_overrides(
+        assets, tmp_path, "rank_hung", 3, **COMMON, **{"trainer.call_timeout.train_step_s": 20}
+    )
     run = tmp_path / "rank_hung"
     proc = subprocess.Popen(
-        _train_cmd(args),
+        train_cmd(args),
         env={**ENV, HANG_ENV: "1:2"},
         cwd=REPO,
         stdout=subprocess.DEVNULL,

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 
 import pytest
+from e2e_harness import DAPO_ON, read_metrics, start_and_wait_for_step, train_overrides, train_to_end
 from safetensors.torch import load_file
-from test_driver_e2e import DAPO_ON, ENV, REPO, _metrics, _overrides, _start_and_wait_for_step, _train_cmd
 from test_trainer_stop_resume import FakeDataset, FakeRanks, _cfg, _trainer
 
 from megatron_dapo.config import ConfigError, load_config
@@ -57,19 +56,12 @@ def test_one_step_off_needs_engines_on_their_own_devices():
 def reference(assets, tmp_path_factory):
     """An uninterrupted 3-step one_step_off run (dynamic sampling on)."""
     runs = tmp_path_factory.mktemp("one_step_off_runs")
-    subprocess.run(
-        _train_cmd(_overrides(assets, runs, "ref", STEPS, **ONE_STEP_OFF)),
-        check=True,
-        env=ENV,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        timeout=600,
-    )
+    train_to_end(train_overrides(assets, runs, "ref", STEPS, **ONE_STEP_OFF))
     return runs / "ref"
 
 
 def test_every_token_is_one_version_behind_from_step_2(reference):
-    records = _metrics(reference)
+    records = read_metrics(reference)
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         # the rollout dump records the engine's weight version per sample: step k trains on
@@ -98,21 +90,21 @@ def test_sigkill_after_a_prefetch_and_resume_equals_the_uninterrupted_run(assets
     """Held after step 1 (its checkpoint holds step 2's prefetched batch, generated with the
     initial weights), killed, resumed: without that batch in the checkpoint the resumed step 2
     would generate anew with step 1's weights and differ."""
-    args = _overrides(assets, tmp_path, "killed", STEPS, **ONE_STEP_OFF, **{"trainer.resume": "auto"})
+    args = train_overrides(assets, tmp_path, "killed", STEPS, **ONE_STEP_OFF, **{"trainer.resume": "auto"})
     run = tmp_path / "killed"
-    proc = _start_and_wait_for_step(args, run / "metrics.jsonl", 1)
+    proc = start_and_wait_for_step(args, run / "metrics.jsonl", 1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
 
-    subprocess.run(_train_cmd(args), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+    train_to_end(args)
     assert json.loads((run / "summary.json").read_text())["resumed_from"] == 1
     a = load_file(str(reference / "hf" / f"step_{STEPS}" / "model.safetensors"))
     b = load_file(str(run / "hf" / f"step_{STEPS}" / "model.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] == b[name]).all(), f"{name} differs after resume"
-    ref, got = _metrics(reference), _metrics(run)
+    ref, got = read_metrics(reference), read_metrics(run)
     assert [r["step"] for r in got] == [1, 2, 3]
     for key in (
         "rollout/reward/mean",

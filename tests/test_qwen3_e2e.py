@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from e2e_harness import REPO, read_metrics, train_overrides
 
 from megatron_dapo.driver.launch import load_for_cli, run_train
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _qwen3_demo_assets(root: Path) -> dict:
@@ -59,33 +59,15 @@ def _qwen3_demo_assets(root: Path) -> dict:
 @pytest.mark.slow
 def test_two_dapo_steps_on_qwen3_match_the_engine(tmp_path):
     assets = _qwen3_demo_assets(tmp_path / "assets")
-    overrides = {
-        "model.path": assets["hf"],
-        "data.train_files": f"[{assets['train']}]",
-        "data.val_files": f"[{assets['val']}]",
-        "data.val_max_samples": 4,
-        "trainer.runs_dir": tmp_path / "runs",
-        "trainer.run_name": "qwen3",
-        "trainer.total_steps": 2,
-        "trainer.train_batch_size": 4,
-        "rollout.gen_batch_size": 4,
-        "rollout.n": 4,
-        "rollout.groups_per_call": 4,
-        "rollout.val.n": 2,
-        "actor.ppo_mini_batch_size": 4,
-        "algorithm.filter_groups.enable": "false",
-        "algorithm.allow_partial_batch": "false",
-        "algorithm.overlong_buffer.enable": "true",
-        "trainer.test_freq": 0,
-        "trainer.save_freq": 0,
-        "logging.progress": "false",
-        "logging.plots_at_end": "false",
-    }
-    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), [f"{k}={v}" for k, v in overrides.items()])
+    files = SimpleNamespace(hf_dir=assets["hf"], train_file=assets["train"], val_file=assets["val"])
+    over = {"data.val_max_samples": 4, "algorithm.overlong_buffer.enable": "true", "trainer.test_freq": 0}
+    over |= {"trainer.save_freq": 0, "logging.plots_at_end": "false"}
+    args = train_overrides(files, tmp_path / "runs", "qwen3", 2, **over)
+    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), args)
     assert cfg.parallel.tensor_model_parallel_size == 2
     summary = run_train(cfg)
     run = Path(summary["run_dir"])
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run)
     steps = [r for r in records if r["step"] >= 1]
     assert [r["step"] for r in steps] == [1, 2]
     assert steps[0]["actor/grad_norm"] > 0, "the update must change the weights for step 2 to test the sync"
