@@ -9,8 +9,9 @@ Servers are stand-ins (a tiny HTTP server answering /health_generate) so the tes
 from __future__ import annotations
 
 import os
+import shutil
 import sys
-import textwrap
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,25 +26,7 @@ from megatron_dapo.driver.sglang_placement import GpuSlot, plan_engines, rank_or
 
 NODES = 3
 
-STANDIN = textwrap.dedent(
-    """
-    import json, os, sys
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_GET(self):
-            body = json.dumps({"pid": os.getpid(), "ppid": os.getppid()}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    HTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()
-    """
-)
+STANDIN = Path(__file__).with_name("standin_http_server.py")
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +88,7 @@ def test_engines_start_on_every_node_and_restart_there(cluster, tmp_path):
         type(p)(p.index, p.node_id, p.node_ip, p.gpus, ports[i], p.ipc_ranks) for i, p in enumerate(plans)
     ]
     script = tmp_path / "standin.py"
-    script.write_text(STANDIN)
+    shutil.copy(STANDIN, script)
     cfg = load_config(None, ["model.path=/models/none", "rollout.sglang.startup_timeout_s=120"])
     commands = [[sys.executable, str(script), p.node_ip, str(p.port)] for p in plans]
     engines = launch_planned_engines(cfg, plans, tmp_path / "logs", commands=commands)

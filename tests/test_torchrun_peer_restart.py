@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import unittest.mock as mock
 from pathlib import Path
@@ -27,28 +27,7 @@ from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 
-STANDIN = textwrap.dedent(
-    """
-    import json, os, sys
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    if os.path.exists(sys.argv[3]):  # the test asks for a server that fails at start
-        sys.exit(3)
-
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_GET(self):
-            body = json.dumps({"pid": os.getpid(), "ppid": os.getppid()}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    HTTPServer((sys.argv[1], int(sys.argv[2])), H).serve_forever()
-    """
-)
+STANDIN = Path(__file__).with_name("standin_http_server.py")
 
 
 def _get(url: str) -> dict | None:
@@ -140,7 +119,7 @@ def _rank_main(tmp: Path) -> None:
 def test_another_nodes_dead_server_is_restarted_by_its_node(tmp_path):
     from megatron_dapo.actor.spawn import free_port
 
-    (tmp_path / "standin.py").write_text(STANDIN)
+    shutil.copy(STANDIN, tmp_path / "standin.py")
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
