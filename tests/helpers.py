@@ -184,3 +184,17 @@ def from_bytes(data: bytes):
     import io
 
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def hf_forward_reference(checkpoints: dict, ids_for_vocab) -> dict:
+    """Per named HF checkpoint: HF transformers' fp32 logits on ``ids_for_vocab(vocab_size)`` and
+    the checkpoint's state dict, the independent reference the conversion tests compare against."""
+    from transformers import AutoModelForCausalLM
+
+    ref = {}
+    for name, path in checkpoints.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(ids_for_vocab(model.config.vocab_size)).logits
+        ref[name] = dict(logits=logits, state=hf_state_dict(path))
+    return ref

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import hf_forward_reference
 
 from megatron_dapo.actor.spawn import run_ranks
 
@@ -75,16 +76,7 @@ def runs(checkpoints):
 
 @pytest.fixture(scope="module")
 def hf_reference(checkpoints):
-    from helpers import hf_state_dict
-    from transformers import AutoModelForCausalLM
-
-    ref = {}
-    for name, path in checkpoints.items():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = model(_ids(model.config.vocab_size)).logits
-        ref[name] = dict(logits=logits, state=hf_state_dict(path))
-    return ref
+    return hf_forward_reference(checkpoints, _ids)
 
 
 CASES = [(m, *lay) for m in MODELS for lay in LAYOUTS]

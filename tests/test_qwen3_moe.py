@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_state_dict, tiny_hf_config
+from helpers import hf_forward_reference, hf_state_dict, tiny_hf_config
 
 from megatron_dapo.actor.model import ModelConfigError, arch_spec, transformer_config_from_hf
 from megatron_dapo.actor.spawn import run_ranks
@@ -78,14 +78,7 @@ def runs(checkpoints):
 
 @pytest.fixture(scope="module")
 def hf_reference(checkpoints):
-    from transformers import AutoModelForCausalLM
-
-    ref = {}
-    for name, path in checkpoints.items():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with torch.no_grad():
-            ref[name] = dict(logits=model(_ids(model.config.vocab_size)).logits, state=hf_state_dict(path))
-    return ref
+    return hf_forward_reference(checkpoints, _ids)
 
 
 CASES = [(m, *layout) for m in MODELS for layout in LAYOUTS]
