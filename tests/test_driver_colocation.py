@@ -2,61 +2,11 @@
 back before the update, the actor's grads and optimizer state leave before the engines return
 for the sync, its parameters after the sync, and nothing of this happens when not colocated."""
 
+from trainer_fakes import EmptyDataState, Log, LoggingEngine, LoggingRanks, OneGroupManager
+
 from megatron_dapo.config import load_config
-from megatron_dapo.data.types import PromptSample
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.trainer import DAPOTrainer
-from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
-
-
-class Log(list):
-    pass
-
-
-class FakeRanks:
-    def __init__(self, log):
-        self.log = log
-
-    def call(self, method, *args, **kwargs):
-        self.log.append(f"actor.{method}{args if method == 'offload' else ''}")
-        return [
-            {"load_checkpoint": None, "train_step": {"loss": 0.0}, "save_checkpoint": "ckpt"}.get(
-                method, True
-            )
-        ]
-
-
-class FakeEngine:
-    def __init__(self, log):
-        self.log = log
-
-    def release_memory(self):
-        self.log.append("engine.release")
-
-    def resume_memory(self):
-        self.log.append("engine.resume")
-
-
-class FakeManager:
-    def __init__(self, log):
-        self.log = log
-
-    def collect(self, dataset, version):
-        self.log.append("rollout")
-        prompt = PromptSample(0, "math_dapo", [], "q", [1, 2], "3", {})
-        samples = [
-            RolloutSample(0, prompt, [4, 5], [-0.1, -0.2], "", "stop", r, r > 0, "", 0.0, r, version, False)
-            for r in (1.0, -1.0)
-        ]
-        return RolloutBatch(samples, {"rollout/prompts_drawn": 1})
-
-
-class FakeData:
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, d):
-        pass
 
 
 def _run(tmp_path, colocated):
@@ -79,11 +29,11 @@ def _run(tmp_path, colocated):
     trainer = DAPOTrainer(
         cfg,
         run=RunDir.create(tmp_path, "r"),
-        ranks=FakeRanks(log),
-        manager=FakeManager(log),
-        dataset=FakeData(),
+        ranks=LoggingRanks(log),
+        manager=OneGroupManager(log),
+        dataset=EmptyDataState(),
         transport_sync=lambda v: log.append(f"sync{v}") or {},
-        colocated_engines=[FakeEngine(log)] if colocated else [],
+        colocated_engines=[LoggingEngine(log)] if colocated else [],
     )
     trainer.fit()
     return log

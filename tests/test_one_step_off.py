@@ -15,7 +15,7 @@ import signal
 import pytest
 from e2e_harness import DAPO_ON, read_metrics, start_and_wait_for_step, train_overrides, train_to_end
 from safetensors.torch import load_file
-from test_trainer_stop_resume import FakeDataset, FakeRanks, _cfg, _trainer
+from trainer_fakes import FakeDataset, FakeRanks, make_trainer, trainer_config
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.data.types import PromptSample
@@ -175,10 +175,12 @@ class SigtermInPrefetch:
 
 
 def test_sigterm_during_the_prefetch_saves_the_finished_step_without_it(tmp_path):
-    cfg = _cfg(tmp_path, **{"trainer.resume": "never", **{k: v for k, v in ONE_STEP_OFF.items() if "." in k}})
+    cfg = trainer_config(
+        tmp_path, **{"trainer.resume": "never", **{k: v for k, v in ONE_STEP_OFF.items() if "." in k}}
+    )
     stop = StopFlag()
     ranks, dataset, manager = TrainingRanks(), FakeDataset(), SigtermInPrefetch(stop)
-    summary = _trainer(cfg, ranks, manager, dataset, stop).fit()
+    summary = make_trainer(cfg, ranks, manager, dataset, stop).fit()
     assert manager.versions == [0, 0], "step 2's rollout must start with the weights step 1 trained on"
     assert [m for m, _ in ranks.calls if m == "train_step"] == ["train_step"]  # step 1 finished
     saves = [a for m, a in ranks.calls if m == "save_checkpoint"]

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
+from rollout_fakes import (
+    MIXED,
+    RIGHT,
+    WRONG,
+    Dataset,
+    Scorer,
+    ScriptedEngine,
+    Tokenizer,
+    accounted,
+    manager_config,
+)
 
-from megatron_dapo.data.types import PromptSample
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.manager import (
     TIMING_DEPENDENT_METRICS,
@@ -22,137 +31,10 @@ from megatron_dapo.rollout.manager import (
     RolloutManagerConfig,
     dump_rollouts,
 )
-from megatron_dapo.rollout.types import GenerationResult
-
-MIXED, RIGHT, WRONG = 0, 1, 2
-
-
-class Dataset:
-    def __init__(self, classes):
-        self.classes = classes
-        self.cursor = 0
-
-    def next_batch(self, n):
-        out = []
-        for _ in range(n):
-            i = self.cursor
-            out.append(
-                PromptSample(
-                    i, "scripted", [], f"prompt {i}", [self.classes[i % len(self.classes)], 7, i], "right", {}
-                )
-            )
-            self.cursor += 1
-        return out
-
-
-class Tokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "right" if ids and ids[0] == 1 else "wrong"
-
-
-class Result:
-    def __init__(self, score, acc, pred):
-        self.score, self.acc, self.pred, self.error = score, acc, pred, None
-
-
-class Scorer:
-    def __init__(self):
-        self.calls = 0
-
-    def score_many(self, items):
-        self.calls += 1
-        return [Result(1.0 if text == "right" else -1.0, text == "right", text) for _, text, _, _ in items]
-
-
-class ScriptedEngine:
-    """Answers by prompt class; can be slow, fail, die, or hang; honours abort like SGLang does."""
-
-    def __init__(self, name, length=3, slow_prompts=(), fail_calls=(), die_at_call=None, hang_calls=()):
-        self.name = name
-        self.length = length
-        self.slow_prompts = set(slow_prompts)
-        self.fail_calls = set(fail_calls)
-        self.die_at_call = die_at_call
-        self.hang_calls = set(hang_calls)
-        self.calls = 0
-        self.aborts = 0
-        self.unaborted_slow = 0  # slow calls that ended by their deadline, not by an abort
-        self.seeds = {}
-        self.served = []
-        self._epoch = 0
-        self._alive = True
-        self._lock = threading.Lock()
-
-    def generate(self, requests):
-        epoch = self._epoch
-        with self._lock:
-            self.calls += 1
-            call = self.calls
-        if not self._alive:
-            raise ConnectionError(f"{self.name} is gone")
-        if self.die_at_call is not None and call >= self.die_at_call:
-            self._alive = False
-            raise ConnectionError(f"{self.name} died")
-        if call in self.fail_calls:
-            raise RuntimeError(f"{self.name}: transient failure on call {call}")
-        if call in self.hang_calls:
-            time.sleep(1.0)  # ignores abort, like a wedged server
-        prompt_idx = requests[0].prompt_ids[2]
-        if prompt_idx in self.slow_prompts:
-            # blocks until aborted; the generous deadline only ends a test whose manager never aborts
-            deadline = time.monotonic() + 120
-            while self._epoch == epoch and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if self._epoch != epoch:
-                return [GenerationResult(r.request_id, [], [], "abort", 0) for r in requests]
-            self.unaborted_slow += 1
-        out = []
-        for j, r in enumerate(requests):
-            self.seeds[r.request_id] = r.sampling.seed
-            cls = r.prompt_ids[0]
-            right = cls == RIGHT or (cls == MIXED and j % 2 == 0)
-            ids = [1 if right else 2] + [5] * (self.length - 1)
-            out.append(GenerationResult(r.request_id, ids, [-0.5] * len(ids), "stop", 3))
-        self.served.append(prompt_idx)
-        return out
-
-    def abort(self):
-        self.aborts += 1
-        self._epoch += 1
-
-    def health(self):
-        return self._alive
-
-
-def cfg(**kw):
-    base = dict(
-        n=4,
-        gen_batch_size=4,
-        train_batch_size=4,
-        max_num_gen_batches=10,
-        over_sample=False,
-        max_response_length=8,
-        overlong_buffer_len=4,
-        max_concurrency_per_engine=64,
-        request_timeout_s=30.0,
-    )
-    base.update(kw)
-    return RolloutManagerConfig(**base)
-
-
-def accounted(m):
-    return (
-        m["rollout/groups_in_batch"]
-        + m["rollout/filtered_all_correct"]
-        + m["rollout/filtered_all_wrong"]
-        + m["rollout/filtered_other"]
-        + m["rollout/surplus"]
-        + m["rollout/aborted"]
-    )
 
 
 def test_refill_across_rounds_keeps_only_mixed_groups_in_draw_order():
-    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(), Tokenizer())
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), manager_config(), Tokenizer())
     batch = mgr.collect(Dataset([MIXED, RIGHT, WRONG]), weight_version=3)
     m = batch.metrics
     # rounds of 4 prompts; mixed prompts are 0, 3 | 6 | 9 -> 3 rounds
@@ -175,7 +57,7 @@ def test_refill_across_rounds_keeps_only_mixed_groups_in_draw_order():
 def test_overlong_penalty_is_added_to_the_score():
     # length 6 with L_max 8, buffer 4: penalty -(6 - 4) / 4 * 0.5 = -0.25
     mgr = RolloutManager(
-        [ScriptedEngine("e0", length=6)], Scorer(), cfg(overlong_penalty_factor=0.5), Tokenizer()
+        [ScriptedEngine("e0", length=6)], Scorer(), manager_config(overlong_penalty_factor=0.5), Tokenizer()
     )
     batch = mgr.collect(Dataset([MIXED]), 0)
     assert {s.overlong_penalty for s in batch.samples} == {-0.25}
@@ -184,27 +66,33 @@ def test_overlong_penalty_is_added_to_the_score():
 
 
 def test_filter_on_seq_final_reward_and_disabled_filter():
-    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(filter_groups_enable=False), Tokenizer())
+    mgr = RolloutManager(
+        [ScriptedEngine("e0")], Scorer(), manager_config(filter_groups_enable=False), Tokenizer()
+    )
     batch = mgr.collect(Dataset([RIGHT, WRONG]), 0)
     assert batch.metrics["rollout/gen_rounds"] == 1 and len(batch) == 16
-    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(filter_metric="seq_final_reward"), Tokenizer())
+    mgr = RolloutManager(
+        [ScriptedEngine("e0")], Scorer(), manager_config(filter_metric="seq_final_reward"), Tokenizer()
+    )
     assert mgr.collect(Dataset([WRONG, MIXED]), 0).metrics["rollout/filtered_all_wrong"] == 4
 
 
 def test_zero_spread_fraction_is_measured_with_the_filter_off_and_on():
     # filter off: one round of 4 prompts (classes R, W, M, R) is the batch; 3 of its 4 groups
     # have a constant acc -> 3/4, not the 0 it read when only filtered groups were counted
-    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(filter_groups_enable=False), Tokenizer())
+    mgr = RolloutManager(
+        [ScriptedEngine("e0")], Scorer(), manager_config(filter_groups_enable=False), Tokenizer()
+    )
     m = mgr.collect(Dataset([RIGHT, WRONG, MIXED]), 0).metrics
     assert m["rollout/prompts_drawn"] == 4 and m["rollout/zero_spread_fraction"] == pytest.approx(3 / 4)
     # filter on: prompts 0-9 decide the batch, 6 of them constant (1, 2, 4, 5, 7, 8) -> 6/10
-    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(), Tokenizer())
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), manager_config(), Tokenizer())
     m = mgr.collect(Dataset([MIXED, RIGHT, WRONG]), 0).metrics
     assert m["rollout/zero_spread_fraction"] == pytest.approx(6 / 10)
 
 
 def test_budget_exhaustion_raises_with_verl_advice():
-    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(max_num_gen_batches=2), Tokenizer())
+    mgr = RolloutManager([ScriptedEngine("e0")], Scorer(), manager_config(max_num_gen_batches=2), Tokenizer())
     with pytest.raises(ValueError, match=r"max_num_gen_batches=0") as e:
         mgr.collect(Dataset([WRONG]), 0)
     assert "num_gen_batches=2" in str(e.value) and "too difficult" in str(e.value)
@@ -213,7 +101,10 @@ def test_budget_exhaustion_raises_with_verl_advice():
 def test_budget_exhaustion_partial_batch_when_allowed():
     classes = [MIXED] + [WRONG] * 7  # one mixed prompt in the first 8 drawn
     mgr = RolloutManager(
-        [ScriptedEngine("e0")], Scorer(), cfg(max_num_gen_batches=2, allow_partial_batch=True), Tokenizer()
+        [ScriptedEngine("e0")],
+        Scorer(),
+        manager_config(max_num_gen_batches=2, allow_partial_batch=True),
+        Tokenizer(),
     )
     batch = mgr.collect(Dataset(classes), 0)
     m = batch.metrics
@@ -228,7 +119,7 @@ def test_abort_once_full_counts_in_flight_and_queued_groups():
     mgr = RolloutManager(
         [engine],
         Scorer(),
-        cfg(gen_batch_size=12, train_batch_size=2, max_concurrency_per_engine=16),
+        manager_config(gen_batch_size=12, train_batch_size=2, max_concurrency_per_engine=16),
         Tokenizer(),
     )
     batch = mgr.collect(Dataset([MIXED]), 0)
@@ -264,7 +155,7 @@ def _deterministic(m):
 def test_batch_follows_draw_order_not_completion_order_with_one_or_two_engines():
     # 8 mixed/right/wrong prompts in one round, all in flight at once; prompts 0-3 finish last.
     # By draw order the batch is the first 2 mixed prompts (0 and 3), whoever finishes first.
-    conf = cfg(gen_batch_size=8, train_batch_size=2, max_concurrency_per_engine=64)
+    conf = manager_config(gen_batch_size=8, train_batch_size=2, max_concurrency_per_engine=64)
     reference = RolloutManager([ScriptedEngine("e0")], Scorer(), conf, Tokenizer())
     ref = reference.collect(Dataset([MIXED, RIGHT, WRONG]), 0)
     assert [s.prompt.index for s in ref.samples[::4]] == [0, 3]
@@ -288,7 +179,7 @@ def test_engine_death_mid_step_loses_nothing():
     mgr = RolloutManager(
         [dying, healthy],
         Scorer(),
-        cfg(gen_batch_size=8, train_batch_size=8, max_concurrency_per_engine=4),
+        manager_config(gen_batch_size=8, train_batch_size=8, max_concurrency_per_engine=4),
         Tokenizer(),
     )
     batch = mgr.collect(Dataset([MIXED]), 0)
@@ -301,7 +192,7 @@ def test_engine_death_mid_step_loses_nothing():
 
 def test_all_engines_dead_is_a_clear_error():
     engines = [ScriptedEngine("a", die_at_call=1), ScriptedEngine("b", die_at_call=1)]
-    mgr = RolloutManager(engines, Scorer(), cfg(), Tokenizer())
+    mgr = RolloutManager(engines, Scorer(), manager_config(), Tokenizer())
     # a's two calls race: the one that marks it down says "died" or "is gone"
     with pytest.raises(NoEngineAliveError, match=r"all 2 engines are down .*a: a (died|is gone)"):
         mgr.collect(Dataset([MIXED]), 0)
@@ -309,11 +200,11 @@ def test_all_engines_dead_is_a_clear_error():
 
 def test_transient_failure_is_retried_on_another_engine_and_bounded():
     flaky, other = ScriptedEngine("flaky", fail_calls={1}), ScriptedEngine("other")
-    mgr = RolloutManager([flaky, other], Scorer(), cfg(max_concurrency_per_engine=4), Tokenizer())
+    mgr = RolloutManager([flaky, other], Scorer(), manager_config(max_concurrency_per_engine=4), Tokenizer())
     batch = mgr.collect(Dataset([MIXED]), 0)
     assert batch.num_groups == 4 and batch.metrics["rollout/retries"] == 1
     always = ScriptedEngine("always", fail_calls=set(range(1, 100)))
-    mgr = RolloutManager([always], Scorer(), cfg(max_retries=2), Tokenizer())
+    mgr = RolloutManager([always], Scorer(), manager_config(max_retries=2), Tokenizer())
     with pytest.raises(EngineError, match=r"failed 3 times \(max_retries=2\).*always"):
         mgr.collect(Dataset([MIXED]), 0)
 
@@ -321,7 +212,10 @@ def test_transient_failure_is_retried_on_another_engine_and_bounded():
 def test_timed_out_call_is_reissued_elsewhere():
     wedged, other = ScriptedEngine("wedged", hang_calls={1}), ScriptedEngine("other")
     mgr = RolloutManager(
-        [wedged, other], Scorer(), cfg(request_timeout_s=0.3, max_concurrency_per_engine=4), Tokenizer()
+        [wedged, other],
+        Scorer(),
+        manager_config(request_timeout_s=0.3, max_concurrency_per_engine=4),
+        Tokenizer(),
     )
     batch = mgr.collect(Dataset([MIXED]), 0)
     assert batch.num_groups == 4 and batch.metrics["rollout/retries"] >= 1
@@ -330,21 +224,24 @@ def test_timed_out_call_is_reissued_elsewhere():
 
 def test_request_seeds_depend_on_draw_position_not_engine():
     one = ScriptedEngine("one")
-    RolloutManager([one], Scorer(), cfg(), Tokenizer()).collect(Dataset([MIXED]), 5)
+    RolloutManager([one], Scorer(), manager_config(), Tokenizer()).collect(Dataset([MIXED]), 5)
     a, b = ScriptedEngine("a"), ScriptedEngine("b")
-    RolloutManager([a, b], Scorer(), cfg(max_concurrency_per_engine=4), Tokenizer()).collect(
+    RolloutManager([a, b], Scorer(), manager_config(max_concurrency_per_engine=4), Tokenizer()).collect(
         Dataset([MIXED]), 5
     )
     assert one.seeds == {**a.seeds, **b.seeds}
     assert len(set(one.seeds.values())) == 16  # distinct per sample
     other = ScriptedEngine("other")
-    RolloutManager([other], Scorer(), cfg(), Tokenizer()).collect(Dataset([MIXED]), 6)
+    RolloutManager([other], Scorer(), manager_config(), Tokenizer()).collect(Dataset([MIXED]), 6)
     assert set(other.seeds.values()).isdisjoint(one.seeds.values())  # a new weight version re-seeds
 
 
 def test_over_sampling_sizes_the_next_step_from_the_keep_rate():
     mgr = RolloutManager(
-        [ScriptedEngine("e0")], Scorer(), cfg(over_sample=True, max_over_sample_factor=3.0), Tokenizer()
+        [ScriptedEngine("e0")],
+        Scorer(),
+        manager_config(over_sample=True, max_over_sample_factor=3.0),
+        Tokenizer(),
     )
     data = Dataset([MIXED, RIGHT, WRONG])
     first = mgr.collect(data, 0).metrics
@@ -357,7 +254,9 @@ def test_over_sampling_sizes_the_next_step_from_the_keep_rate():
 
 
 def test_dump_rollouts_writes_one_line_per_sample(tmp_path):
-    batch = RolloutManager([ScriptedEngine("e0")], Scorer(), cfg(), Tokenizer()).collect(Dataset([MIXED]), 0)
+    batch = RolloutManager([ScriptedEngine("e0")], Scorer(), manager_config(), Tokenizer()).collect(
+        Dataset([MIXED]), 0
+    )
     path = dump_rollouts(batch, tmp_path / "rollouts" / "step_1.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 16
@@ -381,7 +280,9 @@ def test_manager_with_the_hf_engine_end_to_end(tiny_hf_checkpoint):
     path = tiny_hf_checkpoint(vocab=128, hidden=32, heads=4, kv_heads=2)
     tok = AutoTokenizer.from_pretrained(str(path))
     engine = HFEngine(path, max_batch_size=32)
-    conf = cfg(n=4, gen_batch_size=3, train_batch_size=3, filter_groups_enable=False, groups_per_call=3)
+    conf = manager_config(
+        n=4, gen_batch_size=3, train_batch_size=3, filter_groups_enable=False, groups_per_call=3
+    )
     batch = RolloutManager([engine], Scorer(), conf, tok).collect(Dataset([MIXED]), 0)
     assert len(batch) == 12 and batch.group_index == [0] * 4 + [1] * 4 + [2] * 4
     for s in batch.samples:

@@ -7,8 +7,8 @@ test_rollout_manager with a supervised "server" that can be restarted; the actor
 
 from __future__ import annotations
 
-from test_driver_colocation import FakeRanks
-from test_rollout_manager import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, accounted, cfg
+from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, accounted, manager_config
+from trainer_fakes import LoggingRanks
 
 from megatron_dapo.config import load_config
 from megatron_dapo.driver.run_dir import RunDir
@@ -63,7 +63,7 @@ def test_dead_engine_is_restarted_and_synced_before_it_gets_work(tmp_path):
     manager = RolloutManager(
         [dying, healthy],
         Scorer(),
-        cfg(gen_batch_size=8, train_batch_size=8, max_concurrency_per_engine=4),
+        manager_config(gen_batch_size=8, train_batch_size=8, max_concurrency_per_engine=4),
         Tokenizer(),
     )
     steps = []
@@ -99,7 +99,7 @@ def test_dead_engine_is_restarted_and_synced_before_it_gets_work(tmp_path):
             "logging.tensorboard=false",
         ],
     )
-    ranks = FakeRanks(log)
+    ranks = LoggingRanks(log)
     DAPOTrainer(
         conf,
         run=RunDir.create(tmp_path, "r"),

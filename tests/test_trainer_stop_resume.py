@@ -14,44 +14,21 @@ import time
 from pathlib import Path
 
 import pytest
+from trainer_fakes import (
+    EmptyDataState,
+    FakeDataset,
+    FakeRanks,
+    Log,
+    OneGroupManager,
+    make_trainer,
+    trainer_config,
+)
 
 from megatron_dapo.actor.checkpoint import MANIFEST, NoUsableCheckpointError
-from megatron_dapo.config import load_config
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.trainer import DAPOTrainer
 from megatron_dapo.rollout.manager import RolloutAbandoned
-
-
-class FakeRanks:
-    def __init__(self):
-        self.calls = []
-
-    def call(self, method, *args, **kwargs):
-        self.calls.append((method, args))
-        if method == "save_checkpoint":
-            root, step, state, _keep = args
-            path = Path(root) / f"step_{step:08d}"
-            path.mkdir(parents=True)
-            (path / "state.json").write_text(json.dumps(state))
-            (Path(root) / "latest").write_text(path.name + "\n")
-            return [str(path)]
-        return [None]
-
-
-class FakeDataset:
-    def __init__(self):
-        self.index = 0
-
-    def next_batch(self, n):
-        self.index += n
-        return list(range(n))
-
-    def state_dict(self):
-        return {"index": self.index}
-
-    def load_state_dict(self, state):
-        self.index = state["index"]
 
 
 class StoppingManager:
@@ -76,35 +53,11 @@ class StoppingManager:
         raise RolloutAbandoned("stopping")
 
 
-def _cfg(tmp_path, **over):
-    base = {
-        "model.path": str(tmp_path / "no_model"),
-        "trainer.runs_dir": str(tmp_path),
-        "trainer.run_name": "r",
-        "trainer.total_steps": 5,
-        "trainer.train_batch_size": 4,
-        "rollout.gen_batch_size": 4,
-        "rollout.n": 2,
-        "actor.ppo_mini_batch_size": 4,
-        "trainer.val_before_train": "false",
-        "logging.progress": "false",
-    }
-    base.update(over)
-    return load_config(None, [f"{k}={v}" for k, v in base.items()])
-
-
-def _trainer(cfg, ranks, manager, dataset, stop):
-    run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
-    return DAPOTrainer(
-        cfg, run=run, ranks=ranks, manager=manager, dataset=dataset, transport_sync=lambda v: {}, stop=stop
-    )
-
-
 def test_stop_during_rollout_checkpoints_the_last_finished_step(tmp_path):
-    cfg = _cfg(tmp_path, **{"trainer.resume": "never"})
+    cfg = trainer_config(tmp_path, **{"trainer.resume": "never"})
     stop = StopFlag()
     ranks, dataset = FakeRanks(), FakeDataset()
-    trainer = _trainer(cfg, ranks, StoppingManager(stop), dataset, stop)
+    trainer = make_trainer(cfg, ranks, StoppingManager(stop), dataset, stop)
     # as after a finished step 3 whose checkpoint is not due (save_freq 20)
     trainer.state.step = trainer.state.weight_version = 3
     dataset.index = 12
@@ -120,10 +73,10 @@ def test_stop_during_rollout_checkpoints_the_last_finished_step(tmp_path):
 
 
 def test_stop_before_any_step_saves_nothing(tmp_path):
-    cfg = _cfg(tmp_path, **{"trainer.resume": "never"})
+    cfg = trainer_config(tmp_path, **{"trainer.resume": "never"})
     stop = StopFlag()
     ranks = FakeRanks()
-    _trainer(cfg, ranks, StoppingManager(stop), FakeDataset(), stop).fit()
+    make_trainer(cfg, ranks, StoppingManager(stop), FakeDataset(), stop).fit()
     assert not [m for m, _ in ranks.calls if m == "save_checkpoint"]
 
 
@@ -137,13 +90,13 @@ def _bad_checkpoints(root: Path) -> None:
 
 
 def test_only_bad_checkpoints_stop_the_run_before_any_rank_loads(tmp_path):
-    cfg = _cfg(tmp_path)
+    cfg = trainer_config(tmp_path)
     run = RunDir.create(tmp_path, "r")
     _bad_checkpoints(run.checkpoints)
     history = '{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n'
     run.metrics.write_text(history)
     ranks = FakeRanks()
-    trainer = _trainer(cfg, ranks, StoppingManager(StopFlag()), FakeDataset(), StopFlag())
+    trainer = make_trainer(cfg, ranks, StoppingManager(StopFlag()), FakeDataset(), StopFlag())
     with pytest.raises(NoUsableCheckpointError) as err:
         trainer.fit()
     message = str(err.value)
@@ -156,12 +109,12 @@ def test_only_bad_checkpoints_stop_the_run_before_any_rank_loads(tmp_path):
 
 
 def test_resume_never_keeps_the_old_metrics_aside(tmp_path):
-    cfg = _cfg(tmp_path, **{"trainer.resume": "never"})
+    cfg = trainer_config(tmp_path, **{"trainer.resume": "never"})
     run = RunDir.create(tmp_path, "r")
     _bad_checkpoints(run.checkpoints)
     run.metrics.write_text('{"step": 1}\n')
     stop = StopFlag()
-    _trainer(cfg, FakeRanks(), StoppingManager(stop), FakeDataset(), stop).fit()
+    make_trainer(cfg, FakeRanks(), StoppingManager(stop), FakeDataset(), stop).fit()
     assert (run.root / "metrics.1.jsonl").read_text() == '{"step": 1}\n'
     assert not run.metrics.exists() or run.metrics.read_text() == ""
 
@@ -169,7 +122,7 @@ def test_resume_never_keeps_the_old_metrics_aside(tmp_path):
 def test_driver_chooses_a_good_checkpoint_and_ranks_load_exactly_it(tmp_path):
     from megatron_dapo.actor.checkpoint import write_manifest
 
-    cfg = _cfg(tmp_path)
+    cfg = trainer_config(tmp_path)
     run = RunDir.create(tmp_path, "r")
     _bad_checkpoints(run.checkpoints)
     good = run.checkpoints / "step_00000001"
@@ -184,7 +137,7 @@ def test_driver_chooses_a_good_checkpoint_and_ranks_load_exactly_it(tmp_path):
             return super().call(method, *args, **kwargs)
 
     ranks, dataset, stop = Ranks(), FakeDataset(), StopFlag()
-    trainer = _trainer(cfg, ranks, StoppingManager(stop), dataset, stop)
+    trainer = make_trainer(cfg, ranks, StoppingManager(stop), dataset, stop)
     trainer.fit()
     loads = [a for m, a in ranks.calls if m == "load_checkpoint"]
     assert loads == [(str(good), str(good), False)]
@@ -296,9 +249,7 @@ class _CheckpointingRanks(FakeRanks):
 
 
 def _run_steps(tmp_path, name, *, kill_in_validation_at=None, resume="never"):
-    from tests.test_driver_colocation import FakeData, FakeManager, Log
-
-    cfg = _cfg(
+    cfg = trainer_config(
         tmp_path,
         **{
             "trainer.run_name": name,
@@ -322,8 +273,8 @@ def _run_steps(tmp_path, name, *, kill_in_validation_at=None, resume="never"):
         cfg,
         run=run,
         ranks=_CheckpointingRanks(),
-        manager=FakeManager(Log()),
-        dataset=FakeData(),
+        manager=OneGroupManager(Log()),
+        dataset=EmptyDataState(),
         transport_sync=lambda v: {},
         validate=validate,
     )

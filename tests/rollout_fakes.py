@@ -1,0 +1,140 @@
+"""Stand-ins for the rollout manager's tests: a scripted engine that answers prompt ``p`` by its class
+(``prompt_ids[0]``): 0 = mixed (half the samples right), 1 = all right, 2 = all wrong; a tokenizer
+that decodes token 1 as "right"; a scorer that gives +1 / -1 for right / wrong; a dataset of such
+prompts; and the identity every manager metric set must satisfy (``accounted``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from megatron_dapo.data.types import PromptSample
+from megatron_dapo.rollout.manager import RolloutManagerConfig
+from megatron_dapo.rollout.types import GenerationResult
+
+MIXED, RIGHT, WRONG = 0, 1, 2
+
+
+class Dataset:
+    def __init__(self, classes):
+        self.classes = classes
+        self.cursor = 0
+
+    def next_batch(self, n):
+        out = []
+        for _ in range(n):
+            i = self.cursor
+            out.append(
+                PromptSample(
+                    i, "scripted", [], f"prompt {i}", [self.classes[i % len(self.classes)], 7, i], "right", {}
+                )
+            )
+            self.cursor += 1
+        return out
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "right" if ids and ids[0] == 1 else "wrong"
+
+
+class Result:
+    def __init__(self, score, acc, pred):
+        self.score, self.acc, self.pred, self.error = score, acc, pred, None
+
+
+class Scorer:
+    def __init__(self):
+        self.calls = 0
+
+    def score_many(self, items):
+        self.calls += 1
+        return [Result(1.0 if text == "right" else -1.0, text == "right", text) for _, text, _, _ in items]
+
+
+class ScriptedEngine:
+    """Answers by prompt class; can be slow, fail, die, or hang; honours abort like SGLang does."""
+
+    def __init__(self, name, length=3, slow_prompts=(), fail_calls=(), die_at_call=None, hang_calls=()):
+        self.name = name
+        self.length = length
+        self.slow_prompts = set(slow_prompts)
+        self.fail_calls = set(fail_calls)
+        self.die_at_call = die_at_call
+        self.hang_calls = set(hang_calls)
+        self.calls = 0
+        self.aborts = 0
+        self.unaborted_slow = 0  # slow calls that ended by their deadline, not by an abort
+        self.seeds = {}
+        self.served = []
+        self._epoch = 0
+        self._alive = True
+        self._lock = threading.Lock()
+
+    def generate(self, requests):
+        epoch = self._epoch
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if not self._alive:
+            raise ConnectionError(f"{self.name} is gone")
+        if self.die_at_call is not None and call >= self.die_at_call:
+            self._alive = False
+            raise ConnectionError(f"{self.name} died")
+        if call in self.fail_calls:
+            raise RuntimeError(f"{self.name}: transient failure on call {call}")
+        if call in self.hang_calls:
+            time.sleep(1.0)  # ignores abort, like a wedged server
+        prompt_idx = requests[0].prompt_ids[2]
+        if prompt_idx in self.slow_prompts:
+            # blocks until aborted; the generous deadline only ends a test whose manager never aborts
+            deadline = time.monotonic() + 120
+            while self._epoch == epoch and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self._epoch != epoch:
+                return [GenerationResult(r.request_id, [], [], "abort", 0) for r in requests]
+            self.unaborted_slow += 1
+        out = []
+        for j, r in enumerate(requests):
+            self.seeds[r.request_id] = r.sampling.seed
+            cls = r.prompt_ids[0]
+            right = cls == RIGHT or (cls == MIXED and j % 2 == 0)
+            ids = [1 if right else 2] + [5] * (self.length - 1)
+            out.append(GenerationResult(r.request_id, ids, [-0.5] * len(ids), "stop", 3))
+        self.served.append(prompt_idx)
+        return out
+
+    def abort(self):
+        self.aborts += 1
+        self._epoch += 1
+
+    def health(self):
+        return self._alive
+
+
+def manager_config(**kw):
+    """The manager's settings for the scripted tests (4 prompts x 4 samples); ``kw`` wins."""
+    base = dict(
+        n=4,
+        gen_batch_size=4,
+        train_batch_size=4,
+        max_num_gen_batches=10,
+        over_sample=False,
+        max_response_length=8,
+        overlong_buffer_len=4,
+        max_concurrency_per_engine=64,
+        request_timeout_s=30.0,
+    )
+    base.update(kw)
+    return RolloutManagerConfig(**base)
+
+
+def accounted(m):
+    return (
+        m["rollout/groups_in_batch"]
+        + m["rollout/filtered_all_correct"]
+        + m["rollout/filtered_all_wrong"]
+        + m["rollout/filtered_other"]
+        + m["rollout/surplus"]
+        + m["rollout/aborted"]
+    )
