@@ -31,6 +31,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("megatron_dapo.train")
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.driver.actor_worker import ActorWorker
     from megatron_dapo.driver.launch import load_for_cli, prepare_run, resolve_device, resolve_engine
     from megatron_dapo.driver.stop import StopFlag
+    from megatron_dapo.errors import set_log_dir
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_kind = resolve_engine(cfg, resolve_device(cfg))
         if rank == 0:
             inputs = prepare_run(cfg)  # data errors surface before the model is built
+            # a failure reported from a watchdog thread writes its traceback there too
+            set_log_dir(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)
     except (ConfigError, DataError) as e:
         print(
             f"[rank {rank}] {'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr
@@ -184,8 +188,6 @@ def _report_failure(exc: BaseException, rank: int, cfg) -> int:
     """Rank 0 prints the one line the CLI would (`failed: ...` naming a dead rank and the
     checkpoint a resume uses); a follower, which only saw its peers disappear, prints one line
     prefixed with its rank. Tracebacks go to RUN/error.log (error.rankN.log for followers)."""
-    from pathlib import Path
-
     from megatron_dapo.errors import report, set_log_dir
 
     set_log_dir(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)

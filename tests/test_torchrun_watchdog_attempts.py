@@ -84,3 +84,37 @@ def test_a_restarted_attempt_does_not_read_the_last_attempts_abort(store, monkey
     finally:
         watcher.stop.set()
         watcher.join(60)
+
+
+def test_a_peer_that_dies_while_rank_0_stays_blocked_is_named(store, monkeypatch, tmp_path):
+    """Rank 0 blocked in a call whose peer died (its sockets held open by an orphan): the peer
+    thread names the dead rank and the checkpoint a resume uses in one line, puts the blocked
+    main thread's stack in error.log, and posts the abort key for the other followers."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from megatron_dapo.errors import set_log_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    lines, exited = [], threading.Event()
+    monkeypatch.setattr(wd, "_exit_with", lambda line: (lines.append(line), exited.set()))
+    set_log_dir(tmp_path)
+    peers = [(socket.gethostname(), os.getpid()), (socket.gethostname(), gone.pid)]
+    watchdog = wd.CallWatchdog(2, peers=peers, grace_s=0.2)
+    try:
+        context = "during step 3; trainer.resume=auto continues from /runs/r/checkpoints/step_00000002"
+        watchdog.start("train_step", None, "", context)
+        assert exited.wait(120), "the dead peer was never reported"
+    finally:
+        watchdog.close()
+        set_log_dir(None)
+    line = lines[0]
+    assert line.startswith(f"failed: training rank 1 (pid {gone.pid}) died during train_step"), line
+    assert line.count("failed:") == 1 and context in line and "\n" not in line, line
+    log = (tmp_path / "error.log").read_text()
+    assert "Traceback (most recent call last)" in log
+    assert "test_a_peer_that_dies_while_rank_0_stays_blocked_is_named" in log  # where the main thread was
+    assert store.get(wd.abort_key()).decode() == line

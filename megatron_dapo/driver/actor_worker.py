@@ -69,7 +69,10 @@ class ActorWorker:
         from megatron_dapo.actor import compat
         from megatron_dapo.actor.actor import build_actor
         from megatron_dapo.actor.parallel import init_parallel
+        from megatron_dapo.weights.orphan_guard import die_with_forking_parent
 
+        # the checkpoint writers this rank forks hold its sockets: they must die with it
+        die_with_forking_parent()
         if threads:
             torch.set_num_threads(threads)
         cfg = self.cfg

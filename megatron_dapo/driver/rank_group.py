@@ -40,6 +40,14 @@ class RankDied(RuntimeError):
     """A rank's process is gone (killed, out of memory, a crash in native code)."""
 
 
+def rank_died(rank: int, pid: int, method: str) -> RankDied:
+    """The error naming a torchrun rank that died during `method`."""
+    return RankDied(
+        f"training rank {rank} (pid {pid}) died during {method} (killed, out of memory, "
+        "or a crash in native code; torchrun's report names its exit code)"
+    )
+
+
 def node_address() -> tuple[str, int]:
     """This node's routable IP and a free port on it, for MASTER_ADDR / MASTER_PORT."""
     try:
@@ -108,9 +116,16 @@ class RayRankGroup:
         )
 
     def call(
-        self, method: str, *args: Any, timeout_s: float | None = None, timeout_note: str = "", **kwargs: Any
+        self,
+        method: str,
+        *args: Any,
+        timeout_s: float | None = None,
+        timeout_note: str = "",
+        context: str = "",
+        **kwargs: Any,
     ) -> list[Any]:
-        # timeout_note: the caller adds it to the RankCallError raised here (SPMDRankGroup prints it)
+        # timeout_note, context: the caller adds them to the RankCallError raised here
+        # (SPMDRankGroup prints them itself)
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return self._wait(method, refs, timeout_s)
 
@@ -211,16 +226,23 @@ class SPMDRankGroup:
         self.peers = _exchange_peers(self._group, self.world_size)
         from megatron_dapo.driver.spmd_watchdog import CallWatchdog
 
-        self._watchdog = CallWatchdog(self.world_size)
+        self._watchdog = CallWatchdog(self.world_size, peers=self.peers)
 
     def call(
-        self, method: str, *args: Any, timeout_s: float | None = None, timeout_note: str = "", **kwargs: Any
+        self,
+        method: str,
+        *args: Any,
+        timeout_s: float | None = None,
+        timeout_note: str = "",
+        context: str = "",
+        **kwargs: Any,
     ) -> list[Any]:
         """`timeout_s` bounds the whole call: past it, this process prints one `failed:` line
-        (ending with `timeout_note`) and exits 1 (driver/spmd_watchdog.py says why it must)."""
+        (ending with `timeout_note` and `context`) and exits 1; a peer that dies while this rank
+        stays blocked in the call ends it the same way (driver/spmd_watchdog.py says why)."""
         import torch.distributed as dist
 
-        self._watchdog.start(method, timeout_s, timeout_note)
+        self._watchdog.start(method, timeout_s, timeout_note, context)
         try:
             msg = [(method, args, kwargs)]
             dist.broadcast_object_list(msg, src=0, group=self._group)
@@ -234,13 +256,7 @@ class SPMDRankGroup:
             dead = dead_peers(self.peers)
             if not dead:
                 raise
-            causes: list[BaseException] = [
-                RankDied(
-                    f"training rank {rank} (pid {pid}) died during {method} (killed, out of memory, "
-                    "or a crash in native code; torchrun's report names its exit code)"
-                )
-                for rank, pid in dead
-            ]
+            causes: list[BaseException] = [rank_died(rank, pid, method) for rank, pid in dead]
             raise RankCallError(f"{method} failed: " + "; ".join(map(str, causes)), causes) from e
         finally:
             self._watchdog.done()

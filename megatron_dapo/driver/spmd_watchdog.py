@@ -18,6 +18,15 @@ abort key and stop at once.
 normal exit finish. Checkpoints stay intact because a checkpoint is published (`latest`) only
 after it is complete; a save cut short leaves the previous one as the resume point.
 
+A rank that dies is named the same way. Normally its death breaks rank 0's collective and the
+call raises at once; but a connection stays open as long as any process holds it, and a rank's
+forked children hold its sockets (weights/orphan_guard.py arms them to die with the rank, this
+is the second line of defence). So while a call is in flight a second thread looks at the
+peers' pids: a peer dead for `PEER_GRACE_S` while rank 0 is still inside the call means rank 0
+is blocked for good, and the thread prints the dead-rank line (the main thread's stack in
+error.log) and exits the same way. Ranks on other hosts cannot be seen from here; their
+torchrun agent ends them.
+
 On GPU: a rank stuck in an NCCL kernel cannot be interrupted from Python either; `os._exit`
 still ends the process, and the driver frees its CUDA context when the process is reaped (a
 kernel spinning on a dead peer may hold the GPU until then). NCCL's own watchdog
@@ -30,9 +39,16 @@ import contextlib
 import os
 import sys
 import threading
+import time
+import traceback
 from typing import Any
 
 POLL_S = 0.5
+# How long a dead peer may go unreported while rank 0 is still inside the call: the main thread
+# reports a broken collective in milliseconds; torchrun's agent SIGKILLs rank 0 30 s after a
+# worker died, so the line must come well before that.
+PEER_GRACE_S = 5.0
+PEER_POLL_S = 1.0
 
 
 def _prefix() -> str:
@@ -65,20 +81,37 @@ def _exit_with(line: str) -> None:
 
 
 class CallWatchdog:
-    """Rank 0: `start(...)` before a call's first collective, `done()` after its last one."""
+    """Rank 0: `start(...)` before a call's first collective, `done()` after its last one.
 
-    def __init__(self, world_size: int):
+    `peers`: (host, pid) per rank; when given, a dead peer ends a call that does not end itself."""
+
+    def __init__(
+        self, world_size: int, peers: list[tuple[str, int]] | None = None, grace_s: float = PEER_GRACE_S
+    ):
         self.world_size = world_size
         self.store = _store()
         self.seq = 0
         self._timer: threading.Timer | None = None
         self._mine_done = False
+        self._lock = threading.Lock()  # the main thread's `done` vs the peer thread's exit
+        self._active: tuple[int, str, str] | None = None  # (seq, method, context) of the call
+        self._closed = threading.Event()
+        if peers:
+            threading.Thread(
+                target=self._watch_peers, args=(peers, grace_s), name="megatron-dapo-peer-watch", daemon=True
+            ).start()
 
-    def start(self, method: str, timeout_s: float | None, note: str) -> int:
+    def start(self, method: str, timeout_s: float | None, note: str, context: str = "") -> int:
+        """`note` and `context` end the line of a timeout; `context` that of a dead peer."""
         self.seq += 1
         self._mine_done = False
+        with self._lock:
+            self._active = (self.seq, method, context)
         if timeout_s is not None:
-            self._timer = threading.Timer(timeout_s, self._expired, args=(self.seq, method, timeout_s, note))
+            line_end = f"{note}; {context}" if note and context else note or context
+            self._timer = threading.Timer(
+                timeout_s, self._expired, args=(self.seq, method, timeout_s, line_end)
+            )
             self._timer.daemon = True
             self._timer.start()
         return self.seq
@@ -87,9 +120,14 @@ class CallWatchdog:
         self._mine_done = True
 
     def done(self) -> None:
+        with self._lock:
+            self._active = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def close(self) -> None:
+        self._closed.set()
 
     def late_ranks(self, seq: int) -> list[int]:
         late = [] if self._mine_done else [0]
@@ -111,10 +149,51 @@ class CallWatchdog:
         line = f"failed: {method}: {who} did not finish within {timeout_s:.0f}s"
         if note:
             line += f" {note}"
+        self._abort(line)
+
+    def _abort(self, line: str) -> None:
         # if the store fails, followers end by torchrun's shutdown instead
         with contextlib.suppress(Exception):
             self.store.set(abort_key(), line)
         _exit_with(line)
+
+    def _watch_peers(self, peers: list[tuple[str, int]], grace_s: float) -> None:
+        from megatron_dapo.driver.rank_group import dead_peers
+
+        first_seen: tuple[int, float] | None = None  # (call, when a dead peer was first seen in it)
+        while not self._closed.wait(PEER_POLL_S):
+            active = self._active
+            dead = dead_peers(peers) if active is not None else []
+            if not dead:
+                first_seen = None
+                continue
+            if first_seen is None or first_seen[0] != active[0]:
+                first_seen = (active[0], time.monotonic())
+                continue
+            if time.monotonic() - first_seen[1] < grace_s:
+                continue
+            with self._lock:  # held until the exit: the main thread cannot report a second line
+                if self._active is not None and self._active[0] == first_seen[0]:
+                    self._report_dead(*self._active[1:], dead)
+
+    def _report_dead(self, method: str, context: str, dead: list[tuple[int, int]]) -> None:
+        from megatron_dapo.driver.rank_group import RankCallError, rank_died
+        from megatron_dapo.errors import report
+
+        causes = [rank_died(rank, pid, method) for rank, pid in dead]
+        error = RankCallError(f"{method} failed: " + "; ".join(map(str, causes)), causes)
+        error.megatron_dapo_context = context
+        main = sys._current_frames().get(threading.main_thread().ident)
+        if main is not None:
+            stack = "".join(traceback.format_stack(main))
+            error.add_note(
+                f"rank 0's main thread, blocked in the call:\nTraceback (most recent call last):\n{stack}"
+            )
+        try:
+            line = report(error)[1]
+        except Exception:  # noqa: BLE001 - the line must be printed whatever the report does
+            line = f"failed: {error}; {context}"
+        self._abort(line)
 
 
 def watch_for_abort(rank: int) -> threading.Thread:

@@ -172,7 +172,7 @@ class DAPOTrainer:
             f"during step {self.state.step + 1}; trainer.resume=auto continues from {self.last_checkpoint()}"
         )
         try:
-            return self.ranks.call(method, *args, timeout_s=timeout_s, timeout_note=f"{note}; {context}")
+            return self.ranks.call(method, *args, timeout_s=timeout_s, timeout_note=note, context=context)
         except RankCallError as e:
             if not e.timed_out:
                 raise

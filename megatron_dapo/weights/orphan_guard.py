@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 # How often the helper looks for its parent; only bounds how long an orphan lingers.
@@ -34,3 +35,35 @@ def exit_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_forking_parent() -> None:
+    """From now on, every process this one forks (without exec) is SIGKILLed when this one dies.
+
+    megatron-core's checkpoint save forks its file writers (`filesystem_async`, a "fork" context)
+    from the rank. A fork inherits every file descriptor, the rank's gloo/NCCL sockets included:
+    if the rank is killed mid-save, its orphaned writers hold those sockets open, so the peers
+    never see the connection close and wait in their collective instead of reporting the dead
+    rank. The kernel's parent-death signal ends such a child with its parent (Linux only; the
+    signal follows the forking thread, and megatron forks and joins its writers within one call
+    of that thread). Exec'd children (subprocess) do not run these hooks and need none:
+    `close_fds` keeps the sockets out of them."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    forking = {"pid": 0}
+
+    def remember_parent() -> None:
+        forking["pid"] = os.getpid()
+
+    def arm() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != forking["pid"]:  # the parent died before the signal was armed
+            os._exit(1)
+
+    os.register_at_fork(before=remember_parent, after_in_child=arm)
