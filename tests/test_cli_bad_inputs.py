@@ -2,8 +2,10 @@
 offending path, key or URL, with exit status 2 (bad input) and no Python traceback.
 
 Each row: (id, argv after `megatron-dapo`, exit status, strings the message must contain). The
-cases run as subprocesses, a few at a time, in one module fixture; most fail before any cluster
-starts. Add a row whenever a new kind of input appears.
+first rows run as `python -m megatron_dapo.cli` subprocesses (the entry point's own wiring); the
+others each run `cli.main` in a process forked from one that made the commands' imports once
+(tests/cli_fork_runner.py), a few at a time; most fail before any cluster starts. Add a row
+whenever a new kind of input appears.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -351,9 +352,35 @@ def results(request, tmp_path_factory):
         if hasattr(item, "callspec") and "cid" in item.callspec.params
     }
     argvs = {cid: build(inputs) for cid, build, _, _ in CASES if cid in wanted}
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        done = dict(zip(argvs, pool.map(_run, argvs.values())))
+    real = [cid for cid in argvs if cid in SUBPROCESS_CASES]
+    forked = [cid for cid in argvs if cid not in SUBPROCESS_CASES]
+    done = {cid: _run(argvs[cid]) for cid in real}
+    done.update(zip(forked, _run_forked([argvs[cid] for cid in forked])))
     return done
+
+
+# rows that also prove the console entry's wiring (module entry, exit status, stderr)
+SUBPROCESS_CASES = {"config-file-missing", "override-unknown-key"}
+
+
+def _run_forked(argvs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    if not argvs:
+        return []
+    env = dict(os.environ, PYTHONUNBUFFERED="1", NO_COLOR="1", COLUMNS="80")
+    runner = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("cli_fork_runner.py"))],
+        input=json.dumps(argvs),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    return [
+        subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
+        for argv, r in zip(argvs, json.loads(runner.stdout))
+    ]
 
 
 def test_at_least_thirty_cases():
