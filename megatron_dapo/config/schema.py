@@ -139,6 +139,8 @@ class OverlongBufferConfig:
 
 @dataclass
 class TISConfig:
+    # Deprecated (a warning at load): algorithm.rollout_correction.mode=tis with threshold=cap is
+    # the same loss.
     enable: bool = False
     cap: float = 2.0
 

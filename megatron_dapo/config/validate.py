@@ -7,6 +7,7 @@ exists; they never import transformers or megatron, so validation stays instant.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -113,6 +114,14 @@ def validate(cfg: DictConfig) -> None:
         )
     if alg.tis.enable and alg.tis.cap <= 0:
         raise ConfigError(f"algorithm.tis.cap={alg.tis.cap} must be > 0")
+    if alg.tis.enable:
+        # the same loss as the general form (token level, cap = threshold); one knob is kept
+        warnings.warn(
+            "algorithm.tis is deprecated: use algorithm.rollout_correction.mode=tis "
+            f"algorithm.rollout_correction.threshold={alg.tis.cap:g} (same loss) and tis.enable=false",
+            FutureWarning,
+            stacklevel=2,
+        )
     if alg.filter_groups.max_num_gen_batches < 0:
         raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = unlimited)")
     _check_rollout_correction(alg)
