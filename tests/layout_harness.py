@@ -60,7 +60,7 @@ def layout_actor(hf_dir, budget, mode, mini_batch=4, params_dtype=torch.float32,
     from megatron_dapo.actor.actor import ActorConfig, build_actor
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
-    cfg = ActorConfig(
+    settings = dict(
         ppo_mini_batch_size=mini_batch,
         micro_batch_max_tokens=budget,
         loss_agg_mode=mode,
@@ -68,8 +68,8 @@ def layout_actor(hf_dir, budget, mode, mini_batch=4, params_dtype=torch.float32,
         tis_cap=TIS_CAP,
         shuffle=False,
         **CLIP,
-        **extra,
     )
+    cfg = ActorConfig(**{**settings, **extra})  # extra may replace a default (tis_cap=None)
     # Adam's first step is lr * g / (|g| + eps): with a small eps, a gradient entry near zero
     # turns fp32 summation-order noise (~1e-7 absolute between layouts) into weight differences
     # of order lr. eps=1e-2, above the clipped gradients, makes the step ~ lr * g / eps: well

@@ -8,7 +8,11 @@ tokens unevenly spread over the two CP ranks):
 - one DAPO step at CP=2 with four micro-batches equals CP=1 (DP=2, one micro-batch; DP is
   checked against DP=1 by test_actor_layouts): loss, grad norm, clip fractions and every updated
   weight within the fp32 tolerance of the dense layout test (1e-6 relative);
-- the CP=2 loss equals ``algo.policy_loss`` on HF log-probs (an independent reference).
+- the CP=2 loss equals ``algo.policy_loss`` on HF log-probs (an independent reference);
+- the same at CP=2 vs CP=1 with the whole-sequence quantities: ``seq-mean-token-mean`` (a row's
+  token count spans the CP ranks) with a geometric-level TIS rollout correction (a row's mean
+  log-ratio spans them), whose cap truncates some rows; and that loss equals ``policy_loss`` on
+  HF log-probs too.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from helpers import as_bytes, from_bytes, hf_state
 from layout_harness import BIG, CLIP, SMALL, TEMPERATURE, TIS_CAP, close, layout_actor
 
 from megatron_dapo.actor.spawn import run_ranks
+from megatron_dapo.algo import RolloutCorrection
+
+# A cap near 1 so the geometric weights of some rows are truncated (rc_fraction > 0).
+GEOMETRIC = RolloutCorrection(mode="tis", level="geometric", threshold=1.03)
+SEQ_MODE = dict(mode="seq-mean-token-mean", tis_cap=None, rollout_correction=GEOMETRIC)
 
 
 def _rank_run(rank, world, hf_dir, batch, old):
@@ -32,6 +41,10 @@ def _rank_run(rank, world, hf_dir, batch, old):
         logprobs, entropy = actor.compute_logprobs(batch, TEMPERATURE, with_entropy=True)
         metrics = actor.update(batch.with_old_logprobs(old.float()))
         out[cp] = dict(logprobs=logprobs, entropy=entropy, metrics=metrics, state=hf_state(actor))
+        # Scoring is mode-independent: only the update of the sequence-level mode is checked.
+        actor = layout_actor(hf_dir, budget, **SEQ_MODE)
+        metrics = actor.update(batch.with_old_logprobs(old.float()))
+        out[("seq", cp)] = dict(metrics=metrics, state=hf_state(actor))
     return as_bytes(out)
 
 
@@ -52,14 +65,38 @@ def test_cp2_logprobs_equal_transformers(results, layout_data):
 
 
 def test_cp2_step_equals_cp1(results):
-    ref, got = results[0][1], results[0][2]
+    _check_step_equal(results, 1, 2)
+
+
+def test_cp2_sequence_level_step_equals_cp1(results):
+    """seq-mean-token-mean with a geometric rollout correction: per-row sums over CP."""
+    _check_step_equal(results, ("seq", 1), ("seq", 2), keys=("clipfrac", "ppo_kl", "rc_weight_mean"))
+    got = results[0][("seq", 2)]["metrics"]["updates"][0]
+    ref = results[0][("seq", 1)]["metrics"]["updates"][0]
+    # the cap bites on some rows, and the spread of whole-row weights is that of CP=1
+    assert 0 < got["rc_fraction"] < 1 and close(got["rc_fraction"], ref["rc_fraction"]), (got, ref)
+    for key in ("rc_weight_max", "rc_weight_min"):
+        assert close(got[key], ref[key], 1e-6), (key, got[key], ref[key])
+
+
+def _check_step_equal(results, ref_key, got_key, keys=None):
+    keys = keys or (
+        "clipfrac",
+        "clipfrac_high",
+        "clipfrac_low",
+        "entropy",
+        "ppo_kl",
+        "tis_mean",
+        "mismatch_k3",
+    )
+    ref, got = results[0][ref_key], results[0][got_key]
     ref_u, got_u = ref["metrics"]["updates"][0], got["metrics"]["updates"][0]
     assert ref_u["updated"] and got_u["updated"]
     assert close(got_u["loss"], ref_u["loss"]), (got_u["loss"], ref_u["loss"])
     assert close(got_u["grad_norm"], ref_u["grad_norm"]), (got_u["grad_norm"], ref_u["grad_norm"])
     for key in ("tokens", "seqs"):
         assert got_u[key] == ref_u[key], key
-    for key in ("clipfrac", "clipfrac_high", "clipfrac_low", "entropy", "ppo_kl", "tis_mean", "mismatch_k3"):
+    for key in keys:
         assert close(got_u[key], ref_u[key], 1e-5), (key, got_u[key], ref_u[key])
     assert got["state"].keys() == ref["state"].keys()
     for name, w in ref["state"].items():
@@ -67,44 +104,34 @@ def test_cp2_step_equals_cp1(results):
         assert diff <= 1e-6 * w.abs().max(), (name, float(diff))
     # both CP ranks hold the same (DP x CP-reduced) weights
     for name, w in got["state"].items():
-        assert torch.equal(results[1][2]["state"][name], w), name
+        assert torch.equal(results[1][got_key]["state"][name], w), name
 
 
 def test_cp2_loss_equals_policy_loss_on_hf_logprobs(results, layout_data):
     from megatron_dapo.algo import policy_loss
 
     batch, old, hf = layout_data
-    loss, _ = policy_loss(
-        hf,
-        old.float().double(),
-        batch.advantages.double(),
-        batch.response_mask,
-        **CLIP,
-        loss_agg_mode="token-mean",
-        rollout_logprobs=batch.rollout_logprobs.double(),
-        tis_cap=TIS_CAP,
+    common = dict(
+        old_logprobs=old.float().double(), advantages=batch.advantages.double(), mask=batch.response_mask
     )
-    got = results[0][2]["metrics"]["updates"][0]["loss"]
-    assert abs(got - float(loss)) < 1e-5 * max(1.0, abs(float(loss)))
+    rollout = batch.rollout_logprobs.double()
+    for key, extra in (
+        (2, dict(loss_agg_mode="token-mean", tis_cap=TIS_CAP)),
+        (("seq", 2), dict(loss_agg_mode="seq-mean-token-mean", rollout_correction=GEOMETRIC)),
+    ):
+        loss, _ = policy_loss(hf, **common, **CLIP, rollout_logprobs=rollout, **extra)
+        got = results[0][key]["metrics"]["updates"][0]["loss"]
+        assert abs(got - float(loss)) < 1e-5 * max(1.0, abs(float(loss))), (key, got, float(loss))
 
 
-def test_cp_refuses_sequence_level_losses():
-    from megatron_dapo.actor.actor import ActorConfig, _check_cp_supported
-    from megatron_dapo.algo import RolloutCorrection
-
-    _check_cp_supported(ActorConfig(loss_agg_mode="seq-mean-token-sum"))
-    with pytest.raises(ValueError, match=r"seq-mean-token-mean.*context_parallel_size > 1"):
-        _check_cp_supported(ActorConfig(loss_agg_mode="seq-mean-token-mean"))
-    with pytest.raises(ValueError, match=r"rollout_correction.level='sequence'"):
-        _check_cp_supported(ActorConfig(rollout_correction=RolloutCorrection(mode="tis", level="sequence")))
-
-
-def test_config_refuses_sequence_level_losses_with_cp(tmp_path):
-    """The same refusal at config time, before any rank or server starts."""
-    from megatron_dapo.config import ConfigError
+def test_config_accepts_sequence_level_losses_with_cp(tmp_path):
+    """CP > 1 with seq-mean-token-mean or a sequence/geometric rollout correction loads (it was
+    refused when a row had to be whole on one rank)."""
     from megatron_dapo.config.loader import load_config
 
     base = [f"model.path={tmp_path}", "parallel.actor_world_size=2", "parallel.context_parallel_size=2"]
-    load_config(None, base)  # token-mean (the default) is fine
-    with pytest.raises(ConfigError, match=r"context_parallel_size=2: loss_agg_mode='seq-mean-token-mean'"):
-        load_config(None, [*base, "algorithm.loss_agg_mode=seq-mean-token-mean"])
+    cfg = load_config(None, [*base, "algorithm.loss_agg_mode=seq-mean-token-mean"])
+    assert cfg.parallel.context_parallel_size == 2
+    load_config(
+        None, [*base, "algorithm.rollout_correction.mode=mask", "algorithm.rollout_correction.level=sequence"]
+    )

@@ -12,8 +12,9 @@ Context parallelism (CP): every CP rank of a DP replica plans the same micro-bat
 to a multiple of ``2 * CP``) and runs its load-balanced share of each row (``train_step``); the
 loss normaliser is the DP-wide token count of whole sequences, gradients are summed over DP x CP
 by megatron's DDP (its ``dp_cp`` group), per-token outputs are gathered over CP, and metric sums
-come from every CP rank. Sequence-level quantities that need a whole row on one rank
-(``seq-mean-token-mean``, sequence/geometric rollout correction) are refused with CP > 1.
+come from every CP rank. Sequence-level quantities (``seq-mean-token-mean``'s per-row token
+count, the sequence/geometric rollout-correction weights) are summed over the CP ranks per row
+inside the loss (``context_parallel.cp_row_sum``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import torch.distributed as dist
 
 from megatron_dapo.actor import compat, gpu_settings
 from megatron_dapo.actor.batch import ActorBatch, BatchError
-from megatron_dapo.actor.context_parallel import cp_config_problem
 from megatron_dapo.actor.micro_batches import (
     collate,
     pack_by_token_budget,
@@ -112,12 +112,6 @@ class ActorState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _check_cp_supported(cfg: ActorConfig) -> None:
-    problem = cp_config_problem(cfg.loss_agg_mode, cfg.rollout_correction)
-    if problem:
-        raise ValueError(problem)
-
-
 class Actor:
     """Trainer half of DAPO over DDP-wrapped megatron model chunks.
 
@@ -132,8 +126,6 @@ class Actor:
     def __init__(self, model_chunks, optimizer, scheduler, layout: ParallelLayout, cfg: ActorConfig):
         from megatron_dapo.weights.model_io import unwrap
 
-        if layout.cp_size > 1:
-            _check_cp_supported(cfg)
         config = model_chunks[0].config
         if not (config.calculate_per_token_loss and config.variable_seq_lengths):
             raise ValueError(

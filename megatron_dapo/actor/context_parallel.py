@@ -12,8 +12,9 @@ taken from the full sequence before the cut, so a chunk boundary loses no target
 
 Reductions: a rank holds a subset of a sequence's tokens, so a token-mean over the mini-batch
 divides the CP-summed numerator by the token count of the whole sequences (summed over CP and DP),
-never by a rank's own count; a per-sequence mean (seq-mean-token-mean) sums its numerator and its
-count over CP before dividing.
+never by a rank's own count; a per-sequence mean (seq-mean-token-mean) divides each rank's part of
+a row's sum by the row's whole token count (:func:`cp_row_sum`), so the parts add up over CP, and
+the sequence/geometric rollout-correction weights sum each row's log-ratio over CP the same way.
 """
 
 from __future__ import annotations
@@ -123,18 +124,16 @@ def cp_split_micro(micro, cp: int, rank: int):
     return type(micro)(**fields)
 
 
-def cp_config_problem(loss_agg_mode: str, rollout_correction) -> str | None:
-    """Why these loss settings cannot run with context parallelism (a CP rank holds 1/CP of each
-    sequence, so whole-sequence quantities are out of reach), or None."""
-    if loss_agg_mode == "seq-mean-token-mean":
-        return (
-            "loss_agg_mode='seq-mean-token-mean' is not supported with context_parallel_size > 1 "
-            "(a sequence's token mean spans CP ranks); use token-mean or seq-mean-token-sum(-norm), or cp=1"
-        )
-    rc = rollout_correction
-    if rc is not None and rc.mode != "none" and rc.level != "token":
-        return (
-            f"rollout_correction.level={rc.level!r} is not supported with context_parallel_size > 1 "
-            "(it multiplies over a whole sequence); use level='token', or cp=1"
-        )
-    return None
+def cp_row_sum(group):
+    """A ``row_sum`` for :func:`megatron_dapo.algo.policy_loss`: sums a per-row tensor (no
+    gradient: counts, log-ratio sums) over the CP ranks, which hold the pieces of the same rows.
+    Every CP rank computes the loss of the same micro-batches in the same order, so the
+    collectives line up."""
+    import torch.distributed as dist
+
+    def row_sum(x: torch.Tensor) -> torch.Tensor:
+        total = x.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    return row_sum

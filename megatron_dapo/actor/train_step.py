@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.actor import compat
-from megatron_dapo.actor.context_parallel import cp_gather, cp_split_micro
+from megatron_dapo.actor.context_parallel import cp_gather, cp_row_sum, cp_split_micro
 from megatron_dapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_dapo.actor.micro_batches import MicroBatch
 from megatron_dapo.algo import RolloutCorrection, policy_loss
@@ -163,11 +163,16 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def micro_batch_loss(
-    logprobs: torch.Tensor, entropy: torch.Tensor, micro: MicroBatch, settings: LossSettings
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    micro: MicroBatch,
+    settings: LossSettings,
+    row_sum=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DAPO loss of one micro-batch (already divided by the global normaliser) and its metric
     sums in :data:`STAT_NAMES` order followed by :data:`EXTREME_NAMES` (float64). With no ``old_logprobs`` the current policy,
-    detached, is pi_old (ratio exactly 1)."""
+    detached, is pi_old (ratio exactly 1). ``row_sum``: with context parallelism, sums per-row
+    quantities over the CP ranks (:func:`~megatron_dapo.actor.context_parallel.cp_row_sum`)."""
     mask = micro.loss_mask
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
     use_tis = settings.tis_cap is not None and micro.rollout_logprobs is not None
@@ -188,6 +193,7 @@ def micro_batch_loss(
         rollout_logprobs=micro.rollout_logprobs if use_tis or use_rc else None,
         tis_cap=settings.tis_cap if use_tis else None,
         rollout_correction=rc if use_rc else None,
+        row_sum=row_sum,
     )
     n = m["num_tokens"].double()
     stats = dict.fromkeys(STAT_NAMES, torch.zeros((), dtype=torch.float64, device=mask.device))
@@ -235,6 +241,8 @@ def backward_micro_batches(
     DDP buffers (DP-summed by megatron's finalize step). Returns this rank's metric sums (zeros
     off the last pipeline stage), float64 ``[len(STAT_NAMES) + len(EXTREME_NAMES)]`` on the CPU."""
     tp_group = _tp_group()
+    cp_group = _cp_group()
+    row_sum = cp_row_sum(cp_group) if cp_group is not None else None
     totals = empty_stats()
 
     def forward_step(data_iterator, model):
@@ -250,7 +258,7 @@ def backward_micro_batches(
                 temperature=settings.temperature,
                 tp_group=tp_group,
             )
-            loss, stats = micro_batch_loss(lp, ent, micro, settings)
+            loss, stats = micro_batch_loss(lp, ent, micro, settings, row_sum)
             totals = combine_stats(totals, stats.cpu())
             # Three values with calculate_per_token_loss: megatron back-propagates `loss` as is.
             return loss, stats.new_tensor(int(stats[1]), dtype=torch.int), {}

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# Sums a per-row tensor over the pieces of each row that other ranks hold (context parallelism
+# cuts every sequence across ranks); None when each row is whole here. Passed in so that algo/
+# needs no torch.distributed.
+RowSum = Callable[[torch.Tensor], torch.Tensor]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -15,6 +22,7 @@ def agg_loss(
     num_seqs: int | float | torch.Tensor | None = None,
     *,
     norm_len: int | float | None = None,
+    row_sum: RowSum | None = None,
 ) -> torch.Tensor:
     """Aggregate ``loss_mat`` (B, T) over the tokens where ``mask`` is set.
 
@@ -37,6 +45,11 @@ def agg_loss(
 
     Masked positions may hold any value (padding garbage, inf, NaN): they are zeroed by a
     select, not a multiply, so they cannot leak into the loss or its gradient.
+
+    ``row_sum``: when a row is cut across ranks (context parallelism), sums a per-row count over
+    them. The ``seq-mean-*`` modes then use each whole sequence's token count (for its mean and
+    for "is it empty"), while the numerator stays this rank's part: the ranks' losses add up to
+    the loss of the whole rows, and so do their gradients.
 
     Differs from verl in one detail: ``seq-mean-token-mean`` divides a sequence's token sum by
     its exact token count, where verl divides by ``count + 1e-8``.
@@ -62,6 +75,8 @@ def agg_loss(
             raise ValueError(f"norm_len must be > 0, got {divisor}")
         return seq_sums.sum() / divisor
 
+    if row_sum is not None:
+        token_counts = row_sum(token_counts)
     nonempty = token_counts > 0
     if mode == "seq-mean-token-mean":
         seq_losses = seq_sums / token_counts.clamp(min=1).to(loss_mat.dtype)

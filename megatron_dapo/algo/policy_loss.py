@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dapo.algo.aggregation import agg_loss
+from megatron_dapo.algo.aggregation import RowSum, agg_loss
 from megatron_dapo.algo.rollout_correction import RolloutCorrection, correction_terms
 
 # verl clamps log(ratio) to +-20 before exp so a stale token cannot overflow the ratio.
@@ -27,6 +27,7 @@ def policy_loss(
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
     rollout_correction: RolloutCorrection | None = None,
+    row_sum: RowSum | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level PPO-clip loss as verl's ``compute_policy_loss_vanilla`` + ``agg_loss``.
 
@@ -58,6 +59,10 @@ def policy_loss(
             :mod:`megatron_dapo.algo.rollout_correction`): each token's clipped loss is multiplied
             by its factor (truncated weight or 1/0 mask) before the aggregation, whose
             normalisers do not change. None or mode ``none`` leaves the loss bit for bit as is.
+        row_sum: with each row cut across ranks (context parallelism), sums a per-row tensor
+            over the ranks holding its pieces, so that the whole-sequence quantities
+            (``seq-mean-*`` token counts, sequence/geometric correction weights) are those of the
+            whole row; see :func:`agg_loss`. None: rows are whole here.
 
     The loss is computed in float32, or float64 when the inputs are float64; bf16/fp16 inputs
     are upcast, and the loss has that dtype.
@@ -126,7 +131,7 @@ def policy_loss(
         }
 
     if rc is not None:
-        terms = correction_terms(old, clean(rollout_logprobs.detach()), keep, rc)
+        terms = correction_terms(old, clean(rollout_logprobs.detach()), keep, rc, row_sum)
         per_token = per_token * terms.factor
         metrics.update(terms.metrics)
     elif rollout_logprobs is not None:
@@ -136,7 +141,7 @@ def policy_loss(
         metrics["tis_mean"] = _masked_mean(weight, keep, n_tok)
         metrics["tis_clipfrac"] = _masked_mean(raw_w > tis_cap, keep, n_tok)
 
-    loss = agg_loss(per_token, keep, loss_agg_mode, num_tokens, num_seqs, norm_len=norm_len)
+    loss = agg_loss(per_token, keep, loss_agg_mode, num_tokens, num_seqs, norm_len=norm_len, row_sum=row_sum)
     metrics["num_tokens"] = n_tok.detach()
     metrics["num_seqs"] = (keep.sum(dim=-1) > 0).sum().detach()
     return loss, metrics

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dapo.algo.aggregation import RowSum
+
 CORRECTION_MODES = ("none", "tis", "mask")
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
@@ -83,9 +85,15 @@ class CorrectionTerms:
 
 
 def importance_weights(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, level: str
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    level: str,
+    row_sum: RowSum | None = None,
 ) -> torch.Tensor:
-    """rho per token (B, T): ``exp(old - rollout)`` at ``level``; 1 at masked positions."""
+    """rho per token (B, T): ``exp(old - rollout)`` at ``level``; 1 at masked positions.
+    ``row_sum`` (see :func:`~megatron_dapo.algo.aggregation.agg_loss`): with rows cut across
+    ranks, the sequence levels sum the log-ratio and the token count over the whole row."""
     if level not in CORRECTION_LEVELS:
         raise ValueError(f"level={level!r} is not one of {', '.join(CORRECTION_LEVELS)}")
     keep = mask.bool()
@@ -93,8 +101,11 @@ def importance_weights(
     log_rho = torch.where(keep, old_logprobs.detach() - rollout_logprobs.detach(), zero)
     if level != "token":
         seq = log_rho.sum(dim=-1, keepdim=True)
+        count = keep.sum(dim=-1, keepdim=True)
+        if row_sum is not None:
+            seq, count = row_sum(seq), row_sum(count)
         if level == "geometric":
-            seq = seq / keep.sum(dim=-1, keepdim=True).clamp(min=1).to(seq.dtype)
+            seq = seq / count.clamp(min=1).to(seq.dtype)
         log_rho = torch.where(keep, seq.expand_as(log_rho), zero)
     return torch.exp(torch.clamp(log_rho, min=-_LOG_CLAMP, max=_LOG_CLAMP))
 
@@ -104,12 +115,13 @@ def correction_terms(
     rollout_logprobs: torch.Tensor,
     mask: torch.Tensor,
     rc: RolloutCorrection,
+    row_sum: RowSum | None = None,
 ) -> CorrectionTerms:
     """The per-token loss factor of ``rc`` (an active correction) and its metrics."""
     if not rc.active:
         raise ValueError("correction_terms needs an active correction (mode tis or mask)")
     keep = mask.bool()
-    rho = importance_weights(old_logprobs, rollout_logprobs, keep, rc.level)
+    rho = importance_weights(old_logprobs, rollout_logprobs, keep, rc.level, row_sum)
     if rc.mode == "tis":
         factor = torch.clamp(rho, max=rc.threshold)
         hit = rho > rc.threshold

@@ -165,13 +165,6 @@ def validate(cfg: DictConfig) -> None:
             f"parallel.expert_model_parallel_size={ep} must divide the {dp * cp} data x context parallel "
             "ranks (actor_world_size / (tp*pp)); megatron splits experts over those"
         )
-    if cp > 1:
-        # Checked again by the actor; here so a run fails before any rank or server starts.
-        from megatron_dapo.actor.context_parallel import cp_config_problem
-
-        problem = cp_config_problem(cfg.algorithm.loss_agg_mode, cfg.algorithm.rollout_correction)
-        if problem:
-            raise ConfigError(f"parallel.context_parallel_size={cp}: {problem}")
     if par.sequence_parallel and tp == 1:
         raise ConfigError(
             "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; set it to false"
