@@ -5,9 +5,12 @@ Two ranks of a gloo world play two nodes: rank 1 ("node1", LOCAL_RANK 0) starts 
 (a tiny HTTP server reporting its pid and parent pid) under its `NodeServers`; rank 0 builds its
 engines with `rank0_engines` (the connection itself is stubbed: the stand-in speaks no SGLang),
 kills the server, and runs the trainer's `restart_down_engines`. The server must come back as a
-child of rank 1. Then the server is made to fail at start: the restart must end with an
-EngineError naming the node, the URL and the log. Before the fix, rank 0's engine for another
-node's server had no server handle, and the dead server stayed dead.
+child of rank 1. Then the server hangs (SIGSTOP: its port still accepts, nothing answers) with no
+request on it: the check before the sync must find it down (its GET /health is not answered within
+the engine's health timeout) and rank 1 must kill it and start a new one. Then the server is made
+to fail at start: the restart must end with an EngineError naming the node, the URL and the log.
+Before the fixes, rank 0's engine for another node's server had no server handle, and the dead
+server stayed dead; a hung one passed the port check and was left to hang the sync.
 
 Each rank runs this file as a script (`python THIS rank`), with torchrun's environment variables.
 """
@@ -49,6 +52,7 @@ def _rank_main(tmp: Path) -> None:
     from megatron_dapo.driver.rank_group import SPMDRankGroup
     from megatron_dapo.driver.sglang_placement import EnginePlan
     from megatron_dapo.rollout.engine import EngineError
+    from megatron_dapo.rollout.sglang_client import SGLangEngine
     from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
     dist.init_process_group("gloo")
@@ -82,11 +86,12 @@ def _rank_main(tmp: Path) -> None:
         return
 
     ranks = SPMDRankGroup(worker)
-    # the stand-in speaks no SGLang: connecting yields a client that only checks health
-    stub = SimpleNamespace(close=lambda: None, health=lambda: _get(url) is not None)
+    # the stand-in speaks no SGLang, but answers GET /health: the engine is a real SGLangEngine
+    # (its real health check, a short health timeout) without the connect-time SGLang handshake
+    stub = SGLangEngine(url, health_timeout_s=3)
     cfg = SimpleNamespace(
         rollout=SimpleNamespace(
-            sglang=SimpleNamespace(api_key=None, startup_timeout_s=60),
+            sglang=SimpleNamespace(api_key=None, startup_timeout_s=60, health_timeout_s=3),
             tensor_parallel_size=1,
             request_timeout_s=30,
         )
@@ -102,21 +107,31 @@ def _rank_main(tmp: Path) -> None:
     result["revived"] = restart_down_engines(manager)
     result["after"] = _get(url)
 
-    result["error"] = None
+    result["error"] = result["hung"] = None
     if result["after"] is not None:
+        # hung during the actor update: back in service (no request failed on it), then stopped
+        manager.down.clear()
+        stopped = result["after"]["pid"]
+        os.killpg(stopped, signal.SIGSTOP)
+        revived = restart_down_engines(manager)
+        why = manager.down.get(engine.name, "")
+        result["hung"] = {"revived": revived, "why": why, "now": _get(url), "stopped_pid": stopped}
+        result["hung"]["stopped_gone"] = not Path(f"/proc/{stopped}").exists()  # killed and reaped
+    if result["hung"] is not None and result["hung"]["now"] is not None:
         # a server that cannot start again: one error naming the node, the URL and the log
         fail_flag.touch()
-        os.kill(result["after"]["pid"], signal.SIGKILL)
+        os.kill(result["hung"]["now"]["pid"], signal.SIGKILL)
         try:
             restart_down_engines(manager)
         except EngineError as e:
             result["error"] = str(e)
     ranks.shutdown()
+    engine.close()
     (tmp / "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def test_another_nodes_dead_server_is_restarted_by_its_node(tmp_path):
+def test_another_nodes_dead_or_hung_server_is_restarted_by_its_node(tmp_path):
     from megatron_dapo.actor.spawn import free_port
 
     shutil.copy(STANDIN, tmp_path / "standin.py")
@@ -154,6 +169,12 @@ def test_another_nodes_dead_server_is_restarted_by_its_node(tmp_path):
     assert res["after"] is not None, "the dead server was not restarted"
     assert res["after"]["pid"] != res["before"]["pid"]
     assert res["after"]["ppid"] == res["rank1_pid"]
+    # hung (SIGSTOP, port open) with no request on it: found by its health check, killed, restarted
+    hung = res["hung"]
+    assert hung is not None and hung["revived"] == [res["name"]], hung
+    assert "GET /health" in hung["why"], hung
+    assert hung["now"] is not None and hung["now"]["pid"] != hung["stopped_pid"], hung
+    assert hung["now"]["ppid"] == res["rank1_pid"] and hung["stopped_gone"], hung
     err = res["error"]
     assert err is not None and "\n" not in err, err
     assert "node1" in err and res["url"] in err and "engine_1.log" in err, err

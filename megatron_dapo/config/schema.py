@@ -74,6 +74,10 @@ class SGLangConfig:
     host: str = "127.0.0.1"
     base_port: int = 30000
     startup_timeout_s: float = 900.0
+    # A running server that does not answer GET /health within this (a hung process: port open,
+    # no answers) is taken as dead: marked down, its work re-queued, restarted by its node.
+    # /health runs a one-token generation behind the queued work, so not a ping's timeout.
+    health_timeout_s: float = 120.0
     # Existing servers to use instead of launching them (torchrun mode, external engines).
     urls: list[str] = field(default_factory=list)
     extra_args: list[str] = field(default_factory=list)

@@ -212,6 +212,11 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"trainer.call_timeout.{name}={value} must be > 0 (seconds the driver waits on one call to the ranks)"
             )
+    if cfg.rollout.sglang.health_timeout_s <= 0:
+        raise ConfigError(
+            f"rollout.sglang.health_timeout_s={cfg.rollout.sglang.health_timeout_s} must be > 0 "
+            "(seconds a running SGLang server may take to answer GET /health before it is restarted)"
+        )
     if cfg.trainer.stop_timeout_s <= 0:
         raise ConfigError(
             f"trainer.stop_timeout_s={cfg.trainer.stop_timeout_s} must be > 0 (seconds a SIGTERM stop may take)"

@@ -2,8 +2,11 @@
 
 The rollout manager marks an engine down when it fails and its `health()` is False, and
 finishes the step on the others (`manager.down`). Before the weight sync that follows, every
-down engine whose server this driver launched is restarted (`engine.server.restart()`, or
-stop/start/wait for a local `SGLangServer`); the transport then forgets per-server state such as
+launched server that is not down is checked: its process (or port) is gone, or it does not
+answer `GET /health` within `rollout.sglang.health_timeout_s` (hung: port open, no answers, e.g.
+SIGSTOPped), and it is down too. Every down engine whose server this run launched is then
+restarted (`engine.server.restart()`: the old process group SIGKILLed, a new one started and
+waited for; under torchrun by the node that owns it); the transport then forgets per-server state such as
 a weight-update group (`ActorWorker.reset_transport`), the sync brings every engine, the
 restarted ones included, to the new weight version, and only then does the manager give them work
 again. Under multi-node torchrun, another node's server is restarted by the process that started it
@@ -15,6 +18,7 @@ itself and answers `/health`.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -23,13 +27,18 @@ log = logging.getLogger(__name__)
 def restart_down_engines(manager: Any) -> list[str]:
     """Restart the down engines that can be restarted (or came back); their names.
 
-    A server that died while no request was on it (during the actor update, or an engine the
-    rollout gave no work) is not in `manager.down`; its process is checked here so that it is
-    restarted too, instead of failing the weight sync that follows."""
-    for engine in manager.engines:
-        server = getattr(engine, "server", None)
-        if engine.name not in manager.down and server is not None and not _alive(server):
-            manager.down[engine.name] = "its server is gone"
+    A server that died or hung while no request was on it (during the actor update, or an engine
+    the rollout gave no work) is not in `manager.down`; it is checked here so that it is restarted
+    too, instead of failing (or hanging) the weight sync that follows."""
+    unchecked = [
+        e for e in manager.engines if e.name not in manager.down and getattr(e, "server", None) is not None
+    ]
+    if unchecked:  # in parallel: a hung server costs health_timeout_s once, not once per engine
+        with ThreadPoolExecutor(len(unchecked), thread_name_prefix="engine-check") as pool:
+            found = list(pool.map(_why_down, unchecked))
+        for engine, why in zip(unchecked, found):
+            if why is not None:
+                manager.down[engine.name] = why
     revived = []
     for engine in manager.engines:
         why = manager.down.get(engine.name)
@@ -42,12 +51,7 @@ def restart_down_engines(manager: Any) -> list[str]:
                 revived.append(engine.name)
             continue
         log.warning("engine %s is down (%s); restarting it", engine.name, why)
-        if hasattr(server, "restart"):
-            server.restart()
-        else:  # a server process of this node (SGLangServer)
-            server.stop()
-            server.start()
-            server.wait_healthy()
+        server.restart()
         revived.append(engine.name)
     return revived
 
@@ -56,6 +60,19 @@ def return_to_service(manager: Any, names: list[str]) -> None:
     """The engines got the current weights: the manager may give them work again."""
     for name in names:
         manager.down.pop(name, None)
+
+
+def _why_down(engine: Any) -> str | None:
+    """Why a launched server that no request failed on is down anyway; None when it serves."""
+    if not _alive(engine.server):
+        return "its server is gone"
+    if getattr(engine, "memory_released", False):  # colocated, its memory given to the actor
+        return None
+    if hasattr(engine, "health") and not _healthy(engine):
+        timeout = getattr(getattr(engine, "client", None), "health_timeout_s", None)
+        within = f" within {timeout:g}s" if timeout is not None else ""
+        return f"its server does not answer GET /health{within} (hung? rollout.sglang.health_timeout_s)"
+    return None
 
 
 def _alive(server: Any) -> bool:

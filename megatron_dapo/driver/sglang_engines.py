@@ -165,8 +165,10 @@ def connect_sglang_engines(
     api_key: str | None,
     health_timeout_s: float,
     request_timeout_s: float = 1800.0,
+    answer_timeout_s: float = 120.0,
 ) -> list:
-    """`SGLangEngine`s for running servers, after each answered `/health`; TP size from the server."""
+    """`SGLangEngine`s for running servers, after each answered `/health` (within `health_timeout_s`
+    in all); TP size from the server. Later health checks wait `answer_timeout_s` for an answer."""
     from megatron_dapo.rollout.sglang_client import SGLangEngine
 
     checked = [_check_url(i, u) for i, u in enumerate(urls)]
@@ -177,7 +179,12 @@ def connect_sglang_engines(
             name = f"sglang-{i}@{urlparse(url).netloc}"
             wait_until_healthy(url, name, max(deadline - time.monotonic(), 0.1), api_key)
             engine = SGLangEngine(
-                url, name=name, tp_size=tp_size, api_key=api_key, timeout_s=request_timeout_s
+                url,
+                name=name,
+                tp_size=tp_size,
+                api_key=api_key,
+                timeout_s=request_timeout_s,
+                health_timeout_s=answer_timeout_s,
             )
             engines.append(engine)
             # refuses an unsupported SGLang; resumes a server a crashed trainer left paused
@@ -240,6 +247,7 @@ def launch_sglang_engines(cfg, configs: Sequence[Any]) -> list:
                     tp_size=srv.cfg.tp_size,
                     api_key=srv.cfg.api_key,
                     timeout_s=float(cfg.rollout.request_timeout_s),
+                    health_timeout_s=float(cfg.rollout.sglang.health_timeout_s),
                 )
             )
     except BaseException:
@@ -266,6 +274,7 @@ def start_sglang_engines(cfg) -> list:
             api_key=s.api_key,
             health_timeout_s=float(s.startup_timeout_s),
             request_timeout_s=float(cfg.rollout.request_timeout_s),
+            answer_timeout_s=float(s.health_timeout_s),
         )
     log_dir = Path(cfg.trainer.runs_dir).resolve() / cfg.trainer.run_name / "sglang"
     total = torch.cuda.device_count()
@@ -314,6 +323,7 @@ def launch_planned_engines(
             tp_size=c.tp_size,
             api_key=c.api_key,
             timeout_s=float(cfg.rollout.request_timeout_s),
+            health_timeout_s=float(cfg.rollout.sglang.health_timeout_s),
         )
         engine.plan = p
         engines.append(engine)

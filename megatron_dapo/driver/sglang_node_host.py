@@ -72,12 +72,9 @@ class SGLangNodeHost:
         return None if proc is None else proc.pid
 
     def restart(self, i: int) -> int:
-        """Stop server i if it still runs, start it again, wait until healthy; its new pid."""
-        s = self.servers[i]
-        s.stop()
-        s.start()
-        s.wait_healthy()
-        return s.proc.pid
+        """Kill server i if it still runs (dead or hung: no grace), start it again, wait until
+        healthy; its new pid."""
+        return self.servers[i].restart()
 
     def stop_one(self, i: int) -> None:
         self.servers[i].stop()

@@ -162,12 +162,9 @@ class NodeServers:
         server = engine.server
         log.warning("restarting SGLang engine %d (%s), which this node started", index, server.cfg.url)
         try:
-            server.stop()
-            server.start()
-            server.wait_healthy()
+            return True, server.restart()
         except Exception as e:  # noqa: BLE001 - reported by rank 0
             return False, str(e)
-        return True, server.proc.pid
 
     def stop(self) -> None:
         from megatron_dapo.driver.sglang_engines import stop_sglang_engines
@@ -234,7 +231,7 @@ class PeerServer:
 
     def alive(self) -> bool:
         """Its port accepts a connection (the process is on another node: a dead server's port
-        refuses at once; a hung one is left to the engine's HTTP timeouts)."""
+        refuses at once; a hung one still accepts, and fails the engine's `health()` instead)."""
         parsed = urlparse(self.url)
         try:
             with socket.create_connection((parsed.hostname, parsed.port), timeout=10):
@@ -290,6 +287,7 @@ def rank0_engines(cfg, servers: NodeServers, ranks: Any = None) -> list:
                     api_key=s.api_key,
                     health_timeout_s=float(s.startup_timeout_s),
                     request_timeout_s=float(cfg.rollout.request_timeout_s),
+                    answer_timeout_s=float(s.health_timeout_s),
                 )
                 engine.name = f"sglang-{p.index}@{url.split('//', 1)[-1]}"
                 client = getattr(engine, "client", None)

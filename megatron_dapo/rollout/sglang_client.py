@@ -525,6 +525,9 @@ class SGLangEngine:
         self.client: SGLangClient = self._loop.run(self._make_client(base_url, client_kwargs))
         self._abort_epoch = 0
         self.weight_version: int | None = None
+        # between release_memory and resume_memory (colocated): /health would run a generation
+        # without weights or KV cache, so a health check then only asks whether the process lives
+        self.memory_released = False
 
     async def _make_client(self, base_url, kwargs) -> SGLangClient:
         return SGLangClient(base_url, name=self.name, **kwargs)
@@ -551,8 +554,17 @@ class SGLangEngine:
         return self._loop.run(all_of())
 
     def abort(self) -> None:
+        """Abort every open request. A server that does not answer within ``health_timeout_s`` and
+        then fails ``health()`` (hung or dead) has nothing left to abort: the caller's own health
+        check marks it down, instead of this call waiting out the request timeout and its retries."""
         self._abort_epoch += 1
-        self._loop.run(self.client.abort_all())
+        fut = self.submit(self.client.abort_all())
+        try:
+            fut.result(timeout=self.client.health_timeout_s)
+        except Exception:
+            fut.cancel()
+            if self.health():
+                raise
 
     def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
         from megatron_dapo.rollout.sglang_weight_sync import push_weights_ipc
@@ -567,9 +579,11 @@ class SGLangEngine:
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         self._loop.run(self.client.release_memory_occupation(tags))
+        self.memory_released = True
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         self._loop.run(self.client.resume_memory_occupation(tags))
+        self.memory_released = False
 
     def health(self) -> bool:
         if self.server is not None and not self.server.alive():

@@ -278,6 +278,8 @@ class SGLangServer:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
+                # a stopped (SIGSTOP) group would keep the SIGTERM pending until the SIGKILL
+                os.killpg(self.proc.pid, signal.SIGCONT)
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
@@ -287,6 +289,25 @@ class SGLangServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once: a server that is being restarted because it
+        died or stopped answering (hung, or SIGSTOPped) gets no grace period, and children that
+        outlived their parent go with it."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self) -> int:
+        """Kill (see `kill`), start again, wait until healthy; the new pid."""
+        self.kill()
+        self.start()
+        self.wait_healthy()
+        return self.proc.pid
 
     def __enter__(self):
         return self.start()

@@ -1,0 +1,98 @@
+"""A server of this node that hangs (SIGSTOP: its port accepts, nothing answers) is taken as dead
+(issue 10): found by the check before the weight sync (its GET /health is not answered within the
+engine's health timeout), its process group SIGKILLed without waiting out a SIGTERM grace, and a new
+one started; an abort sent to it gives up after the health timeout instead of ending the rollout.
+
+The server is the stand-in HTTP server (answers every GET with its pid and parent pid) under a real
+`SGLangServer`, the engine a real `SGLangEngine`; the Ray node host restarts through the same
+`SGLangServer.restart`, so one server object covers both local placements.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.driver.engine_restart import restart_down_engines
+from megatron_dapo.driver.sglang_node_host import SGLangNodeHost
+from megatron_dapo.rollout.sglang_client import SGLangEngine
+from megatron_dapo.rollout.sglang_server import SGLangServerConfig
+
+STANDIN = Path(__file__).with_name("standin_http_server.py")
+
+
+def _pid(url: str) -> int:
+    return httpx.get(url + "/health", timeout=30).json()["pid"]
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A started stand-in server under a node host (in process: the Ray actor's own class)."""
+    port = free_port()
+    cfg = SGLangServerConfig(
+        model_path="unused", port=port, startup_timeout_s=60, log_file=str(tmp_path / "e.log")
+    )
+    h = SGLangNodeHost([cfg], [[sys.executable, str(STANDIN), "127.0.0.1", str(port)]])
+    h.servers[0].poll_s = 0.2
+    h.start()
+    yield h
+    h.stop()  # SIGTERM + SIGCONT: also ends a server a failed test left stopped
+
+
+def test_hung_server_is_found_before_the_sync_killed_and_restarted(host):
+    server = host.servers[0]
+    engine = SGLangEngine(server.cfg.url, name="sglang-0", server=server, health_timeout_s=2)
+    try:
+        manager = SimpleNamespace(engines=[engine], down={})
+        assert restart_down_engines(manager) == [] and manager.down == {}  # a serving one is left alone
+        stopped = _pid(server.cfg.url)
+        os.killpg(stopped, signal.SIGSTOP)
+        assert restart_down_engines(manager) == ["sglang-0"]
+        assert "GET /health within 2s" in manager.down["sglang-0"]
+        new = httpx.get(server.cfg.url + "/health", timeout=30).json()
+        assert new["pid"] != stopped and new["ppid"] == os.getpid()
+        assert not Path(f"/proc/{stopped}").exists()  # SIGKILLed and reaped, not left stopped
+    finally:
+        engine.close()
+
+
+def test_node_host_restart_kills_a_stopped_server(host):
+    stopped = _pid(host.servers[0].cfg.url)
+    os.killpg(stopped, signal.SIGSTOP)
+    # the Ray placement's restart (SGLangNodeHost.restart, run inside the node's actor): the stopped
+    # group is killed, not left waiting on a SIGTERM it cannot handle while stopped
+    new = host.restart(0)
+    assert new != stopped and _pid(host.servers[0].cfg.url) == new
+    assert not Path(f"/proc/{stopped}").exists()
+
+
+def test_abort_on_a_hung_server_gives_up_after_the_health_timeout(host):
+    server = host.servers[0]
+    # the request timeout (and its retries) is what a hung server would make abort wait before
+    engine = SGLangEngine(server.cfg.url, name="sglang-0", server=server, health_timeout_s=2, timeout_s=600)
+    os.killpg(_pid(server.cfg.url), signal.SIGSTOP)
+    done, raised = threading.Event(), []
+
+    def abort():
+        try:
+            engine.abort()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            raised.append(e)
+        done.set()
+
+    threading.Thread(target=abort, daemon=True).start()
+    try:
+        # about 2 x 2 s (the abort, then the health check); 120 s is a bound, not a timing claim
+        assert done.wait(120), "abort on a hung server did not return"
+        assert raised == [], raised
+    finally:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        engine.close()
