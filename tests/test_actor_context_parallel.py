@@ -58,6 +58,27 @@ def test_bad_lengths_and_multiples():
     assert cp_pad_multiple(1, tp=4, sequence_parallel=True) == 4
 
 
+@pytest.mark.parametrize(
+    "cp,tp,sp,fp8,recipe,want",
+    [
+        # 2*CP chunks x a 16*TP-aligned chunk (a CP rank's SP shard of a chunk pair stays % 16)
+        (2, 1, False, "hybrid", "delayed", 2 * 2 * 16),  # 64
+        (2, 2, True, "hybrid", "delayed", 2 * 2 * 16 * 2),  # 128
+        (4, 2, True, "e4m3", "tensorwise", 2 * 4 * 16 * 2),  # 256
+        (2, 4, True, "e4m3", "mxfp8", 2 * 2 * 32 * 4),  # 512: MXFP8 blocks of 32
+        (1, 2, True, "hybrid", "delayed", 16 * 2),  # no CP: the FP8/TP multiple alone
+        (4, 2, True, None, "delayed", 2 * 4 * 2),  # no FP8: 2*CP x TP (sequence parallel)
+    ],
+)
+def test_fp8_with_cp_pad_multiple(cp, tp, sp, fp8, recipe, want):
+    m = cp_pad_multiple(cp, tp, sp, fp8, recipe)
+    assert m == want
+    # every CP rank's share of a padded row, split over TP, keeps FP8's alignment of 16 (32)
+    if fp8 and cp > 1:
+        share = (3 * m) // cp // tp
+        assert share % (32 if recipe == "mxfp8" else 16) == 0
+
+
 def test_token_mean_over_cp_equals_the_full_sequence_mean():
     gen = torch.Generator().manual_seed(0)
     cp, s = 2, 16

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.actor import compat, gpu_settings
+from megatron_dapo.actor import compat
 from megatron_dapo.actor.batch import ActorBatch, BatchError
+from megatron_dapo.actor.context_parallel import cp_pad_multiple
 from megatron_dapo.actor.micro_batches import (
     collate,
     pack_by_token_budget,
@@ -140,15 +141,15 @@ class Actor:
         self.state = ActorState()
         last = unwrap(model_chunks[-1])
         self.vocab_size = int(getattr(last, "hf_vocab_size", None) or last.vocab_size)
-        # Sequence parallelism splits the sequence over TP (pad to a multiple of TP); FP8 GEMMs
-        # also need 16-aligned shards (32 for MXFP8): see gpu_settings.seq_pad_multiple.
-        self._pad_multiple = gpu_settings.seq_pad_multiple(
-            layout.tp_size, config.sequence_parallel, config.fp8, config.fp8_recipe or "delayed"
+        # Sequence parallelism splits the sequence over TP; FP8 GEMMs need 16-aligned shards
+        # (32 for MXFP8); CP cuts rows into 2 * CP chunks, each with that alignment.
+        self._pad_multiple = cp_pad_multiple(
+            layout.cp_size,
+            layout.tp_size,
+            config.sequence_parallel,
+            config.fp8,
+            config.fp8_recipe or "delayed",
         )
-        if layout.cp_size > 1:
-            # 2 * CP load-balanced chunks, each itself a multiple of the TP/FP8 alignment (a CP
-            # rank's share is what sequence parallelism and FP8 GEMMs see).
-            self._pad_multiple *= 2 * layout.cp_size
         self._micro_multiple = layout.pp_size if len(model_chunks) > 1 else 1
         if len(model_chunks) > 1:
             if compat.on_cpu():

@@ -22,12 +22,19 @@ from __future__ import annotations
 import torch
 
 
-def cp_pad_multiple(cp: int, tp: int = 1, sequence_parallel: bool = False) -> int:
-    """Sequence lengths must be multiples of this: ``2 * cp`` chunks per sequence, and each
-    rank's share must split evenly over TP when sequence parallelism shards it."""
+def cp_pad_multiple(
+    cp: int, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None, fp8_recipe: str = "delayed"
+) -> int:
+    """The multiple every row length is padded to: ``2 * cp`` chunks per row, each chunk a
+    multiple of :func:`~megatron_dapo.actor.gpu_settings.seq_pad_multiple` (a CP rank's share is
+    what sequence parallelism splits over TP and what the FP8 GEMMs see: with FP8, ``2 * cp`` x
+    ``16 * tp``, ``32 * tp`` for MXFP8)."""
+    from megatron_dapo.actor.gpu_settings import seq_pad_multiple
+
     if cp < 1 or tp < 1:
         raise ValueError(f"cp={cp} and tp={tp} must be >= 1")
-    return 2 * cp * (tp if sequence_parallel else 1) if cp > 1 else (tp if sequence_parallel else 1)
+    base = seq_pad_multiple(tp, sequence_parallel, fp8, fp8_recipe)
+    return 2 * cp * base if cp > 1 else base
 
 
 def cp_chunk_ids(cp: int, rank: int) -> tuple[int, int]:
