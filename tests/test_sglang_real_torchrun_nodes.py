@@ -1,6 +1,11 @@
 """Two torchrun "nodes" on localhost (issue 10): each node's LOCAL_RANK 0 starts the SGLang server
 the plan puts on that node, rank 0 reaches the other node's server by the URL gathered over the
-trainer's world, and a 2-step DAPO run trains through both (real CPU servers, weights over gloo).
+trainer's world, and a 3-step DAPO run trains through both (real CPU servers, weights over gloo).
+The same run also kills node 1's server after step 1 (the driver held there): step 2 finishes on
+node 0's engine with `engines_down`=1, node 1's trainer rank (which started it) starts a new one,
+the trainer resyncs it, and step 3 generates on it with the trainer's weights (the log-prob
+mismatch bound of the other real tests); both nodes exit 0. One run for both behaviours keeps
+the cost of the kill to one step and one server start.
 
 Two agents `torchrun --nnodes 2 --node-rank i --nproc-per-node 1` share a static c10d rendezvous
 on a free port; each node has one trainer rank and one real CPU server (two servers and two ranks
@@ -18,12 +23,28 @@ from pathlib import Path
 
 from sglang_fixtures import require_sglang
 
+from megatron_dapo.driver.test_hold import HOLD_ENV, RELEASE_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-def test_each_node_starts_its_own_server_and_both_train(small_demo_assets, tmp_path):
+def _wait_for(what: str, ready, agents, timeout_s: float = 900.0) -> None:
+    """Poll `ready()` until true; fail naming `what` if the time runs out or an agent exits."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        exited = [a.returncode for a in agents if a.poll() is not None]
+        assert not exited, f"an agent exited ({exited}) while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:g}s"
+        time.sleep(0.5)
+
+
+def test_each_node_starts_its_own_server_and_both_train_through_a_kill(small_demo_assets, tmp_path):
     require_sglang()
+    import signal
+
     import psutil
 
     from megatron_dapo.actor.spawn import free_port
@@ -35,7 +56,7 @@ def test_each_node_starts_its_own_server_and_both_train(small_demo_assets, tmp_p
         "data.val_files": "[]",
         "trainer.runs_dir": tmp_path / "runs",
         "trainer.run_name": "nodes",
-        "trainer.total_steps": 2,
+        "trainer.total_steps": 3,
         "trainer.train_batch_size": 2,
         "trainer.save_freq": 0,
         "trainer.val_before_train": "false",
@@ -55,10 +76,12 @@ def test_each_node_starts_its_own_server_and_both_train(small_demo_assets, tmp_p
         "logging.plots_at_end": "false",
     }
     port = free_port()
+    run = tmp_path / "runs" / "nodes"
+    release = tmp_path / "release_hold"
     # both "nodes" are this host: loopback is their address, said explicitly (a guessed one is refused)
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
-               MEGATRON_DAPO_NODE_IP="127.0.0.1")  # fmt: skip
-    agents, launched = [], {}
+               MEGATRON_DAPO_NODE_IP="127.0.0.1", **{HOLD_ENV: "1", RELEASE_ENV: str(release)})  # fmt: skip
+    agents, launched = [], {}  # server pid -> (node, its port, its parent pid)
     try:
         for node in (0, 1):
             cmd = [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
@@ -80,14 +103,33 @@ def test_each_node_starts_its_own_server_and_both_train(small_demo_assets, tmp_p
                     try:
                         for p in psutil.Process(a.pid).children(recursive=True):
                             cmd = " ".join(p.cmdline())
-                            if "sglang.launch_server" in cmd:
-                                launched[re.search(r"--port (\d+)", cmd).group(1)] = node
+                            if "sglang.launch_server" in cmd and p.pid not in launched:
+                                launched[p.pid] = (node, re.search(r"--port (\d+)", cmd).group(1), p.ppid())
                     except psutil.NoSuchProcess:
                         continue
                 done.wait(0.5)
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
+        # step 1 is logged and the driver holds: SIGKILL node 1's server (its whole process group)
+        metrics_file = run / "metrics.jsonl"
+        _wait_for(
+            "step 1 in metrics.jsonl",
+            lambda: metrics_file.exists() and metrics_file.read_text().strip(),
+            agents,
+        )
+        _wait_for("node 1's server", lambda: any(n == 1 for n, _, _ in launched.values()), agents, 60)
+        (killed,) = [pid for pid, (n, _, _) in launched.items() if n == 1]
+        os.killpg(killed, signal.SIGKILL)
+
+        def gone():
+            try:
+                return psutil.Process(killed).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        _wait_for("the killed server to exit", gone, agents, 60)
+        release.touch()
         outs = [a.communicate(timeout=900)[0] for a in agents]
     finally:
         done.set()
@@ -96,20 +138,35 @@ def test_each_node_starts_its_own_server_and_both_train(small_demo_assets, tmp_p
                 a.kill()
     for node, (a, out) in enumerate(zip(agents, outs)):
         assert a.returncode == 0, f"node {node} failed:\n{out[-4000:]}"
-    run = tmp_path / "runs" / "nodes"
     # engine i on node i (i mod 2), started by that node's agent, on its own port
     logs = {i: (run / "sglang" / f"engine_{i}.log").read_text() for i in (0, 1)}
-    assert sorted(launched.values()) == [0, 1], launched  # one server under each node's agent
     assert "node 0 starts SGLang engines [0]" in outs[0] and "node 1 starts SGLang engines [1]" in outs[1]
+    by_node = {
+        n: sorted((pid, port, ppid) for pid, (node, port, ppid) in launched.items() if node == n)
+        for n in (0, 1)
+    }
+    assert len(by_node[0]) == 1, launched  # node 0's server lived through the run
+    # node 1's server: the killed one, then a new process on the same port, started by the same
+    # process (node 1's trainer rank, a child of node 1's agent), not by rank 0
+    assert len(by_node[1]) == 2, launched
+    (new,) = [s for s in by_node[1] if s[0] != killed]
+    (old,) = [s for s in by_node[1] if s[0] == killed]
+    assert new[1] == old[1] and new[2] == old[2], (old, new)
+    ready = "The server is fired up and ready to roll!"
+    assert logs[1].count(ready) == 2, "engine 1's log shows no second start"  # appended to, not replaced
     for i in (0, 1):
-        # both served generations after taking the update from the trainer (rank 0, on node 0)
-        upd = logs[i].find('POST /update_weights_from_distributed HTTP/1.1" 200')
-        assert upd >= 0, f"engine {i} got no weight update:\n{logs[i][-3000:]}"
-        assert 'POST /generate HTTP/1.1" 200' in logs[i][upd:], f"engine {i} served nothing after the sync"
+        # the server process that ran last on each node (for engine 1 the restarted one) served
+        # generations after taking an update from the trainer (rank 0, on node 0)
+        last = logs[i][logs[i].rfind(ready) :]
+        upd = last.find('POST /update_weights_from_distributed HTTP/1.1" 200')
+        assert upd >= 0, f"engine {i} got no weight update:\n{last[-3000:]}"
+        assert 'POST /generate HTTP/1.1" 200' in last[upd:], f"engine {i} served nothing after the sync"
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [m["step"] for m in metrics] == [1, 2]
-    for m in metrics:
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["rollout/engines_down"] for m in metrics] == [0, 1, 0]
+    for m in metrics:  # step 3 ran on the restarted server too: it was resynced to the actor's weights
         assert m["actor/rollout_logprob_abs_diff"] < 1e-4, m["step"]
-    # step 2's samples were generated by servers reporting weight version 1, the actor's
-    assert metrics[1]["rollout/unversioned_samples"] == 0
-    assert metrics[1]["rollout/staleness_token_max"] == 0
+    # steps 2 and 3's samples were generated by servers reporting the actor's weight version
+    for m in metrics[1:]:
+        assert m["rollout/unversioned_samples"] == 0
+        assert m["rollout/staleness_token_max"] == 0
