@@ -20,7 +20,7 @@ inside the loss (``context_parallel.cp_row_sum``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,8 @@ from megatron_dapo.actor.optimizer import (
     zero_grads,
 )
 from megatron_dapo.actor.parallel import ParallelLayout
+from megatron_dapo.actor.routing_replay import ROUTING_REPLAY_MODES
+from megatron_dapo.actor.routing_replay import check_supported as check_replay_supported
 from megatron_dapo.actor.train_step import (
     N_STATS,
     STAT_NAMES,
@@ -86,6 +88,8 @@ class ActorConfig:
     seed: int = 1
     temperature: float = 1.0
     pad_token_id: int = 0
+    # MoE: "rollout" replays the experts the rollout engine chose (actor/routing_replay.py).
+    routing_replay: str = "none"
 
     def __post_init__(self) -> None:
         if self.ppo_mini_batch_size < 1:
@@ -100,6 +104,10 @@ class ActorConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            raise ValueError(
+                f"routing_replay={self.routing_replay!r}; choose one of {', '.join(ROUTING_REPLAY_MODES)}"
+            )
 
 
 @dataclass
@@ -186,6 +194,7 @@ class Actor:
 
     # ------------------------------------------------------------------ planning
     def _my_micro_batches(self, batch: ActorBatch, indices: list[int]) -> list:
+        batch = self._replayed(batch)
         lengths = batch.seq_lens.tolist()
         mine = split_over_ranks(lengths, indices, self.layout.dp_size)[self.layout.dp_rank]
         budget = self.cfg.micro_batch_max_tokens
@@ -202,6 +211,17 @@ class Actor:
         if self.layout.ep_size > 1:
             groups = split_to_count(groups, self._max_over_data_parallel(len(groups)))
         return [collate(batch, g, self.cfg.pad_token_id, self._pad_multiple) for g in groups]
+
+    def _replayed(self, batch: ActorBatch) -> ActorBatch:
+        """The batch whose micro-batches carry the rollout's experts only when replay is on."""
+        if self.cfg.routing_replay == "none":
+            return batch if batch.routed_experts is None else replace(batch, routed_experts=None)
+        if batch.routed_experts is None:
+            raise ValueError(
+                "actor.routing_replay: rollout but the batch has no routed_experts; the rollout engine "
+                "must record them (HF engine: record_routing=True; SGLang: --enable-return-routed-experts)"
+            )
+        return batch
 
     def _max_over_data_parallel(self, value: int) -> int:
         """The largest ``value`` of the data-parallel ranks (EP groups lie within them)."""
@@ -425,6 +445,8 @@ def build_actor(
     layout = current_layout()
     kwargs = dict(model_kwargs or {})
     overrides = {**kwargs.pop("config_overrides", {}), **training_config_overrides()}
+    if cfg.routing_replay == "rollout":
+        overrides["moe_enable_routing_replay"] = True
     # perform_initialization stays on even when HF weights overwrite it: megatron-core 0.16 sets
     # the tensor-parallel attributes of its linear weights (``tensor_model_parallel``) only inside
     # the init functions, and without them the grad norm counts TP shards of rank 0 only.
@@ -436,6 +458,8 @@ def build_actor(
         config_overrides=overrides,
         **kwargs,
     )
+    if cfg.routing_replay == "rollout":
+        check_replay_supported(chunks[0].config)
     if load_weights:
         load_hf_weights(chunks, hf_dir)
     chunks = wrap_ddp(

@@ -37,6 +37,9 @@ class ActorBatch:
         rollout_logprobs: ``[B, R]`` float log-probs reported by the rollout engine, or None.
         old_logprobs: ``[B, R]`` float pi_old log-probs, or None to let the actor compute them.
         metadata: one dict per sample (data source, uid, ...), carried along untouched.
+        routed_experts: per sample an int ``[n, layers, k]`` tensor, the experts each MoE layer of
+            the rollout engine chose for token positions ``0..n-1`` (``n`` is ``len(input_ids[i])``
+            or one less: the engine never forwards the last sampled token), or None.
     """
 
     input_ids: list[torch.Tensor]
@@ -48,6 +51,7 @@ class ActorBatch:
     rollout_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     metadata: list[dict[str, Any]] = field(default_factory=list)
+    routed_experts: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -126,6 +130,27 @@ class ActorBatch:
                 )
         if self.metadata and len(self.metadata) != b:
             raise BatchError(f"ActorBatch.metadata has {len(self.metadata)} entries for {b} samples")
+        if self.routed_experts is not None:
+            self._validate_routed_experts()
+
+    def _validate_routed_experts(self) -> None:
+        experts = self.routed_experts
+        if len(experts) != len(self.input_ids):
+            raise BatchError(
+                f"ActorBatch.routed_experts has {len(experts)} entries for {len(self.input_ids)} samples"
+            )
+        shape = None
+        for i, (e, ids) in enumerate(zip(experts, self.input_ids)):
+            if e.dim() != 3 or e.dtype.is_floating_point or e.shape[0] not in (ids.numel() - 1, ids.numel()):
+                raise BatchError(
+                    f"ActorBatch.routed_experts[{i}] must be an integer [tokens, layers, k] tensor with "
+                    f"{ids.numel() - 1} or {ids.numel()} tokens, got {e.dtype} {tuple(e.shape)}"
+                )
+            if shape is not None and e.shape[1:] != shape:
+                raise BatchError(
+                    f"ActorBatch.routed_experts[{i}] has layers x k {tuple(e.shape[1:])}, sample 0 has {tuple(shape)}"
+                )
+            shape = e.shape[1:]
 
     def select(self, indices: torch.Tensor | list[int]) -> ActorBatch:
         """The samples at ``indices`` (in that order), response tensors cut to their longest."""
@@ -145,6 +170,9 @@ class ActorBatch:
             rollout_logprobs=rows(self.rollout_logprobs),
             old_logprobs=rows(self.old_logprobs),
             metadata=[self.metadata[i] for i in idx.tolist()] if self.metadata else [],
+            routed_experts=None
+            if self.routed_experts is None
+            else [self.routed_experts[i] for i in idx.tolist()],
         )
 
     def with_old_logprobs(self, old_logprobs: torch.Tensor) -> ActorBatch:
@@ -165,6 +193,7 @@ def make_actor_batch(
     rollout_logprobs: list[list[float]] | None = None,
     loss_mask: list[bool] | None = None,
     metadata: list[dict[str, Any]] | None = None,
+    routed_experts: list[torch.Tensor] | None = None,
 ) -> ActorBatch:
     """Build an :class:`ActorBatch` from plain token lists (the rollout side's format).
 
@@ -199,4 +228,5 @@ def make_actor_batch(
         group_index=torch.as_tensor(group_index, dtype=torch.long),
         rollout_logprobs=rollout,
         metadata=list(metadata) if metadata else [],
+        routed_experts=list(routed_experts) if routed_experts is not None else None,
     )

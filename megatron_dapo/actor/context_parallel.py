@@ -125,6 +125,7 @@ def cp_split_micro(micro, cp: int, rank: int):
         "score_mask",
         "old_logprobs",
         "rollout_logprobs",
+        "routed_experts",
     ):
         if fields[key] is not None:
             fields[key] = cp_split(fields[key], cp, rank, dim=1)

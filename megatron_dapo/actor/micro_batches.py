@@ -155,6 +155,8 @@ class MicroBatch:
     advantages: torch.Tensor  # [b]
     old_logprobs: torch.Tensor | None  # [b, L]
     rollout_logprobs: torch.Tensor | None  # [b, L]
+    # [b, L, layers, k] experts the rollout engine chose (actor/routing_replay.py), or None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -194,6 +196,7 @@ def collate(
     rollout = (
         None if batch.rollout_logprobs is None else torch.zeros(b, length, dtype=batch.rollout_logprobs.dtype)
     )
+    routed = None if batch.routed_experts is None else _routed_rows(batch.routed_experts, indices, b, length)
     for row, i in enumerate(indices):
         ids = batch.input_ids[i]
         n, p, r = ids.numel(), int(batch.prompt_lens[i]), int(batch.response_lens[i])
@@ -219,7 +222,20 @@ def collate(
         advantages=advantages,
         old_logprobs=old,
         rollout_logprobs=rollout,
+        routed_experts=routed,
     )
+
+
+def _routed_rows(experts: list[torch.Tensor], indices: list[int], b: int, length: int) -> torch.Tensor:
+    """The recorded experts of ``indices`` at their token positions; padding positions and a
+    sequence's last token get fixed experts (they reach no scored log-prob)."""
+    from megatron_dapo.actor.routing_replay import pad_value
+
+    layers, k = experts[indices[0]].shape[1:]
+    out = pad_value(k).expand(b, length, layers, k).clone()
+    for row, i in enumerate(indices):
+        out[row, : experts[i].shape[0]] = experts[i]
+    return out
 
 
 def positions_to_response(

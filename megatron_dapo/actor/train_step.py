@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.actor import compat
+from megatron_dapo.actor import compat, routing_replay
 from megatron_dapo.actor.context_parallel import cp_gather, cp_row_sum, cp_split_micro
 from megatron_dapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_dapo.actor.micro_batches import MicroBatch
@@ -132,6 +132,7 @@ def score_micro_batches(
 
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
+        routing_replay.apply(model, micro.routed_experts)
         output = model(micro.tokens, micro.position_ids, None)
 
         def collect(logits):
@@ -247,6 +248,7 @@ def backward_micro_batches(
 
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
+        routing_replay.apply(model, micro.routed_experts)
         output = model(micro.tokens, micro.position_ids, None)
 
         def loss_func(logits):

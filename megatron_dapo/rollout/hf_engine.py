@@ -69,6 +69,7 @@ class HFEngine:
         dtype: torch.dtype = torch.float32,
         max_batch_size: int = 64,
         seed: int = 0,
+        record_routing: bool = False,
     ):
         if model is None:
             if model_path is None:
@@ -98,6 +99,8 @@ class HFEngine:
         # transformers 5.x renamed the KV-cache argument `past_key_values` -> `cache`
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
+        # MoE routing replay: each result carries the experts every MoE layer chose per token.
+        self._routing = _RoutingRecorder(self.model) if record_routing else None
 
     # -- generation --------------------------------------------------------------------
 
@@ -158,7 +161,10 @@ class HFEngine:
         out_lps: list[list[float]] = [[] for _ in reqs]
         finish: list[str | None] = [None] * n
 
+        if self._routing:
+            self._routing.start()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        routed = self._routing.prefill([len(r.prompt_ids) for r in reqs]) if self._routing else None
         cache = _cache_of(out)
         logits = out.logits[:, -1, :].float()
         vocab = logits.shape[-1]
@@ -200,6 +206,8 @@ class HFEngine:
                 use_cache=True,
                 **{self._cache_kwarg: cache},
             )
+            if routed is not None:
+                self._routing.decode(routed, [finish[b] is None for b in range(n)])
             cache = _cache_of(out)
             logits = out.logits[:, -1, :].float()
 
@@ -211,7 +219,14 @@ class HFEngine:
             self.stats["requests"] += 1
             self.stats["tokens"] += len(out_ids[b])
             results.append(
-                GenerationResult(r.request_id, out_ids[b], out_lps[b], finish[b], self.weight_version)
+                GenerationResult(
+                    r.request_id,
+                    out_ids[b],
+                    out_lps[b],
+                    finish[b],
+                    self.weight_version,
+                    routed_experts=None if routed is None else torch.cat(routed[b]),
+                )
             )
         return results
 
@@ -302,6 +317,46 @@ class HFEngine:
 
     def health(self) -> bool:
         return self._healthy
+
+
+class _RoutingRecorder:
+    """The top-k experts of every MoE layer per forwarded token, from the logits each router
+    module returns (the module transformers itself records ``router_logits`` from: output 0 of
+    the model's ``TopKRouter``; one ``[tokens, experts]`` tensor per layer, tokens flattened
+    batch-major). Top-k of the logits is top-k of their softmax, the choice the HF MoE block
+    makes. Hooks rather than ``output_router_logits``: with that flag the model also computes its
+    load-balancing loss, which fails on a KV-cached decode step under an attention mask."""
+
+    def __init__(self, model):
+        self.k = int(getattr(model.config, "num_experts_per_tok", 0) or 0)
+        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not self.k or not routers:
+            raise ValueError(
+                f"record_routing needs a mixture-of-experts model with TopKRouter modules; "
+                f"{type(model).__name__} has none"
+            )
+        self._logits: list[torch.Tensor] = []
+        for router in routers:  # module order is layer order
+            router.register_forward_hook(lambda _m, _args, out: self._logits.append(out[0].detach()))
+
+    def _topk(self, rows: int) -> torch.Tensor:
+        """``[rows, tokens, layers, k]`` int16 experts of the forward just run."""
+        per_layer = [lg.reshape(rows, -1, lg.shape[-1]).topk(self.k, dim=-1).indices for lg in self._logits]
+        self._logits.clear()
+        return torch.stack(per_layer, dim=2).to(torch.int16).cpu()
+
+    def start(self) -> None:
+        self._logits.clear()
+
+    def prefill(self, prompt_lens: list[int]) -> list[list[torch.Tensor]]:
+        experts = self._topk(len(prompt_lens))
+        return [[experts[b, experts.shape[1] - n :]] for b, n in enumerate(prompt_lens)]  # left padded
+
+    def decode(self, routed: list[list[torch.Tensor]], fed: list[bool]) -> None:
+        experts = self._topk(len(routed))
+        for b, live in enumerate(fed):
+            if live:  # finished rows were fed padding
+                routed[b].append(experts[b])
 
 
 def _cache_of(out):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from megatron_dapo.data.types import PromptSample
 
@@ -74,6 +74,10 @@ class GenerationResult:
     finish_reason: FinishReason
     weight_version: int | None = None
     token_versions: list[int] | None = None
+    # MoE routing replay: int [prompt + output - 1, layers, k], the experts each MoE layer chose
+    # for every token the engine forwarded (prompt and output; the last output token is never
+    # forwarded), or None when the engine does not record them.
+    routed_experts: Any = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:

@@ -1,0 +1,275 @@
+"""Rollout routing replay on a tiny random Qwen3-MoE (8 experts, top-2, 2 layers) whose trainer
+weights differ from the engine's in the routers, so the two route some tokens differently.
+
+- The HF engine's recorded experts equal the top-k of an independent full (no-cache) forward of
+  the engine's model, on every prompt and generated token whose top-k is not a float near-tie.
+- With ``routing_replay: rollout`` the actor's routers choose exactly the recorded experts on every
+  token, in the log-prob pass and in the training forward, at EP=1 and EP=2, and its log-probs
+  equal an HF forward of the trainer's weights forced to those experts (a reference written here);
+  with replay off the routers choose otherwise on some tokens and the log-probs are the unforced
+  HF ones.
+- Replaying the trainer's own choice gives bitwise the no-replay log-probs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_hf_config
+
+from megatron_dapo.actor.spawn import run_ranks
+
+TEMPERATURE = 0.9
+PROMPTS = [[5, 17, 88, 3], [200, 9, 41], [7, 7, 120, 33, 64, 1], [99, 150]]
+NEW_TOKENS = 6
+
+
+def _random_moe(seed):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config("qwen3_moe", num_layers=2)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale, base = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
+            p.copy_(base + scale * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The engine's model and the trainer's checkpoint: the same weights but the routers moved."""
+    root = tmp_path_factory.mktemp("routing_replay")
+    engine_model = _random_moe(43)
+    engine_model.save_pretrained(str(root / "engine"))
+    trainer = _random_moe(43)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    trainer.save_pretrained(str(root / "trainer"))
+    return engine_model, str(root / "trainer")
+
+
+@pytest.fixture(scope="module")
+def rollout(models):
+    from megatron_dapo.rollout.hf_engine import HFEngine
+    from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+    engine = HFEngine(model=models[0], record_routing=True)
+    reqs = [
+        GenerationRequest(
+            f"r{i}",
+            p,
+            SamplingParams(temperature=TEMPERATURE, max_new_tokens=NEW_TOKENS, seed=i, ignore_eos=True),
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+    return engine.generate(reqs)
+
+
+def _forced_router(forced):
+    """Qwen3MoeTopKRouter.forward with its top-k replaced by ``forced[layer]`` ([tokens, k]); the
+    weights are the softmax's at those experts, renormalised as norm_topk_prob asks."""
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        idx = forced[self.layer_idx].long()
+        top = probs.gather(1, idx)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+    return forward
+
+
+def _hf_logprobs(model, ids, prompt_len, forced=None):
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    original = m.Qwen3MoeTopKRouter.forward
+    if forced is not None:
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.gate.layer_idx = i
+        m.Qwen3MoeTopKRouter.forward = _forced_router(forced)
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].double()
+    finally:
+        m.Qwen3MoeTopKRouter.forward = original
+    lp = torch.log_softmax(logits / TEMPERATURE, -1)[prompt_len - 1 : len(ids) - 1]
+    return lp.gather(-1, torch.tensor(ids[prompt_len:])[:, None]).squeeze(-1)
+
+
+def test_engine_records_the_experts_of_a_full_forward(models, rollout):
+    model = models[0]
+    checked = 0
+    for prompt, res in zip(PROMPTS, rollout):
+        assert res.finish_reason == "length" and len(res.output_ids) == NEW_TOKENS
+        ids = prompt + res.output_ids[:-1]
+        assert res.routed_experts.shape == (len(ids), 2, 2)
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_router_logits=True)  # no mask: aux loss is fine
+        for layer, logits in enumerate(out.router_logits):
+            top = logits.topk(3, dim=-1)
+            clear = (top.values[:, 1] - top.values[:, 2]) > 1e-4  # not a float near-tie
+            want = top.indices[:, :2].sort(-1).values
+            got = res.routed_experts[:, layer].long().sort(-1).values
+            assert torch.equal(got[clear], want[clear]), (res.request_id, layer)
+            checked += int(clear.sum())
+    assert checked >= 0.9 * sum(len(p) + NEW_TOKENS - 1 for p in PROMPTS) * 2
+
+
+def _chosen_experts(router_maps, tokens_seen, samples):
+    """Per sample ``[tokens, layers, k]`` sorted experts the routers chose, from hook captures of
+    the micro-batch tokens and each router's routing map."""
+    got = {}
+    for tokens, maps in zip(tokens_seen, router_maps):
+        b, length = tokens.shape
+        for row in range(b):
+            match = [i for i, s in enumerate(samples) if torch.equal(tokens[row, : len(s)], torch.tensor(s))]
+            if not match:
+                continue  # a padding row
+            i = match[0]
+            per_layer = []
+            for layer in sorted(maps):
+                rmap = maps[layer].view(length, b, -1)[: len(samples[i]), row]
+                per_layer.append(rmap.nonzero()[:, 1].view(len(samples[i]), -1))
+            got[i] = torch.stack(per_layer, dim=1)
+    return got
+
+
+def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
+    from dataclasses import replace
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_dapo.actor.actor import ActorConfig, build_actor
+    from megatron_dapo.actor.batch import make_actor_batch
+    from megatron_dapo.actor.optimizer import OptimizerSettings
+    from megatron_dapo.actor.parallel import init_parallel
+
+    samples = [p + r for p, r in zip(prompts, responses)]
+    n = len(samples)
+    batch = make_actor_batch(
+        prompts,
+        responses,
+        advantages=[1.0, -1.0] * (n // 2),
+        group_index=list(range(n)),
+        routed_experts=experts,
+    )
+
+    def actor_for(ep, mode):
+        init_parallel(tp=1, pp=1, ep=ep)
+        cfg = ActorConfig(
+            ppo_mini_batch_size=n,
+            micro_batch_max_tokens=24,
+            temperature=TEMPERATURE,
+            shuffle=False,
+            routing_replay=mode,
+        )
+        actor = build_actor(trainer_dir, cfg, OptimizerSettings(lr=1e-3), total_updates=1)
+        tokens_seen, maps = [], []
+
+        def see_tokens(_m, args):
+            tokens_seen.append(args[0].cpu())
+            maps.append({})
+
+        def see_routing(m, _args, out):
+            maps[-1][m.layer_number - 1] = out[1].detach().bool().cpu()
+
+        for module in actor.model[0].modules():
+            if isinstance(module, GPTModel):
+                module.register_forward_pre_hook(see_tokens)
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(see_routing)
+        return actor, tokens_seen, maps
+
+    out = {}
+    for ep, mode in ((1, "none"), (1, "rollout"), (2, "rollout")):
+        if ep > world:
+            continue
+        actor, tokens_seen, maps = actor_for(ep, mode)
+        lp = actor.compute_logprobs(batch)
+        chosen = _chosen_experts(maps, tokens_seen, samples)
+        out[(ep, mode)] = dict(logprobs=lp, chosen=chosen)
+        # Replaying the trainer's own choice gives bitwise its unreplayed log-probs. One sample per
+        # micro-batch (a budget of 12 tokens): padding tokens change the experts' GEMM sizes and
+        # with them the last bit of real tokens' outputs, replayed or not.
+        actor.cfg.micro_batch_max_tokens = 12
+        if mode == "none":
+            del tokens_seen[:], maps[:]
+            out["free_unpadded"] = actor.compute_logprobs(batch)
+            every = [None] * world
+            torch.distributed.all_gather_object(every, _chosen_experts(maps, tokens_seen, samples))
+            own = {i: e for part in every for i, e in part.items()}
+        if mode == "rollout" and ep == 1:
+            mine = replace(batch, routed_experts=[own[i].to(torch.int32) for i in range(n)])
+            out["own_choice_logprobs"] = actor.compute_logprobs(mine)
+        actor.cfg.micro_batch_max_tokens = 24
+        if mode == "rollout":  # the training forward replays too
+            del tokens_seen[:], maps[:]
+            actor.update(batch)
+            out[(ep, mode)]["train_chosen"] = _chosen_experts(maps, tokens_seen, samples)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(models, rollout):
+    prompts = PROMPTS
+    responses = [r.output_ids for r in rollout]
+    experts = [r.routed_experts for r in rollout]
+    return run_ranks(_rank_run, 2, models[1], prompts, responses, experts, timeout_s=600)
+
+
+def _merged(ranks, key, field):
+    return {i: e for r in ranks for i, e in r[key][field].items()}
+
+
+def test_replay_makes_the_actor_route_as_the_engine(ranks, rollout):
+    recorded = [r.routed_experts.long().sort(-1).values for r in rollout]
+    for key in ((1, "rollout"), (2, "rollout")):
+        for field in ("chosen", "train_chosen"):
+            got = _merged(ranks, key, field)
+            assert sorted(got) == list(range(len(PROMPTS))), (key, field)
+            for i, rec in enumerate(recorded):
+                assert torch.equal(got[i][: len(rec)], rec), (key, field, i)
+    # without replay the trainer's moved routers choose other experts on some tokens
+    free = _merged(ranks, (1, "none"), "chosen")
+    differ = sum(int((free[i][: len(rec)] != rec).any(-1).any(-1).sum()) for i, rec in enumerate(recorded))
+    total = sum(len(rec) for rec in recorded)
+    assert 0 < differ < total, (differ, total)
+
+
+def test_replayed_logprobs_equal_hf_forced_to_the_recorded_experts(models, ranks, rollout):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.actor.routing_replay import pad_value
+
+    trainer = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32).eval()
+    forced_gap = 0.0
+    for i, (prompt, res) in enumerate(zip(PROMPTS, rollout)):
+        ids = prompt + res.output_ids
+        rec = res.routed_experts.long()
+        full = torch.cat([rec, pad_value(2).long().expand(1, 2, 2)])  # the last token's, unused
+        forced = _hf_logprobs(trainer, ids, len(prompt), forced=[full[:, layer] for layer in range(2)])
+        free = _hf_logprobs(trainer, ids, len(prompt))
+        n = len(res.output_ids)
+        for r in ranks:
+            for key in ((1, "rollout"), (2, "rollout")):
+                got = r[key]["logprobs"][i, :n].double()
+                assert (got - forced).abs().max() <= 1e-5, (key, i)
+            got_free = r[(1, "none")]["logprobs"][i, :n].double()
+            assert (got_free - free).abs().max() <= 1e-5, i
+        forced_gap = max(forced_gap, float((forced - free).abs().max()))
+    assert forced_gap > 1e-3  # the routings' difference shows in the log-probs
+
+
+def test_replaying_the_trainers_own_choice_is_bitwise_no_replay(ranks):
+    for r in ranks:
+        assert torch.equal(r["own_choice_logprobs"], r["free_unpadded"])
