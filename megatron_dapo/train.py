@@ -49,7 +49,13 @@ def build_engines(
         from megatron_dapo.rollout.hf_engine import HFEngine
 
         engines = [
-            HFEngine(cfg.model.path, name=f"hf-{i}", seed=cfg.trainer.seed + i, max_batch_size=256)
+            HFEngine(
+                cfg.model.path,
+                name=f"hf-{i}",
+                seed=cfg.trainer.seed + i,
+                max_batch_size=256,
+                record_routing=cfg.actor.routing_replay == "rollout",
+            )
             for i in range(cfg.rollout.num_engines)
         ]
         return engines, DirectTransport(engines), lambda: None

@@ -273,3 +273,79 @@ def test_replayed_logprobs_equal_hf_forced_to_the_recorded_experts(models, ranks
 def test_replaying_the_trainers_own_choice_is_bitwise_no_replay(ranks):
     for r in ranks:
         assert torch.equal(r["own_choice_logprobs"], r["free_unpadded"])
+
+
+def _rollout_sample(group, prompt_ids, response_ids, experts):
+    from megatron_dapo.data.types import PromptSample
+    from megatron_dapo.rollout.types import RolloutSample
+
+    prompt = PromptSample(
+        index=group, data_source="d", messages=[], prompt_text="p", prompt_ids=prompt_ids, ground_truth="1"
+    )
+    return RolloutSample(
+        group_id=group,
+        prompt=prompt,
+        response_ids=response_ids,
+        rollout_logprobs=[-1.0] * len(response_ids),
+        response_text="r",
+        finish_reason="stop",
+        score=float(group),
+        acc=False,
+        pred="",
+        overlong_penalty=0.0,
+        final_reward=float(len(response_ids)),
+        weight_version=0,
+        truncated=False,
+        routed_experts=experts,
+    )
+
+
+def test_samples_carry_routed_experts_to_token_positions_of_micro_batches():
+    """Rollout samples -> ActorBatch -> a micro-batch with the samples in another order: every
+    token position holds its sample's recorded experts; padding and last tokens fixed ones."""
+    from megatron_dapo.actor.micro_batches import collate
+    from megatron_dapo.driver.batch_builder import build_actor_batch
+
+    def experts(n, base):  # [n tokens, 2 layers, top-2], distinct per sample, layer and token
+        return torch.tensor([[[base + t, base + 50 + t], [base + 100 + t, base + 150 + t]] for t in range(n)])
+
+    samples = [
+        _rollout_sample(0, [1, 2], [3, 4, 5], experts(4, 0)),  # 5 tokens, the engine forwarded 4
+        _rollout_sample(0, [1, 2], [6], experts(2, 1000)),
+        _rollout_sample(1, [7], [8, 9], experts(2, 2000)),
+        _rollout_sample(1, [7], [9], experts(1, 3000)),
+    ]
+    batch, _ = build_actor_batch(samples)
+    assert [int(e[0, 0, 0]) for e in batch.routed_experts] == [0, 1000, 2000, 3000]
+    micro = collate(batch, [2, 0])
+    assert micro.routed_experts.shape == (2, 5, 2, 2)
+    pad = torch.tensor([0, 1])
+    for t in range(5):
+        for layer in range(2):
+            want0 = experts(2, 2000)[t, layer] if t < 2 else pad  # 3 tokens + 2 padding positions
+            want1 = experts(4, 0)[t, layer] if t < 4 else pad
+            assert torch.equal(micro.routed_experts[0, t, layer], want0), (t, layer)
+            assert torch.equal(micro.routed_experts[1, t, layer], want1), (t, layer)
+    # one sample without a record: the batch carries none (the actor then refuses replay)
+    samples[3].routed_experts = None
+    assert build_actor_batch(samples)[0].routed_experts is None
+
+
+def test_routing_replay_bad_inputs():
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.actor.actor import ActorConfig
+    from megatron_dapo.actor.batch import BatchError, make_actor_batch
+    from megatron_dapo.rollout.hf_engine import HFEngine
+
+    with pytest.raises(ValueError, match="routing_replay='yes'"):
+        ActorConfig(routing_replay="yes")
+    with pytest.raises(
+        BatchError, match=r"routed_experts\[0\] must be an integer \[tokens, layers, k\] tensor with 3 or 4"
+    ):
+        make_actor_batch(
+            [[1, 2]], [[3, 4]], [1.0], [0], routed_experts=[torch.zeros(2, 2, 2, dtype=torch.long)]
+        )
+    dense = AutoModelForCausalLM.from_config(tiny_hf_config("qwen2", num_layers=1))
+    with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts model"):
+        HFEngine(model=dense, record_routing=True)

@@ -208,6 +208,9 @@ class ActorConfig:
     micro_batch_max_tokens: int = 16384
     shuffle: bool = True
     max_consecutive_skips: int = 3
+    # MoE: none | rollout. rollout replays the experts the engines chose (the engines record them)
+    # in the actor's log-prob and training forwards (actor/routing_replay.py).
+    routing_replay: str = "none"
 
 
 @dataclass

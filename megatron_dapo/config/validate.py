@@ -33,6 +33,7 @@ CHOICES: dict[str, tuple] = {
     "optim.lr_scheduler": ("constant", "cosine"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.placement": ("colocated", "disaggregated"),
+    "actor.routing_replay": ("none", "rollout"),
     "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.weight_sync.transport": ("auto", "object_store", "nccl", "cuda_ipc", "disk"),
     "logging.wandb_mode": ("offline", "online"),

@@ -33,6 +33,7 @@ def actor_config_from(cfg: dict) -> Any:
         tis_cap=alg["tis"]["cap"] if alg["tis"]["enable"] else None,
         rollout_correction=RolloutCorrection(**alg["rollout_correction"]),
         max_consecutive_skips=act["max_consecutive_skips"],
+        routing_replay=act["routing_replay"],
         seed=cfg["trainer"]["seed"],
         temperature=cfg["rollout"]["temperature"],
     )

@@ -75,6 +75,7 @@ def build_actor_batch(
         group_index=group_index,
         rollout_logprobs=rollout_lp,
         metadata=[{"group_id": s.group_id, "index": s.prompt.index} for s in samples],
+        routed_experts=_routed_experts(samples),
     )
     metrics = {
         "train/advantages/mean": float(advantages.mean()),
@@ -87,3 +88,11 @@ def build_actor_batch(
         "rollout/mean_token_prob": float((rollout_lp.exp() * mask).sum() / mask.sum().clamp(min=1)),
     }
     return batch, metrics
+
+
+def _routed_experts(samples: Sequence) -> list | None:
+    """The engines' recorded experts per sample (MoE routing replay), when every sample has them."""
+    experts = [getattr(s, "routed_experts", None) for s in samples]
+    if any(e is None for e in experts):
+        return None
+    return [torch.as_tensor(e) for e in experts]

@@ -19,11 +19,21 @@ from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 
 
 class EngineHost:
-    def __init__(self, model_path: str, name: str, seed: int, max_batch_size: int = 64, threads: int = 1):
+    def __init__(
+        self,
+        model_path: str,
+        name: str,
+        seed: int,
+        max_batch_size: int = 64,
+        threads: int = 1,
+        record_routing: bool = False,
+    ):
         from megatron_dapo.rollout.hf_engine import HFEngine
 
         torch.set_num_threads(threads)
-        self.engine = HFEngine(model_path, name=name, seed=seed, max_batch_size=max_batch_size)
+        self.engine = HFEngine(
+            model_path, name=name, seed=seed, max_batch_size=max_batch_size, record_routing=record_routing
+        )
         self._buckets: list[dict[str, torch.Tensor]] = []
         self._version: int | None = None
 

@@ -185,7 +185,14 @@ class Placement:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=bundle_offset + i
                 ),
-            ).remote(cfg.model.path, name, cfg.trainer.seed + i, 256, threads or 1)
+            ).remote(
+                cfg.model.path,
+                name,
+                cfg.trainer.seed + i,
+                256,
+                threads or 1,
+                record_routing=cfg.actor.routing_replay == "rollout",
+            )
             engines.append(RemoteEngine(name, handle, cfg.rollout.request_timeout_s))
         return engines
 

@@ -553,6 +553,7 @@ class RolloutManager:
                         truncated=res.finish_reason == "length",
                         reward_error=rw.error,
                         token_versions=res.token_versions,
+                        routed_experts=res.routed_experts,
                     )
                 )
             out.append(samples)

@@ -119,6 +119,8 @@ class RolloutSample:
     reward_error: str | None = None
     # The weight version that generated each response token (None: unknown).
     token_versions: list[int] | None = None
+    # MoE routing replay: GenerationResult.routed_experts of this response, or None.
+    routed_experts: Any = None
 
     @property
     def response_length(self) -> int:
