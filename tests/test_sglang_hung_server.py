@@ -96,3 +96,29 @@ def test_abort_on_a_hung_server_gives_up_after_the_health_timeout(host):
     finally:
         os.killpg(server.proc.pid, signal.SIGKILL)
         engine.close()
+
+
+def test_a_serving_server_costs_no_liveness_call_to_its_node_before_the_sync(host):
+    # on the Ray path `server.alive()` is a call to the node's host actor (60 s timeout); a server
+    # that answers GET /health needs no such call every step (before: one per engine per step)
+    class RemoteLike:
+        def __init__(self, server):
+            self.server, self.alive_calls = server, 0
+
+        def alive(self):
+            self.alive_calls += 1
+            return self.server.alive()
+
+        def restart(self):
+            return self.server.restart()
+
+    remote = RemoteLike(host.servers[0])
+    engine = SGLangEngine(remote.server.cfg.url, name="sglang-0", server=remote, health_timeout_s=2)
+    try:
+        manager = SimpleNamespace(engines=[engine], down={})
+        assert restart_down_engines(manager) == [] and remote.alive_calls == 0
+        os.killpg(_pid(remote.server.cfg.url), signal.SIGKILL)  # a dead one is still told apart
+        assert restart_down_engines(manager) == ["sglang-0"]
+        assert manager.down["sglang-0"] == "its server is gone" and remote.alive_calls == 1
+    finally:
+        engine.close()

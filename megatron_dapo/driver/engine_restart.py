@@ -63,15 +63,35 @@ def return_to_service(manager: Any, names: list[str]) -> None:
 
 
 def _why_down(engine: Any) -> str | None:
-    """Why a launched server that no request failed on is down anyway; None when it serves."""
+    """Why a launched server that no request failed on is down anyway; None when it serves.
+
+    A server that answers GET /health is not asked whether its process lives: on the Ray path
+    that question is a call to its node's host actor, which every step would pay for nothing."""
+    if getattr(engine, "memory_released", False):  # colocated, its memory given to the actor
+        return None if _alive(engine.server) else "its server is gone"
+    answers = _answers(engine)
+    if answers:
+        return None
     if not _alive(engine.server):
         return "its server is gone"
-    if getattr(engine, "memory_released", False):  # colocated, its memory given to the actor
+    if answers is None:  # an engine that cannot be asked: its live process is all we know
         return None
-    if hasattr(engine, "health") and not _healthy(engine):
-        timeout = getattr(getattr(engine, "client", None), "health_timeout_s", None)
-        within = f" within {timeout:g}s" if timeout is not None else ""
-        return f"its server does not answer GET /health{within} (hung? rollout.sglang.health_timeout_s)"
+    timeout = getattr(getattr(engine, "client", None), "health_timeout_s", None)
+    within = f" within {timeout:g}s" if timeout is not None else ""
+    return f"its server does not answer GET /health{within} (hung? rollout.sglang.health_timeout_s)"
+
+
+def _answers(engine: Any) -> bool | None:
+    """Whether its server answers GET /health (an SGLang engine's HTTP client alone, else the
+    engine's own `health()`); None when the engine has neither."""
+    client = getattr(engine, "client", None)
+    if client is not None and hasattr(client, "health") and hasattr(engine, "run"):
+        try:
+            return bool(engine.run(client.health(), timeout=client.health_timeout_s + 30))
+        except Exception:  # noqa: BLE001 - no answer
+            return False
+    if hasattr(engine, "health"):
+        return _healthy(engine)
     return None
 
 
