@@ -349,3 +349,50 @@ def test_routing_replay_bad_inputs():
     dense = AutoModelForCausalLM.from_config(tiny_hf_config("qwen2", num_layers=1))
     with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts model"):
         HFEngine(model=dense, record_routing=True)
+
+
+def test_sglang_reply_routed_experts_are_parsed_per_forwarded_token():
+    """SGLang 0.5.23's reply shape (read from its source: io_struct.GenerateReqInput's
+    return_routed_experts / routed_experts_start_len, tokenizer_manager's base64 int32
+    meta_info.routed_experts over positions [start, seq_len - 1)), built by hand here."""
+    import base64
+
+    import numpy as np
+
+    from megatron_dapo.rollout.sglang_client import SGLangError, parse_generate_reply, payload_generate
+    from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+    req = GenerationRequest("a", [5, 6, 7], SamplingParams(max_new_tokens=4))
+    assert "return_routed_experts" not in payload_generate(req)
+    asked = payload_generate(req, routed_experts=True)
+    assert asked["return_routed_experts"] is True and asked["routed_experts_start_len"] == 0
+    experts = np.arange(4 * 3 * 2, dtype=np.int32).reshape(4, 3, 2)  # 3 prompt + 2 output - 1 tokens
+    meta = {
+        "finish_reason": {"type": "stop"},
+        "output_token_logprobs": [[-0.5, 11, None], [-0.25, 12, None]],
+        "routed_experts": base64.b64encode(experts.tobytes()).decode(),
+    }
+    res = parse_generate_reply({"meta_info": meta}, req, "sglang-0", routed_experts_shape=(3, 2))
+    assert res.output_ids == [11, 12] and torch.equal(
+        res.routed_experts.long(), torch.from_numpy(experts).long()
+    )
+    assert parse_generate_reply({"meta_info": meta}, req, "sglang-0").routed_experts is None
+    with pytest.raises(SGLangError, match=r"holds 24 ids, expected 4 tokens x 2 layers x top-2"):
+        parse_generate_reply({"meta_info": meta}, req, "sglang-0", routed_experts_shape=(2, 2))
+    del meta["routed_experts"]
+    with pytest.raises(SGLangError, match="--enable-return-routed-experts"):
+        parse_generate_reply({"meta_info": meta}, req, "sglang-0", routed_experts_shape=(3, 2))
+
+
+def test_routing_replay_with_sglang_engines_is_refused_until_the_driver_wires_it():
+    from omegaconf import OmegaConf
+
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.driver.launch import resolve_engine
+
+    cfg = OmegaConf.create({"rollout": {"engine": "auto"}, "actor": {"routing_replay": "rollout"}})
+    assert resolve_engine(cfg, "cpu") == "hf"
+    with pytest.raises(ConfigError, match="actor.routing_replay=rollout needs rollout.engine=hf"):
+        resolve_engine(cfg, "cuda")
+    cfg.actor.routing_replay = "none"
+    assert resolve_engine(cfg, "cuda") == "sglang"

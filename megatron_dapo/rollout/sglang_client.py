@@ -73,8 +73,10 @@ class SGLangError(EngineError):
 # -- payloads (pure) -----------------------------------------------------------------------
 
 
-def payload_generate(req: GenerationRequest) -> dict:
-    """``GenerateReqInput`` for one tokenised prompt, asking for the sampled tokens' log-probs."""
+def payload_generate(req: GenerationRequest, routed_experts: bool = False) -> dict:
+    """``GenerateReqInput`` for one tokenised prompt, asking for the sampled tokens' log-probs
+    (and with ``routed_experts`` each MoE layer's experts per token, from position 0: the server
+    needs ``--enable-return-routed-experts``)."""
     s = req.sampling
     sampling = {
         "temperature": s.temperature,
@@ -90,12 +92,37 @@ def payload_generate(req: GenerationRequest) -> dict:
         sampling["stop_token_ids"] = list(s.stop_token_ids)
     if s.seed is not None:
         sampling["sampling_seed"] = int(s.seed)
-    return {
+    payload = {
         "rid": req.request_id,
         "input_ids": list(req.prompt_ids),
         "sampling_params": sampling,
         "return_logprob": True,
     }
+    if routed_experts:
+        payload.update(return_routed_experts=True, routed_experts_start_len=0)
+    return payload
+
+
+def parse_routed_experts(meta: dict, shape: tuple[int, int], tokens: int, where: str) -> torch.Tensor:
+    """SGLang 0.5.23's ``meta_info.routed_experts``: base64 of int32 ``[tokens, layers, k]`` for
+    positions ``[routed_experts_start_len, seq_len - 1)`` (the last sampled token is never
+    forwarded) -> an int16 tensor of that shape."""
+    import base64
+
+    import numpy as np
+
+    raw = meta.get("routed_experts")
+    if raw is None:
+        raise SGLangError(
+            f"{where} has no meta_info.routed_experts; start the server with --enable-return-routed-experts"
+        )
+    flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
+    layers, k = shape
+    if flat.size != tokens * layers * k:
+        raise SGLangError(
+            f"{where}: routed_experts holds {flat.size} ids, expected {tokens} tokens x {layers} layers x top-{k}"
+        )
+    return torch.from_numpy(flat.copy()).view(tokens, layers, k).to(torch.int16)
 
 
 def payload_abort(rid: str | None = None) -> dict:
@@ -176,8 +203,11 @@ def payload_pause(mode: str = "abort") -> dict:
     return {"mode": mode}
 
 
-def parse_generate_reply(reply: Any, req: GenerationRequest, engine: str) -> GenerationResult:
-    """A ``/generate`` reply -> :class:`GenerationResult` (tokens from ``output_token_logprobs``)."""
+def parse_generate_reply(
+    reply: Any, req: GenerationRequest, engine: str, routed_experts_shape: tuple[int, int] | None = None
+) -> GenerationResult:
+    """A ``/generate`` reply -> :class:`GenerationResult` (tokens from ``output_token_logprobs``;
+    with ``routed_experts_shape`` = (MoE layers, top-k) also the experts of every forwarded token)."""
     where = f"sglang engine {engine}: /generate reply for {req.request_id}"
     try:
         meta = reply["meta_info"]
@@ -198,7 +228,10 @@ def parse_generate_reply(reply: Any, req: GenerationRequest, engine: str) -> Gen
         version = int(version) if version is not None else None
     except (TypeError, ValueError):
         version = None
-    return GenerationResult(req.request_id, ids, logprobs, kind, version)
+    routed = None
+    if routed_experts_shape is not None and kind != "abort" and ids:
+        routed = parse_routed_experts(meta, routed_experts_shape, len(req.prompt_ids) + len(ids) - 1, where)
+    return GenerationResult(req.request_id, ids, logprobs, kind, version, routed_experts=routed)
 
 
 # -- the client --------------------------------------------------------------------------------
@@ -230,8 +263,11 @@ class SGLangClient:
         backoff_s: float = 0.5,
         flush_timeout_s: float = 120.0,
         health_timeout_s: float = 120.0,
+        routed_experts_shape: tuple[int, int] | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        # MoE routing replay: (layers, top-k) of the served model, or None to not ask for them.
+        self.routed_experts_shape = routed_experts_shape
         self.name = name or self.base_url
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -320,10 +356,11 @@ class SGLangClient:
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         self.in_flight += 1
         try:
-            reply = await self.call("POST", "/generate", payload_generate(req), idempotent=False)
+            payload = payload_generate(req, routed_experts=self.routed_experts_shape is not None)
+            reply = await self.call("POST", "/generate", payload, idempotent=False)
         finally:
             self.in_flight -= 1
-        return parse_generate_reply(reply, req, self.name)
+        return parse_generate_reply(reply, req, self.name, self.routed_experts_shape)
 
     async def abort_all(self, max_rounds: int = 20, settle_s: float = 0.25) -> int:
         """Abort everything, repeated until this client has no ``/generate`` open; returns the rounds used.

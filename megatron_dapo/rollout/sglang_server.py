@@ -64,6 +64,8 @@ class SGLangServerConfig:
     env: dict[str, str] = field(default_factory=dict)
     python: str | None = None
     max_total_tokens: int | None = None
+    # ``--enable-return-routed-experts``: replies can carry each MoE layer's experts per token.
+    return_routed_experts: bool = False
     deterministic: bool = False
 
     @property
@@ -135,6 +137,8 @@ def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> 
         cmd.append("--enable-deterministic-inference")
     if cfg.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(int(cfg.max_total_tokens))]
+    if cfg.return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(cfg.extra_args)
 
 
