@@ -40,6 +40,8 @@ def test_dry_mode_runs_the_cpu_checks(tmp_path):
     assert {n for n, c in checks.items() if c["status"] == "PASS"} == set(checks) - CUDA_ONLY
     assert checks["load_then_step_keeps_weights"]["values"]["max_moved"] == 0.0
     assert checks["bf16_step_vs_fp32"]["values"]["relative_update_error"] < 0.1
+    # the budget timers were armed around every check that ran (and recorded for every check)
+    assert all(c["budget_s"] > 0 for c in checks.values())
     for name in checks:
         assert f"{name}" in proc.stdout
 
@@ -65,6 +67,68 @@ def test_first_failure_stops_and_is_named(tmp_path):
     assert "figure 3.0 > bound 1.0" in lines[1] and lines[1].startswith("FAIL")
     saved = json.loads((tmp_path / "f.json").read_text())
     assert saved["checks"][0]["values"] == {"x": 1}
+
+
+def test_budgets_fit_the_ten_minutes(tmp_path):
+    """Every check has a budget, they sum to what the runner promises, and that leaves a minute
+    of the script's 600 s for the interpreter and imports."""
+    from tools.gpu_checks import checks  # noqa: F401 - registers the checks
+    from tools.gpu_checks.runner import CHECKS, TOTAL_BUDGET_S
+
+    assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S <= 600 - 60
+    assert all(c.budget_s > 0 for c in CHECKS)
+    assert "timeout --kill-after=10 600" in (REPO / "tools" / "gpu_check.sh").read_text()
+
+
+def test_a_check_past_its_budget_fails_and_stops_the_run(tmp_path):
+    import threading
+
+    from tools.gpu_checks.runner import Check, Figure, run_checks, time_left
+
+    seen = []
+
+    def hangs(ctx):
+        seen.append(time_left())
+        threading.Event().wait()  # never set: only the budget's alarm ends it
+
+    checks = [Check("hangs", False, hangs, budget_s=0.5), Check("next", False, lambda ctx: Figure("ok"), 5)]
+    results = run_checks(None, checks, tmp_path / "f.json", dry=False, print_fn=lambda s, **k: None)
+    assert [r.status for r in results] == ["FAIL", "NOT RUN"]
+    assert "ran past its budget of 0.5 s" in results[0].summary
+    assert 0 < seen[0] <= 1.0  # what the check may still wait: its budget, floored at 1 s
+
+
+def test_a_check_stuck_in_native_code_ends_the_run_with_figures(tmp_path, monkeypatch):
+    """A hang the alarm cannot interrupt (here: one that swallows it, as a native call would
+    never return to Python): the watchdog writes the figures so far and exits."""
+    import threading
+
+    import tools.gpu_checks.runner as runner
+
+    monkeypatch.setattr(runner, "HARD_GRACE_S", 0.2)
+    released = threading.Event()
+    exits = []
+
+    def stuck(ctx):
+        try:
+            released.wait(120)
+        except runner.CheckTimeout:
+            released.wait(120)  # ignores the interrupt
+        raise RuntimeError("released by the test's stand-in exit")
+
+    def fake_exit(code):
+        exits.append((code, json.loads((tmp_path / "f.json").read_text())))
+        released.set()
+
+    checks = [runner.Check("first", False, lambda ctx: runner.Figure("ok", {"x": 2}), 5),
+              runner.Check("stuck", False, stuck, budget_s=0.3)]  # fmt: skip
+    runner.run_checks(
+        None, checks, tmp_path / "f.json", dry=False, print_fn=lambda s, **k: None, exit_fn=fake_exit
+    )
+    code, saved = exits[0]
+    assert code == 1
+    assert [(c["name"], c["status"]) for c in saved["checks"]] == [("first", "PASS"), ("stuck", "FAIL")]
+    assert "native code" in saved["checks"][1]["summary"] and saved["checks"][0]["values"]["x"] == 2
 
 
 @pytest.mark.parametrize("size", ["0.5B", "1.5B"])

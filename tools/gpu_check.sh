@@ -21,7 +21,9 @@
 # Context parallelism is not checked here (ring attention needs >= 2 GPUs); the actor's CP path is
 # tested on CPU (tests/test_context_parallel_actor.py, exact stand-in for TE's CP attention).
 # --dry runs on CPU: tiny shapes, the CUDA-only checks reported NOT RUN (the test suite does this).
-# The whole run is limited to 10 minutes.
+# Each check has a time budget (tools/gpu_checks: @check(budget_s=...), 540 s in all): past it the
+# check FAILs naming its budget and the run stops, so one hang cannot eat the others' time; the
+# whole run is limited to 10 minutes (then killed 10 s after a TERM).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,4 +48,4 @@ if ! "$PYTHON" -c "import megatron.core, megatron_dapo, transformers" 2>/dev/nul
     echo "FAIL     imports: megatron-core, megatron_dapo or transformers missing for $PYTHON; run inside the project's image (or set PYTHON)" >&2
     exit 2
 fi
-exec timeout 600 "$PYTHON" -m tools.gpu_checks "$@"
+exec timeout --kill-after=10 600 "$PYTHON" -m tools.gpu_checks "$@"

@@ -83,7 +83,7 @@ def _vocab(ctx: Context) -> int:
     return QWEN25[ctx.small]["vocab_size"]
 
 
-@check("environment", needs_cuda=False)
+@check("environment", needs_cuda=False, budget_s=20)
 def environment(ctx: Context) -> Figure:
     torch = _torch()
     import megatron.core
@@ -105,7 +105,7 @@ def environment(ctx: Context) -> Figure:
     return Figure(", ".join(f"{k} {v}" for k, v in values.items()), values)
 
 
-@check("te_vs_local_logits", needs_cuda=True)
+@check("te_vs_local_logits", needs_cuda=True, budget_s=30)
 def te_vs_local_logits(ctx: Context) -> Figure:
     torch = _torch()
     from megatron_dapo.actor.model import build_gpt_model
@@ -132,7 +132,7 @@ def te_vs_local_logits(ctx: Context) -> Figure:
     )
 
 
-@check("bf16_step_vs_fp32", needs_cuda=False)
+@check("bf16_step_vs_fp32", needs_cuda=False, budget_s=30)
 def bf16_step_vs_fp32(ctx: Context) -> Figure:
     """One update in bf16 (fp32 masters; the distributed optimizer on GPU) against the same update
     in fp32. lr=0.1, adam_eps=1e-2: the first Adam step is ~lr*g/eps, proportional to the gradient
@@ -159,7 +159,7 @@ def bf16_step_vs_fp32(ctx: Context) -> Figure:
     return Figure(f"|dW_bf16 - dW_fp32| / |dW_fp32| = {rel:.4f}", {"relative_update_error": rel})
 
 
-@check("load_then_step_keeps_weights", needs_cuda=False)
+@check("load_then_step_keeps_weights", needs_cuda=False, budget_s=20)
 def load_then_step(ctx: Context) -> Figure:
     """Defect 1: a model-only load must refresh the fp32 masters, so a lr=0 step keeps the loaded
     weights bit for bit."""
@@ -182,7 +182,7 @@ def load_then_step(ctx: Context) -> Figure:
     return Figure("max |W after lr=0 step - W loaded| = 0", {"max_moved": moved})
 
 
-@check("fp8_step_odd_lengths", needs_cuda=True)
+@check("fp8_step_odd_lengths", needs_cuda=True, budget_s=30)
 def fp8_step(ctx: Context) -> Figure:
     torch = _torch()
     _parallel()
@@ -198,7 +198,7 @@ def fp8_step(ctx: Context) -> Figure:
     )
 
 
-@check("offload_roundtrip", needs_cuda=True)
+@check("offload_roundtrip", needs_cuda=True, budget_s=30)
 def offload_roundtrip(ctx: Context) -> Figure:
     torch = _torch()
     from megatron_dapo.actor.offload import offload_actor, onload_actor
@@ -229,7 +229,7 @@ def offload_roundtrip(ctx: Context) -> Figure:
     )
 
 
-@check("mfu_bf16_1.5B", needs_cuda=True)
+@check("mfu_bf16_1.5B", needs_cuda=True, budget_s=45)
 def mfu(ctx: Context) -> Figure:
     torch = _torch()
     from megatron_dapo.actor.model import build_gpt_model

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.gpu_checks.runner import CheckFailed, Figure, MissingPiece, check
+from tools.gpu_checks.runner import CheckFailed, Figure, MissingPiece, check, time_left
 
 # One bound for both checks: mean |log pi_actor - log pi_server| over the scored tokens after a
 # sync. Both sides run bf16 kernels that differ (TE vs SGLang's), so bit equality is not expected;
@@ -55,7 +55,7 @@ def server_config(hf_dir: str, work: Path, port: int):
     # Colocated: the actor (0.5B, bf16, Adam) holds a few GiB; the server's static pool stays small.
     return SGLangServerConfig(
         model_path=hf_dir, port=port, mem_fraction_static=0.3, dtype="bfloat16",
-        log_file=str(work / "sglang_colocated.log"), startup_timeout_s=300.0, max_total_tokens=65536,
+        log_file=str(work / "sglang_colocated.log"), startup_timeout_s=min(300.0, time_left()), max_total_tokens=65536,
     )  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def dapo_figures(metrics_jsonl: Path) -> dict:
     return {"steps": len(steps), "rollout_logprob_abs_diff": diffs}
 
 
-@check("stack_plumbing", needs_cuda=False)
+@check("stack_plumbing", needs_cuda=False, budget_s=15)
 def stack_plumbing(ctx) -> Figure:
     """What the two stack checks rely on, without a GPU: the run's overrides pass the config
     loader on the demo config, colocation on GPUs resolves to CUDA IPC, the server command."""
@@ -119,7 +119,7 @@ def stack_plumbing(ctx) -> Figure:
     return Figure(f"overrides valid, transport {kind}, server argv of {len(cmd)} items", {"transport": kind})
 
 
-@check("sglang_colocated_ipc_sync", needs_cuda=True)
+@check("sglang_colocated_ipc_sync", needs_cuda=True, budget_s=120)
 def sglang_colocated_ipc_sync(ctx) -> Figure:
     import torch
 
@@ -172,14 +172,14 @@ def sglang_colocated_ipc_sync(ctx) -> Figure:
     )
 
 
-@check("dapo_2_steps_colocated", needs_cuda=True)
+@check("dapo_2_steps_colocated", needs_cuda=True, budget_s=200)
 def dapo_2_steps_colocated(ctx) -> Figure:
     argv = demo_argv(ctx.work)
     print("         " + " ".join(argv), flush=True)
     t0 = time.perf_counter()
     log = ctx.work / "dapo_run.log"
     with open(log, "w") as out:
-        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=360).returncode
+        code = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=time_left()).returncode
     seconds = time.perf_counter() - t0
     if code != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
