@@ -22,7 +22,13 @@ import torch.nn.functional as F
 
 from megatron_dapo.actor import compat
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "Qwen2ForCausalLM",
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+)
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
@@ -36,7 +42,7 @@ class ArchSpec:
     """What differs between the supported HF families, read from config.json."""
 
     architecture: str
-    family: str  # "qwen2" | "qwen3" | "qwen3_moe" | "llama"
+    family: str  # "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "llama"
     qkv_bias: bool
     qk_layernorm: bool  # Qwen3: RMSNorm over head_dim on each q and k head, before RoPE
     tie_word_embeddings: bool
@@ -47,6 +53,9 @@ class ArchSpec:
     moe_topk: int = 0
     moe_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    # Qwen2-MoE: one shared expert of this FFN size in every MoE layer, its output scaled by
+    # sigmoid(shared_expert_gate(x)); 0: none
+    shared_expert_ffn_hidden_size: int = 0
 
 
 def load_hf_config(hf_dir_or_config: Any) -> Any:
@@ -79,6 +88,7 @@ def _architecture(hf_config: Any) -> str:
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM",
             "llama": "LlamaForCausalLM",
         }
         if hf_config.model_type in by_type:
@@ -124,11 +134,14 @@ def arch_spec(hf_config: Any) -> ArchSpec:
         "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3",
         "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Qwen2MoeForCausalLM": "qwen2_moe",
     }.get(arch, "llama")
-    if family in ("qwen2", "qwen3", "qwen3_moe") and getattr(hf_config, "use_sliding_window", False):
+    if family != "llama" and getattr(hf_config, "use_sliding_window", False):
         raise ModelConfigError(f"{arch} with use_sliding_window=true is not supported")
     if family == "qwen2":
         qkv_bias = True
+    elif family == "qwen2_moe":
+        qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
     else:
         # Qwen3's and Llama's configs both carry attention_bias (False in every released model).
         if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
@@ -140,7 +153,7 @@ def arch_spec(hf_config: Any) -> ArchSpec:
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     theta, scaling = _rope(hf_config)
-    moe = _moe_fields(hf_config) if family == "qwen3_moe" else {}
+    moe = _moe_fields(hf_config, arch) if family in ("qwen3_moe", "qwen2_moe") else {}
     return ArchSpec(
         architecture=arch,
         family=family,
@@ -154,14 +167,14 @@ def arch_spec(hf_config: Any) -> ArchSpec:
     )
 
 
-def _moe_fields(hf_config: Any) -> dict[str, Any]:
-    """Qwen3-MoE's expert settings; only an MoE block in every layer (all released Qwen3-MoE) maps
-    onto megatron's uniform layer spec."""
+def _moe_fields(hf_config: Any, arch: str) -> dict[str, Any]:
+    """Qwen3-MoE's / Qwen2-MoE's expert settings; only an MoE block in every layer (all released
+    Qwen3-MoE and Qwen2-MoE) maps onto megatron's uniform layer spec."""
     step = getattr(hf_config, "decoder_sparse_step", 1)
     dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
     if step != 1 or dense:
         raise ModelConfigError(
-            f"Qwen3MoeForCausalLM with dense layers (decoder_sparse_step={step}, mlp_only_layers={dense}) "
+            f"{arch} with dense layers (decoder_sparse_step={step}, mlp_only_layers={dense}) "
             "is not supported; every layer must be MoE (decoder_sparse_step=1, mlp_only_layers=[])"
         )
     return dict(
@@ -169,6 +182,7 @@ def _moe_fields(hf_config: Any) -> dict[str, Any]:
         moe_topk=int(hf_config.num_experts_per_tok),
         moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
         norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_expert_ffn_hidden_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
     )
 
 
@@ -329,6 +343,19 @@ def _moe_kwargs(spec: ArchSpec) -> dict[str, Any]:
         # alltoall's dispatcher creates CUDA streams; allgather runs on CPU and is exact at EP=1.
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
+    ) | _shared_expert_kwargs(spec)
+
+
+def _shared_expert_kwargs(spec: ArchSpec) -> dict[str, Any]:
+    """Qwen2-MoE's shared expert: megatron's SharedExpertMLP with its sigmoid gate
+    (``gate_weight`` [1, hidden]) is HF's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``,
+    added to the routed experts' output in both."""
+    if not spec.shared_expert_ffn_hidden_size:
+        return {}
+    return dict(
+        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=True,
+        moe_shared_expert_overlap=False,
     )
 
 

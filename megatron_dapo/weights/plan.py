@@ -172,8 +172,16 @@ def expected_hf_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
         suffix = ".".join(name.split(".")[-2:])
         if name.endswith("mlp.gate.weight"):
             out[name] = (spec.num_experts, h)
+        elif name.endswith("shared_expert_gate.weight"):
+            out[name] = (1, h)
+        elif ".shared_expert." in name:
+            out[name] = _ffn_shapes(spec.shared_expert_ffn_hidden_size, h)[suffix]
         elif ".experts." in name:
             out[name] = expert[suffix]
         else:
             out[name] = by_suffix[suffix]
     return out
+
+
+def _ffn_shapes(ffn: int, h: int) -> dict[str, tuple[int, int]]:
+    return {"gate_proj.weight": (ffn, h), "up_proj.weight": (ffn, h), "down_proj.weight": (h, ffn)}

@@ -5,10 +5,11 @@ from __future__ import annotations
 from megatron_dapo.weights.families.base import FamilyMap, Rule
 from megatron_dapo.weights.families.llama import LLAMA
 from megatron_dapo.weights.families.qwen2 import QWEN2
+from megatron_dapo.weights.families.qwen2_moe import QWEN2_MOE
 from megatron_dapo.weights.families.qwen3 import QWEN3
 from megatron_dapo.weights.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, FamilyMap] = {m.architecture: m for m in (QWEN2, LLAMA, QWEN3, QWEN3_MOE)}
+FAMILIES: dict[str, FamilyMap] = {m.architecture: m for m in (QWEN2, LLAMA, QWEN3, QWEN3_MOE, QWEN2_MOE)}
 
 
 def family_map(architecture: str) -> FamilyMap:

@@ -29,7 +29,9 @@ _MOE = (
 )
 
 
-def _moe_rules(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+def moe_rules(rules: tuple[Rule, ...], extra: tuple[Rule, ...] = ()) -> tuple[Rule, ...]:
+    """A dense family's layer rules with the MLP replaced by router and experts (then ``extra``,
+    e.g. a shared expert)."""
     out: list[Rule] = []
     for r in rules:
         if r.megatron in _DENSE_MLP:
@@ -39,8 +41,8 @@ def _moe_rules(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
             r = replace(r, megatron=("pre_mlp_layernorm.weight",))
         out.append(r)
         if r.megatron == ("pre_mlp_layernorm.weight",):
-            out.extend(_MOE)
+            out.extend(_MOE + extra)
     return tuple(out)
 
 
-QWEN3_MOE = replace(QWEN3, architecture="Qwen3MoeForCausalLM", layer_rules=_moe_rules(QWEN3.layer_rules))
+QWEN3_MOE = replace(QWEN3, architecture="Qwen3MoeForCausalLM", layer_rules=moe_rules(QWEN3.layer_rules))
