@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from trainer_fakes import FakeDataset, FakeRanks, trainer_config
 
+from megatron_dapo.actor.checkpoint import write_manifest
 from megatron_dapo.algo import RolloutCorrection, policy_loss
-from megatron_dapo.config import load_config
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.data.types import PromptSample
+from megatron_dapo.driver.run_dir import RunDir
+from megatron_dapo.driver.stop import StopFlag
+from megatron_dapo.driver.trainer import DAPOTrainer
+from megatron_dapo.rollout.staleness import drop_stale_groups
+from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 
 
 def test_algorithm_tis_is_deprecated_for_rollout_correction_tis():
@@ -40,3 +50,167 @@ def test_algorithm_tis_is_deprecated_for_rollout_correction_tis():
     assert float(m_a["tis_clipfrac"]) > 0  # the cap is hit, so the comparison covers truncation
     assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
     assert torch.equal(m_a["tis_clipfrac"], m_b["rc_fraction"])
+
+
+# ---------------------------------------------------------------- async with stand-ins (no Ray)
+ASYNC = {"trainer.placement": "disaggregated", "trainer.save_freq": 1}
+
+
+def _sample(group: int, j: int, token_versions: list[int]) -> RolloutSample:
+    prompt = PromptSample(
+        index=group, data_source="d", messages=[], prompt_text="p", prompt_ids=[1], ground_truth="1"
+    )
+    return RolloutSample(
+        group_id=group,
+        prompt=prompt,
+        response_ids=[3] * len(token_versions),
+        rollout_logprobs=[-0.5] * len(token_versions),
+        response_text="r",
+        finish_reason="stop",
+        score=float(j),
+        acc=bool(j),
+        pred="",
+        overlong_penalty=0.0,
+        final_reward=float(j),
+        weight_version=min(token_versions),
+        truncated=False,
+        token_versions=token_versions,
+    )
+
+
+class Engine:
+    """The weights the engine really holds, set only by the weight sync: the versions the samples
+    carry come from here, not from the version the trainer passes to `collect`."""
+
+    def __init__(self):
+        self.version = 0
+        self.generating = False
+        self.syncs: list[int] = []
+
+    def sync(self, version):
+        assert not self.generating, "a weight sync changed the weights in the middle of a rollout"
+        self.syncs.append(version)
+        self.version = version
+        return {}
+
+
+class EngineManager:
+    def __init__(self, engine):
+        self.engine = engine
+        self.should_stop = None
+        self.calls = 0
+
+    def collect(self, dataset, version):
+        self.engine.generating = True
+        try:
+            self.calls += 1
+            dataset.next_batch(4)
+            v = self.engine.version
+            samples = [_sample(g, j, [v, v]) for g in range(4) for j in range(2)]
+            return RolloutBatch(samples, {"rollout/prompts_drawn": 4})
+        finally:
+            self.engine.generating = False
+
+
+class CheckpointingRanks(FakeRanks):
+    """Saves the trainer state the driver hands over (with a manifest, so resume=auto accepts it)
+    and loads it back; train_step answers like a rank."""
+
+    def call(self, method, *args, **kwargs):
+        if method == "load_checkpoint":
+            return [json.loads((Path(args[0]) / "state.json").read_text())]
+        out = super().call(method, *args, **kwargs)
+        if method == "save_checkpoint":
+            write_manifest(Path(out[0]))
+        return [{}] if method == "train_step" else out
+
+
+def _run(tmp_path, name, stop_after=None, **over):
+    cfg = trainer_config(tmp_path, **{**ASYNC, "trainer.run_name": name, **over})
+    engine, dataset, stop = Engine(), FakeDataset(), StopFlag()
+    trained: dict[int, list[RolloutSample]] = {}
+
+    def dump(rollout, path):  # called once per trained step, with the samples it trained on
+        step = int(Path(path).stem.split("_")[1])
+        trained[step] = list(rollout.samples)
+        if step == stop_after:
+            stop.set("SIGTERM")
+
+    run = RunDir.create(cfg.trainer.runs_dir, name)
+    manager = EngineManager(engine)
+    trainer = DAPOTrainer(
+        cfg,
+        run=run,
+        ranks=CheckpointingRanks(),
+        manager=manager,
+        dataset=dataset,
+        transport_sync=engine.sync,
+        stop=stop,
+        dump_rollouts=dump,
+    )
+    trainer.fit()
+    metrics = {r["step"]: r for r in map(json.loads, run.metrics.read_text().splitlines())}
+    return trained, metrics, manager, dataset
+
+
+@pytest.mark.parametrize(
+    "mode, k, versions",
+    [
+        # batch j comes from the weights of version max(j-1-K, 0)
+        ("async", 2, [0, 0, 0, 1, 2]),
+        ("async", 1, [0, 0, 1, 2, 3]),
+        ("one_step_off", 1, [0, 0, 1, 2, 3]),  # async K=1 is one_step_off's schedule
+    ],
+)
+def test_async_never_trains_a_token_more_than_k_versions_behind(tmp_path, mode, k, versions):
+    trained, metrics, manager, dataset = _run(
+        tmp_path, "r", **{"trainer.mode": mode, "trainer.max_staleness": k}
+    )
+    assert sorted(trained) == [1, 2, 3, 4, 5]
+    for step, samples in trained.items():
+        actor_version = step - 1  # the actor trains step k with the weights of k-1 updates
+        held = {v for s in samples for v in s.token_versions}
+        assert held == {versions[step - 1]}, step
+        lag = actor_version - min(held)
+        assert lag <= k, (step, lag)
+        assert metrics[step]["rollout/staleness_token_max"] == lag
+        assert metrics[step]["rollout/stale_dropped_samples"] == 0
+    # the pipeline really runs K ahead (the bound is reached), and no batch past the run is drawn
+    assert max(s - 1 - versions[s - 1] for s in trained) == k
+    assert manager.calls == 5 and dataset.index == 20
+
+
+def test_a_resume_with_a_smaller_bound_drops_the_carried_groups_beyond_it(tmp_path):
+    """Stopped after step 2 with K=3: the checkpoint carries the batches of steps 3-5 (versions
+    0, 0, 1). Resumed with K=1 (actor version 2 at step 3): the two version-0 batches are too
+    stale and are dropped and counted; step 3 trains the version-1 batch."""
+    _run(tmp_path, "r", stop_after=2, **{"trainer.mode": "async", "trainer.max_staleness": 3})
+    state = json.loads((tmp_path / "r" / "checkpoints" / "step_00000002" / "state.json").read_text())
+    carried = state["prefetched"]["batches"]
+    assert [{v for s in b["samples"] for v in s["token_versions"]} for b in carried] == [{0}, {0}, {1}]
+    trained, metrics, manager, _ = _run(
+        tmp_path, "r", **{"trainer.mode": "async", "trainer.max_staleness": 1, "trainer.resume": "auto"}
+    )
+    assert sorted(trained) == [3, 4, 5]
+    assert {v for s in trained[3] for v in s.token_versions} == {1}
+    assert metrics[3]["rollout/stale_dropped_samples"] == 16
+    for step, samples in trained.items():
+        assert (step - 1) - min(v for s in samples for v in s.token_versions) <= 1, step
+
+
+def test_drop_stale_groups_judges_a_sample_by_its_oldest_token_and_drops_whole_groups():
+    samples = [_sample(0, 0, [3, 3]), _sample(0, 1, [1, 3]), _sample(1, 0, [2, 3]), _sample(1, 1, [3])]
+    kept, dropped = drop_stale_groups(samples, actor_version=3, max_staleness=1)
+    assert [s.group_id for s in kept] == [1, 1] and dropped == 2
+    assert drop_stale_groups(samples, actor_version=3, max_staleness=2) == (samples, 0)
+
+
+def test_async_mode_needs_its_own_devices_and_a_positive_bound():
+    base = ["model.path=/nonexistent", "trainer.mode=async"]
+    with pytest.raises(ConfigError, match="trainer.placement=disaggregated") as e:
+        load_config(None, base)
+    assert "trainer.mode=async" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="trainer.max_staleness=0 must be >= 1"):
+        load_config(None, [*base, "trainer.placement=disaggregated", "trainer.max_staleness=0"])
+    cfg = load_config(None, [*base, "trainer.placement=disaggregated", "trainer.max_staleness=2"])
+    assert cfg.trainer.max_staleness == 2

@@ -254,9 +254,12 @@ class TrainerConfig:
     hf_export_at_end: bool = True
     placement: str = "colocated"  # colocated | disaggregated
     # sync: generate, then train, then sync weights. one_step_off (disaggregated only): the
-    # engines generate step k+1's batch while the actor trains step k (staleness 1). async is
-    # not built yet (issue 13) and is refused rather than run as sync.
+    # engines generate step k+1's batch while the actor trains step k (staleness 1). async
+    # (disaggregated only): the engines stay max_staleness batches ahead (driver/pipeline.py).
     mode: str = "sync"
+    # async: the most versions a token may lag the actor that trains on it (older groups are
+    # dropped and counted as rollout/stale_dropped_samples); 1 is one_step_off's bound
+    max_staleness: int = 1
     rollout_gpus: int = 0  # disaggregated: GPUs for engines; actor gets the rest
     ray_address: Optional[str] = None
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

@@ -245,15 +245,15 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _check_mode(trainer) -> None:
-    if trainer.mode == "async":
+    if trainer.mode == "async" and trainer.max_staleness < 1:
         raise ConfigError(
-            "trainer.mode=async is not built yet (issue 13: sync and one_step_off exist); "
-            "use trainer.mode=one_step_off or sync"
+            f"trainer.max_staleness={trainer.max_staleness} must be >= 1 with trainer.mode=async "
+            "(the engines generate that many batches ahead; 0 is trainer.mode=sync)"
         )
-    if trainer.mode == "one_step_off" and trainer.placement == "colocated":
+    if trainer.mode in ("one_step_off", "async") and trainer.placement == "colocated":
         # the next rollout runs while the actor trains: both need the devices at once
         raise ConfigError(
-            "trainer.mode=one_step_off overlaps generation with training, which colocated engines cannot "
+            f"trainer.mode={trainer.mode} overlaps generation with training, which colocated engines cannot "
             "(they share the actor's devices); set trainer.placement=disaggregated (with trainer.rollout_gpus) "
             "or trainer.mode=sync"
         )

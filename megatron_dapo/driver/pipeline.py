@@ -9,6 +9,14 @@ behind the actor that trains on it. The rollout itself is the manager's `collect
 A prefetched batch that is finished when a checkpoint is taken travels in the checkpoint
 (`rollout_to_state`), with the data cursor already past its prompts, so a resume trains on
 exactly the batch the uninterrupted run would have.
+
+`trainer.mode=async` with `trainer.max_staleness=K` is the same pipeline K batches deep: batch j
+is generated with the weights of version max(j-1-K, 0), so the sync to version v waits until
+batches up to v+K are finished and the engines generate while the actor trains (they are idle
+only during a sync). The schedule is fixed by the step numbers, not by timing, so a run and its
+resume see the same batches. K=1 is one_step_off. A batch whose oldest token is more than K
+versions behind the actor when its step comes (a checkpoint resumed with a smaller K) loses its
+stale groups (`rollout/stale_dropped_samples`); a batch left empty is generated anew.
 """
 
 from __future__ import annotations
@@ -23,26 +31,39 @@ from megatron_dapo.data.types import PromptSample
 from megatron_dapo.rollout.manager import RolloutAbandoned
 from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 
-MODES = ("sync", "one_step_off")
+MODES = ("sync", "one_step_off", "async")
 
 # Per-step idle times, not phases: they overlap the phases (the actor's wait is its gen or
 # wait_data phase; the engines' wait spans the update), so a sum of phases must leave them out.
 WAIT_METRICS = ("timing/actor_wait_data_s", "timing/engine_wait_weights_s")
 
 
+def batches_ahead(cfg: Any) -> int:
+    """How many batches the engines generate ahead of the actor: 0 (sync), 1 (one_step_off),
+    `trainer.max_staleness` (async)."""
+    mode = cfg.trainer.mode
+    if mode == "one_step_off":
+        return 1
+    if mode == "async":
+        return int(cfg.trainer.max_staleness)
+    return 0
+
+
 class Prefetch:
-    """`manager.collect(dataset, version)` on a daemon thread.
+    """`manager.collect(dataset, version)` ``count`` times in a row on a daemon thread.
 
     The data cursor and the manager's state are snapshotted first: a rollout given up for a
-    stop is rewound (its prompts go back to the cursor), as the synchronous loop does."""
+    stop is rewound (the prompts of every batch of this prefetch go back to the cursor), as the
+    synchronous loop does."""
 
-    def __init__(self, manager: Any, dataset: Any, version: int):
+    def __init__(self, manager: Any, dataset: Any, version: int, count: int = 1):
         self.manager = manager
         self.dataset = dataset
         self.version = version
+        self.count = count
         self._cursor = copy.deepcopy(dataset.state_dict())
         self._manager_state = copy.deepcopy(manager.state_dict()) if hasattr(manager, "state_dict") else None
-        self._batch: RolloutBatch | None = None
+        self._batches: list[RolloutBatch] = []
         self._error: BaseException | None = None
         self.finished_at: float | None = None  # perf_counter when the engines went idle
         self._done = threading.Event()
@@ -51,16 +72,18 @@ class Prefetch:
 
     def _run(self) -> None:
         try:
-            self._batch = self.manager.collect(self.dataset, self.version)
+            for _ in range(self.count):
+                self._batches.append(self.manager.collect(self.dataset, self.version))
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread in result()
             self._error = e
         finally:
             self.finished_at = time.perf_counter()
             self._done.set()
 
-    def result(self) -> RolloutBatch | None:
-        """The batch; None when the rollout was abandoned for a stop (the cursor is rewound).
-        Any other failure of the rollout is raised here, on the trainer's thread."""
+    def result(self) -> list[RolloutBatch] | None:
+        """The batches, in order; None when the rollout was abandoned for a stop (the cursor goes
+        back to before all of them). Any other failure of the rollout is raised here, on the
+        trainer's thread."""
         self._done.wait()
         if isinstance(self._error, RolloutAbandoned):
             self.dataset.load_state_dict(self._cursor)
@@ -69,7 +92,7 @@ class Prefetch:
             return None
         if self._error is not None:
             raise self._error
-        return self._batch
+        return self._batches
 
     def join(self, timeout: float) -> None:
         """For an error path: give the thread a bounded time to notice the stop and end."""
@@ -80,6 +103,19 @@ class Prefetch:
 def rollout_to_state(batch: RolloutBatch) -> dict[str, Any]:
     """A finished rollout as JSON-able data for TrainerState (floats round-trip exactly)."""
     return {"samples": [asdict(s) for s in batch.samples], "metrics": dict(batch.metrics)}
+
+
+def queue_to_state(batches: list[RolloutBatch]) -> dict[str, Any]:
+    """The finished batches ahead of the actor, oldest first ({} when none)."""
+    return {"batches": [rollout_to_state(b) for b in batches]} if batches else {}
+
+
+def queue_from_state(state: dict[str, Any]) -> list[RolloutBatch]:
+    if not state:
+        return []
+    if "samples" in state:  # a one_step_off checkpoint written before the queue: one batch
+        return [rollout_from_state(state)]
+    return [rollout_from_state(b) for b in state["batches"]]
 
 
 def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:

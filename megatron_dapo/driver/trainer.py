@@ -15,6 +15,7 @@ import copy
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from omegaconf import DictConfig
 
 from megatron_dapo.driver.batch_builder import build_actor_batch
 from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
-from megatron_dapo.driver.pipeline import Prefetch, rollout_from_state, rollout_to_state
+from megatron_dapo.driver.pipeline import Prefetch, batches_ahead, queue_from_state, queue_to_state
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.rank_group import RankCallError
 from megatron_dapo.driver.run_dir import MetricsLogger, RunDir, jsonable_record
@@ -30,7 +31,7 @@ from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.test_hold import hold_after_step
 from megatron_dapo.driver.timing import PhaseTimer
 from megatron_dapo.rollout.manager import RolloutAbandoned
-from megatron_dapo.rollout.staleness import staleness_metrics
+from megatron_dapo.rollout.staleness import drop_stale_groups, staleness_metrics
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,8 @@ class TrainerState:
     # The step's metrics line as it stood at its checkpoint: a SIGKILL between the save and the
     # line (validation, logging) must not lose the line; the resume writes it from here.
     step_record: dict = field(default_factory=dict)
-    # trainer.mode=one_step_off: the next step's rollout, finished before this checkpoint
-    # (generated with the weights before this step's; the data cursor is already past it)
+    # trainer.mode=one_step_off/async: the next steps' rollouts, finished before this checkpoint
+    # (generated with older weights; the data cursor is already past them), oldest first
     prefetched: dict = field(default_factory=dict)
 
 
@@ -115,8 +116,8 @@ class DAPOTrainer:
         self.colocated_engines = list(colocated_engines)
         self.state = TrainerState()
         self._saved_step: int | None = None
-        self.one_step_off = cfg.trainer.mode == "one_step_off"
-        self._pending = None  # one_step_off: the finished rollout of the next step
+        self.ahead = batches_ahead(cfg)  # batches generated ahead of the actor (the staleness bound)
+        self._queue: deque = deque()  # the finished rollouts of the next steps, oldest first
         self._rollout_end = time.perf_counter()  # when the engines last finished a rollout
 
     # ---------------------------------------------------------------- resume
@@ -139,13 +140,13 @@ class DAPOTrainer:
         self.dataset.load_state_dict(self.state.data_cursor)
         if self.state.manager_state and hasattr(self.manager, "load_state_dict"):
             self.manager.load_state_dict(self.state.manager_state)
-        self._pending = rollout_from_state(self.state.prefetched) if self.state.prefetched else None
+        self._queue = deque(queue_from_state(self.state.prefetched))
         self._saved_step = self.state.step
         return True
 
     def save(self) -> str:
         self.state.data_cursor = self.dataset.state_dict()
-        self.state.prefetched = rollout_to_state(self._pending) if self._pending is not None else {}
+        self.state.prefetched = queue_to_state(list(self._queue))
         if hasattr(self.manager, "state_dict"):
             self.state.manager_state = self.manager.state_dict()
         path = self._call(
@@ -195,12 +196,18 @@ class DAPOTrainer:
             self.save()
 
     def _rollout_for(self, step: int, timer: PhaseTimer, progress: StepProgress):
-        """The step's rollout: the one prefetched during the last step (one_step_off), else
-        generated now with the current weights; None when a stop abandoned it (the last
-        finished step is then checkpointed)."""
-        if self._pending is not None:
-            rollout, self._pending = self._pending, None
-            return rollout
+        """The step's rollout: the oldest one prefetched (one_step_off, async) without its groups
+        beyond the staleness bound, else generated now with the current weights; None when a
+        stop abandoned it (the last finished step is then checkpointed)."""
+        dropped = 0
+        while self._queue:
+            rollout = self._queue.popleft()
+            kept, n = drop_stale_groups(rollout.samples, self.state.weight_version, self.ahead)
+            dropped += n
+            if kept:
+                rollout.samples = kept
+                rollout.metrics["rollout/stale_dropped_samples"] = float(dropped)
+                return rollout
         cursor = copy.deepcopy(self.dataset.state_dict())
         manager_state = (
             copy.deepcopy(self.manager.state_dict()) if hasattr(self.manager, "state_dict") else None
@@ -208,6 +215,8 @@ class DAPOTrainer:
         try:
             with timer.phase("gen"), progress.phase(step, "rollout"):
                 rollout = self.manager.collect(self.dataset, self.state.weight_version)
+            if self.ahead:
+                rollout.metrics["rollout/stale_dropped_samples"] = float(dropped)
         except RolloutAbandoned:
             with progress.phase(self.state.step, "checkpoint"):
                 self._abandon_step(cursor, manager_state)
@@ -303,11 +312,12 @@ class DAPOTrainer:
                         overlong_filter=cfg.algorithm.overlong_filter,
                         groups_multiple=cfg.actor.ppo_mini_batch_size,
                     )
-                # one_step_off: the engines (still on this step's weights) generate the next batch
-                # while the actor trains; the sync below waits for it
+                # one_step_off/async: the engines (still on this step's weights) generate the
+                # batches up to step+ahead while the actor trains; the sync below waits for them
                 prefetch = None
-                if self.one_step_off and step < total and not self.stop.requested:
-                    prefetch = Prefetch(self.manager, self.dataset, self.state.weight_version)
+                count = min(self.ahead - len(self._queue), total - step - len(self._queue))
+                if count > 0 and not self.stop.requested:
+                    prefetch = Prefetch(self.manager, self.dataset, self.state.weight_version, count)
                 with timer.phase("memory_swap"):
                     self._to_training()
                 try:
@@ -320,7 +330,7 @@ class DAPOTrainer:
                     raise
                 if prefetch is not None:
                     with timer.phase("wait_data"), progress.phase(step, "waiting for the next rollout"):
-                        self._pending = prefetch.result()
+                        self._queue.extend(prefetch.result() or [])
                     self._rollout_end = prefetch.finished_at
                 with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
                     revived = restart_down_engines(self.manager) if hasattr(self.manager, "down") else []

@@ -37,3 +37,19 @@ def staleness_metrics(samples: Iterable[Any], actor_version: int) -> dict[str, f
         "rollout/staleness_sample_max": float(max(per_sample, default=0)),
         "rollout/unversioned_samples": float(unknown),
     }
+
+
+def drop_stale_groups(samples: list[Any], actor_version: int, max_staleness: int) -> tuple[list[Any], int]:
+    """The samples whose groups are within the bound, and how many samples were dropped.
+
+    A sample is too stale when the version of its oldest token is more than ``max_staleness``
+    behind ``actor_version``; its whole group goes (the advantage is a group statistic, so a
+    group trained without some members would change the others' advantages). Samples without
+    token versions fall back to ``weight_version``."""
+    stale_groups = set()
+    for s in samples:
+        versions = s.token_versions if s.token_versions else [s.weight_version]
+        if actor_version - min(versions) > max_staleness:
+            stale_groups.add(s.group_id)
+    kept = [s for s in samples if s.group_id not in stale_groups]
+    return kept, len(samples) - len(kept)
