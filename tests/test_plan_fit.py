@@ -146,3 +146,29 @@ def test_assumption_defaults_scale_with_the_config():
     plan = _plan("data.max_response_length=8192", "algorithm.overlong_buffer.len=2048")
     assert dict((k, v) for k, v, _ in plan.assumptions)["mean response length"] == "2048 tokens"
     assert Assumptions().keep_rate == 0.5
+
+
+def test_time_model_overlaps_rollout_and_training_in_the_pipelined_modes():
+    """one_step_off/async on their own GPUs: a step takes max(rollout, train), by hand; the same
+    config colocated (or sync) adds the two up."""
+    t = StepTokens(1, 10, 100, decode_tokens=1e6, train_sequences=100, train_tokens=2e5)
+    kw = dict(
+        fwd_flops_per_token=1e9,
+        ppo_epochs=1,
+        recompute=True,
+        rollout_gpus=10,
+        actor_gpus=10,
+        decode_tok_s_per_gpu=1000,
+        peak_tflops=1000,
+        mfu=0.5,
+    )
+    s = time_split(t, **kw, overlapped=True)
+    assert s.step_s == max(100.0, 0.2) == 100.0
+    assert s.rollout_fraction == pytest.approx(100 / 100.2)
+    assert time_split(t, **kw).step_s == pytest.approx(100.2)
+    base = ("trainer.placement=disaggregated", "trainer.rollout_gpus=32")
+    plans = {m: _plan(*base, f"trainer.mode={m}") for m in ("sync", "one_step_off", "async")}
+    r, tr = plans["sync"].times.rollout_s, plans["sync"].times.train_s
+    assert plans["sync"].times.step_s == pytest.approx(r + tr)
+    for m in ("one_step_off", "async"):
+        assert plans[m].times.step_s == pytest.approx(max(r, tr)), m

@@ -37,6 +37,7 @@ class PlanInputs:
     micro_batch_max_tokens: int = 16384
     placement: str = "colocated"
     rollout_gpus: int = 0
+    mode: str = "sync"  # trainer.mode: one_step_off/async overlap rollout and training
 
     @property
     def max_seq_len(self) -> int:
@@ -76,6 +77,7 @@ CONFIG_KEYS: dict[str, str] = {
     "micro_batch_max_tokens": "actor.micro_batch_max_tokens",
     "placement": "trainer.placement",
     "rollout_gpus": "trainer.rollout_gpus",
+    "mode": "trainer.mode",
 }
 
 

@@ -437,6 +437,7 @@ def make_plan(
         r["decode"],
         gpu.bf16_tflops,
         a.mfu,
+        overlapped=p.mode in ("one_step_off", "async") and not roles.colocated,
     )
     assumptions = [
         (

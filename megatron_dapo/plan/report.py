@@ -112,8 +112,14 @@ def render(plan: Plan, console: Console) -> None:
     )
     step.add_row(
         "time",
-        f"rollout {_hms(ts.rollout_s)} + train {_hms(ts.train_s)} = {_hms(ts.step_s)} "
-        f"({ts.rollout_fraction:.0%} rollout); weight sync and eval not included",
+        (
+            f"max(rollout {_hms(ts.rollout_s)}, train {_hms(ts.train_s)}) = {_hms(ts.step_s)} "
+            f"({p.mode}: they overlap; {ts.rollout_fraction:.0%} of the work is rollout)"
+            if ts.overlapped
+            else f"rollout {_hms(ts.rollout_s)} + train {_hms(ts.train_s)} = {_hms(ts.step_s)} "
+            f"({ts.rollout_fraction:.0%} rollout)"
+        )
+        + "; weight sync and eval not included",
     )
     console.print(step)
 

@@ -61,14 +61,23 @@ class TimeSplit:
     rollout_s: float
     train_s: float
     train_flops: float
+    # trainer.mode one_step_off/async on disaggregated GPUs: the next batch is generated while
+    # the actor trains, so in the steady state a step takes the longer of the two, not the sum
+    # (assumed: the sync between them is short, and each round takes about the mean; async's
+    # deeper queue also absorbs a slow round, which this does not model)
+    overlapped: bool = False
 
     @property
     def step_s(self) -> float:
+        if self.overlapped:
+            return max(self.rollout_s, self.train_s)
         return self.rollout_s + self.train_s
 
     @property
     def rollout_fraction(self) -> float:
-        return self.rollout_s / self.step_s if self.step_s else 0.0
+        """The rollout's share of the work (the sum), whether or not the two overlap."""
+        work = self.rollout_s + self.train_s
+        return self.rollout_s / work if work else 0.0
 
 
 def time_split(
@@ -81,13 +90,15 @@ def time_split(
     decode_tok_s_per_gpu: float,
     peak_tflops: float,
     mfu: float,
+    overlapped: bool = False,
 ) -> TimeSplit:
     """Rollout: decode tokens / (per-GPU decode rate * rollout GPUs), prefill and the long tail
     ignored. Train: one forward for the old log-probs, then per epoch forward + backward (3
-    forwards' worth) plus one more forward under full recompute, at `mfu` of peak. The DAPO step is
-    synchronous, so the two add up whether the roles share GPUs or not."""
+    forwards' worth) plus one more forward under full recompute, at `mfu` of peak. The sync DAPO
+    step adds the two up whether the roles share GPUs or not; `overlapped` (one_step_off/async on
+    their own GPUs) takes the longer of the two."""
     rollout_s = tokens.decode_tokens / (decode_tok_s_per_gpu * rollout_gpus)
     passes = 1 + ppo_epochs * (3 + (1 if recompute else 0))
     flops = tokens.train_tokens * fwd_flops_per_token * passes
     train_s = flops / (actor_gpus * peak_tflops * 1e12 * mfu)
-    return TimeSplit(rollout_s, train_s, flops)
+    return TimeSplit(rollout_s, train_s, flops, overlapped)
