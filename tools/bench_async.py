@@ -1,4 +1,4 @@
-"""Benchmark trainer.mode=one_step_off against sync on the demo task, in the same run.
+"""Benchmark trainer.mode=one_step_off and async (max_staleness K) against sync on the demo task.
 
 The actor (one Megatron rank, TP=1) and the HF rollout engine are pinned to separate CPU cores
 (``sched_setaffinity`` on the Ray worker processes as they appear), so generation and training
@@ -13,10 +13,11 @@ synchronous, and its last step has nothing to prefetch):
 - the trainer's own view: mean timing/actor_wait_data_s and timing/engine_wait_weights_s.
 
     python tools/bench_async.py [--steps 8] [--seeds 0,1] [--assets runs/demo_assets]
-        [--actor-core 0 --engine-core 1] [key=value overrides for both modes]
+        [--modes sync,one_step_off,async:2] [--actor-core 0 --engine-core 1]
+        [key=value overrides for every mode]
 
-Prints one row per run, the held-out range over the seeds, and the one_step_off/sync ratio
-of mean steps per second. Not a test: run it on a
+`async:K` is trainer.mode=async with trainer.max_staleness=K. Prints one row per run, the
+held-out range over the seeds, and each mode's ratio of mean steps per second to sync. Not a test: run it on a
 quiet machine; the figures move with load.
 """
 
@@ -121,7 +122,9 @@ class Watcher(threading.Thread):
             time.sleep(TICK_S)
 
 
-def run_mode(mode: str, seed: int, args, runs: Path) -> dict:
+def run_mode(spec: str, seed: int, args, runs: Path) -> dict:
+    """`spec`: a trainer.mode, or async:K."""
+    mode, _, k = spec.partition(":")
     a = Path(args.assets)
     over = {
         "model.path": a / "hf",
@@ -130,7 +133,7 @@ def run_mode(mode: str, seed: int, args, runs: Path) -> dict:
         "parallel.tensor_model_parallel_size": 1,
         "parallel.actor_world_size": 1,
         "trainer.runs_dir": runs,
-        "trainer.run_name": f"{mode}_{seed}",
+        "trainer.run_name": f"{mode}{k}_{seed}",
         "trainer.seed": seed,
         "trainer.total_steps": args.steps,
         "trainer.test_freq": args.steps,
@@ -139,6 +142,7 @@ def run_mode(mode: str, seed: int, args, runs: Path) -> dict:
         "trainer.hf_export_at_end": "false",
         "trainer.resume": "never",
         "trainer.mode": mode,
+        "trainer.max_staleness": int(k or 1),
         "trainer.placement": "disaggregated",
         "logging.progress": "false",
         "logging.plots_at_end": "false",
@@ -146,13 +150,13 @@ def run_mode(mode: str, seed: int, args, runs: Path) -> dict:
     cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", str(REPO / "configs/demo.yaml")]
     cmd += [f"{k}={v}" for k, v in over.items()] + list(args.override)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    run = runs / f"{mode}_{seed}"
+    run = runs / f"{mode}{k}_{seed}"
     watcher = Watcher(proc, run / "metrics.jsonl", args.actor_core, args.engine_core)
     watcher.start()
     _, err = proc.communicate()
     watcher.join()
     if proc.returncode != 0:
-        raise SystemExit(f"bench_async: the {mode} run failed (exit {proc.returncode}):\n{err[-3000:]}")
+        raise SystemExit(f"bench_async: the {spec} run failed (exit {proc.returncode}):\n{err[-3000:]}")
     records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     first, last = 1, args.steps - 1
     (t0, a0, e0), (t1, a1, e1) = watcher.marks[first], watcher.marks[last]
@@ -160,7 +164,7 @@ def run_mode(mode: str, seed: int, args, runs: Path) -> dict:
     window = [records[s] for s in range(first + 1, last + 1)]
     val_key = next(k for k in records[args.steps] if k.startswith("val/avg@"))
     return {
-        "mode": mode,
+        "mode": spec,
         "seed": seed,
         "s_per_step": wall / (last - first),
         "engine_idle": 1 - (e1 - e0) / wall,
@@ -179,7 +183,9 @@ def main() -> None:
     p.add_argument("--assets", default=str(REPO / "runs/demo_assets"), help="prepare_demo_assets output")
     p.add_argument("--actor-core", type=int, default=0)
     p.add_argument("--engine-core", type=int, default=1)
-    p.add_argument("--modes", default="sync,one_step_off")
+    p.add_argument(
+        "--modes", default="sync,one_step_off,async:2", help="trainer.mode values; async:K sets max_staleness"
+    )
     p.add_argument("--seeds", default="0", help="trainer.seed of each repeat (the accuracy spread)")
     p.add_argument("override", nargs="*", help="extra config overrides for both runs (key=value)")
     args = p.parse_args()
