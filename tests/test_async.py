@@ -214,3 +214,16 @@ def test_async_mode_needs_its_own_devices_and_a_positive_bound():
         load_config(None, [*base, "trainer.placement=disaggregated", "trainer.max_staleness=0"])
     cfg = load_config(None, [*base, "trainer.placement=disaggregated", "trainer.max_staleness=2"])
     assert cfg.trainer.max_staleness == 2
+
+
+def test_a_one_step_off_checkpoint_of_the_one_batch_form_still_resumes():
+    """Checkpoints written before the queue held one batch as {'samples', 'metrics'}."""
+    from dataclasses import asdict
+
+    from megatron_dapo.driver.pipeline import queue_from_state, queue_to_state
+
+    old = {"samples": [asdict(_sample(0, 1, [4, 4]))], "metrics": {"rollout/prompts_drawn": 1}}
+    (batch,) = queue_from_state(old)
+    assert batch.samples == [_sample(0, 1, [4, 4])] and batch.metrics == {"rollout/prompts_drawn": 1}
+    assert queue_from_state(queue_to_state([batch, batch])) == [batch, batch]
+    assert queue_to_state([]) == {} and queue_from_state({}) == []
