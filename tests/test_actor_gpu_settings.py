@@ -85,10 +85,44 @@ def test_fusions_only_where_the_kernels_exist():
 
 def test_dp_overlap_defaults_and_checks():
     assert ddp_overlap(False, True, True, True) == DdpOverlap(False, False)  # gloo: never
-    assert ddp_overlap(True, True, None, None) == DdpOverlap(True, False)
-    assert ddp_overlap(True, True, False, True) == DdpOverlap(False, True)
+    # GPU defaults: both on with the distributed optimizer, param gather off without it
+    assert ddp_overlap(True, True, None, None) == DdpOverlap(True, True)
+    assert ddp_overlap(True, False, None, None) == DdpOverlap(True, False)
+    assert ddp_overlap(True, True, False, None) == DdpOverlap(False, False)
+    assert ddp_overlap(True, True, None, False) == DdpOverlap(True, False)
     with pytest.raises(GpuSettingsError, match="use_distributed_optimizer=true"):
         ddp_overlap(True, False, None, True)
+    # megatron-LM asserts overlap_grad_reduce whenever overlap_param_gather is on
+    with pytest.raises(
+        GpuSettingsError, match="overlap_param_gather needs parallel.overlap_grad_reduce=true"
+    ):
+        ddp_overlap(True, True, False, True)
+
+
+class _StandInDDP:
+    """What sync_params_after_update sees of megatron's DDP chunk."""
+
+    def __init__(self, distributed: bool, overlap: bool):
+        from types import SimpleNamespace
+
+        self.ddp_config = SimpleNamespace(use_distributed_optimizer=distributed, overlap_param_gather=overlap)
+        self.calls = []
+
+    def start_param_sync(self, *unused, force_sync=False, force_dispatch=False):
+        self.calls.append(dict(force_sync=force_sync, force_dispatch=force_dispatch))
+
+
+def test_params_are_gathered_after_an_update_with_overlap_param_gather():
+    """With the all-gather deferred to the next forward, the weight sync after an update would
+    read the previous step's parameters: the actor forces one synchronous gather per chunk."""
+    from megatron_dapo.actor.optimizer import sync_params_after_update
+
+    chunks = [_StandInDDP(True, True), _StandInDDP(True, True)]
+    assert sync_params_after_update(chunks)
+    assert [c.calls for c in chunks] == [[dict(force_sync=True, force_dispatch=False)]] * 2
+    for distributed, overlap in ((True, False), (False, False)):
+        plain = _StandInDDP(distributed, overlap)
+        assert not sync_params_after_update([plain]) and plain.calls == []
 
 
 def test_config_exposes_the_overlap_knobs():
@@ -96,3 +130,25 @@ def test_config_exposes_the_overlap_knobs():
 
     cfg = load_config(None, ["model.path=/m", "parallel.overlap_grad_reduce=false"])
     assert cfg.parallel.overlap_grad_reduce is False and cfg.parallel.overlap_param_gather is None
+
+
+def test_config_refuses_overlap_param_gather_where_invalid():
+    from megatron_dapo.config import ConfigError, load_config
+
+    load_config(None, ["model.path=/m", "parallel.overlap_param_gather=true"])  # distributed optimizer: fine
+    with pytest.raises(
+        ConfigError, match="overlap_param_gather needs parallel.use_distributed_optimizer=true"
+    ):
+        load_config(
+            None,
+            [
+                "model.path=/m",
+                "parallel.overlap_param_gather=true",
+                "parallel.use_distributed_optimizer=false",
+            ],
+        )
+    with pytest.raises(ConfigError, match="needs parallel.overlap_grad_reduce=true"):
+        load_config(
+            None,
+            ["model.path=/m", "parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=false"],
+        )

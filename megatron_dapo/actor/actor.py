@@ -42,6 +42,7 @@ from megatron_dapo.actor.optimizer import (
     current_lr,
     guarded_step,
     set_schedule_hooks,
+    sync_params_after_update,
     zero_grads,
 )
 from megatron_dapo.actor.parallel import ParallelLayout
@@ -371,6 +372,9 @@ class Actor:
                 )
                 updates.append(record)
                 self._account(outcome, reason)
+        # With overlap_param_gather the last step's parameters are not gathered yet; the weight
+        # sync and checkpoints read them next, without a forward.
+        sync_params_after_update(self.model)
         self.state.steps_done += 1
         return self._summary(step_sums, updates, epochs=cfg.ppo_epochs)
 

@@ -18,9 +18,14 @@ tested on CPU. CPU/GPU differences of the actor live here and in :mod:`compat` (
    (torch.jit) needs CUDA. All are off on CPU.
 5. DP communication overlap (:func:`ddp_overlap`): overlap_grad_reduce (bucketed all-reduce /
    reduce-scatter started during backward) on by default on GPU, always off on CPU (gloo runs the
-   plain path). overlap_param_gather is exposed but off by default: with it the distributed
-   optimizer's parameter all-gather is deferred to the next forward, and the weight sync to the
-   rollout engines reads the parameters right after the step, before any forward.
+   plain path). overlap_param_gather (the distributed optimizer's parameter all-gather deferred
+   to the next forward's pre-hooks) is on by default where megatron allows it: GPU, distributed
+   optimizer and overlap_grad_reduce (megatron-LM's arguments assert both). Whatever reads the
+   parameters outside a forward (weight sync, checkpoint save, HF export) would see the previous
+   step's values, so the actor forces the all-gather once its update ends
+   (``optimizer.sync_params_after_update``); the mini-batch steps inside an update keep the
+   overlap. align_param_gather stays off (each pipeline stage gathers as its forward needs), so
+   the schedule needs no ``param_sync_func``.
 6. Context parallelism: on GPU the TE layer spec's ``TEDotProductAttention`` receives megatron's
    CP group (ring attention, megatron's default ``cp_comm_type``) and RoPE is sliced per CP rank
    inside megatron; on CPU the local spec's core attention is replaced by the exact stand-in
@@ -128,15 +133,20 @@ class DdpOverlap:
 def ddp_overlap(
     on_cuda: bool, use_distributed_optimizer: bool, grad_reduce: bool | None, param_gather: bool | None
 ) -> DdpOverlap:
-    """Resolve the overlap knobs (None = the default for this machine)."""
+    """Resolve the overlap knobs (None = the default for this machine: both on where valid)."""
     if not on_cuda:
         return DdpOverlap(False, False)
     grad = True if grad_reduce is None else grad_reduce
-    param = False if param_gather is None else param_gather
+    param = use_distributed_optimizer and grad if param_gather is None else param_gather
     if param and not use_distributed_optimizer:
         raise GpuSettingsError(
             "parallel.overlap_param_gather needs parallel.use_distributed_optimizer=true (it overlaps the "
-            "distributed optimizer's parameter all-gather)"
+            "distributed optimizer's parameter all-gather); set it to false or turn the distributed optimizer on"
+        )
+    if param and not grad:
+        raise GpuSettingsError(
+            "parallel.overlap_param_gather needs parallel.overlap_grad_reduce=true (megatron requires both); "
+            "set overlap_param_gather=false or overlap_grad_reduce=true"
         )
     return DdpOverlap(grad, param)
 

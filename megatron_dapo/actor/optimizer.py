@@ -227,6 +227,22 @@ def current_lr(optimizer: Any) -> float:
     return float(groups[0]["lr"]) if groups else 0.0
 
 
+def sync_params_after_update(model_chunks: list[Any]) -> bool:
+    """With overlap_param_gather the distributed optimizer's step leaves the parameter
+    all-gather to the next forward's pre-hooks: until then the model's parameters hold the
+    previous step's values for everything that reads them directly (weight sync, checkpoint,
+    export). Gather them now, synchronously (megatron's ``disable_forward_pre_hook`` does the
+    same before evaluation and checkpoints); the next forward's hooks then find every bucket
+    gathered. Returns whether anything was gathered."""
+    synced = False
+    for chunk in model_chunks:
+        cfg = getattr(chunk, "ddp_config", None)
+        if cfg is not None and cfg.use_distributed_optimizer and cfg.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+            synced = True
+    return synced
+
+
 def zero_grads(model_chunks: list[Any], optimizer: Any) -> None:
     """Clear DDP grad buffers and optimizer grads before a mini-batch's backward passes."""
     for chunk in model_chunks:

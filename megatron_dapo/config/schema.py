@@ -43,7 +43,7 @@ class ParallelConfig:
     actor_world_size: int = 1
     use_distributed_optimizer: bool = True
     # DP communication overlap on GPU (ignored on CPU); null = the default: grad reduce on, param
-    # gather off (the weight sync reads parameters right after the step; see actor/gpu_settings.py).
+    # gather on with the distributed optimizer (it needs both; see actor/gpu_settings.py).
     overlap_grad_reduce: Optional[bool] = None
     overlap_param_gather: Optional[bool] = None
 

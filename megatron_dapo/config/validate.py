@@ -166,6 +166,14 @@ def validate(cfg: DictConfig) -> None:
             f"parallel.expert_model_parallel_size={ep} must divide the {dp * cp} data x context parallel "
             "ranks (actor_world_size / (tp*pp)); megatron splits experts over those"
         )
+    if par.overlap_param_gather:
+        # The same refusal as actor/gpu_settings.ddp_overlap, before any rank starts.
+        from megatron_dapo.actor.gpu_settings import GpuSettingsError, ddp_overlap
+
+        try:
+            ddp_overlap(True, par.use_distributed_optimizer, par.overlap_grad_reduce, True)
+        except GpuSettingsError as e:
+            raise ConfigError(str(e)) from None
     if par.sequence_parallel and tp == 1:
         raise ConfigError(
             "parallel.sequence_parallel=true needs tensor_model_parallel_size > 1; set it to false"
