@@ -71,7 +71,7 @@ def rollout(models):
     return engine.generate(reqs)
 
 
-def _forced_router(forced):
+def _forced_router(forced, own=None):
     """Qwen3MoeTopKRouter.forward with its top-k replaced by ``forced[layer]`` ([tokens, k]); the
     weights are the softmax's at those experts, renormalised as norm_topk_prob asks."""
 
@@ -79,6 +79,8 @@ def _forced_router(forced):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = torch.nn.functional.linear(hidden_states, self.weight)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        if own is not None:
+            own.append(logits.topk(self.top_k, dim=-1).indices)
         idx = forced[self.layer_idx].long()
         top = probs.gather(1, idx)
         if self.norm_topk_prob:
@@ -88,14 +90,14 @@ def _forced_router(forced):
     return forward
 
 
-def _hf_logprobs(model, ids, prompt_len, forced=None):
+def _hf_logprobs(model, ids, prompt_len, forced=None, own=None):
     from transformers.models.qwen3_moe import modeling_qwen3_moe as m
 
     original = m.Qwen3MoeTopKRouter.forward
     if forced is not None:
         for i, layer in enumerate(model.model.layers):
             layer.mlp.gate.layer_idx = i
-        m.Qwen3MoeTopKRouter.forward = _forced_router(forced)
+        m.Qwen3MoeTopKRouter.forward = _forced_router(forced, own)
     try:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].double()
@@ -214,7 +216,7 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
         actor.cfg.micro_batch_max_tokens = 24
         if mode == "rollout":  # the training forward replays too
             del tokens_seen[:], maps[:]
-            actor.update(batch)
+            out[(ep, mode)]["metrics"] = actor.update(batch)
             out[(ep, mode)]["train_chosen"] = _chosen_experts(maps, tokens_seen, samples)
     return out
 
@@ -268,6 +270,32 @@ def test_replayed_logprobs_equal_hf_forced_to_the_recorded_experts(models, ranks
             assert (got_free - free).abs().max() <= 1e-5, i
         forced_gap = max(forced_gap, float((forced - free).abs().max()))
     assert forced_gap > 1e-3  # the routings' difference shows in the log-probs
+
+
+def test_routing_mismatch_metric_counts_response_routings_the_trainer_would_change(models, ranks, rollout):
+    """actor/routing_mismatch of the replayed step: (response token, layer) pairs whose trainer
+    top-k differs from the replayed one. Reference: the trainer's weights in HF, forced to the
+    recorded experts (so each layer sees the replayed layers before it), their own top-k per layer
+    (the one update runs at the initial weights)."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32).eval()
+    differ = total = 0
+    for prompt, res in zip(PROMPTS, rollout):
+        ids = prompt + res.output_ids
+        rec = res.routed_experts.long()
+        forced = torch.cat([rec, torch.tensor([[[0, 1], [0, 1]]])])
+        own = []
+        _hf_logprobs(trainer, ids, len(prompt), forced=[forced[:, layer] for layer in range(2)], own=own)
+        positions = slice(len(prompt) - 1, len(prompt) - 1 + len(res.output_ids))
+        for layer in range(2):
+            mine = own[layer][positions].sort(-1).values
+            differ += int((mine != rec[positions, layer].sort(-1).values).any(-1).sum())
+            total += mine.shape[0]
+    assert differ > 0
+    for r in ranks:
+        assert r[(1, "rollout")]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12)
+        assert 0 < r[(2, "rollout")]["metrics"]["routing_mismatch"] < 1
 
 
 def test_replaying_the_trainers_own_choice_is_bitwise_no_replay(ranks):

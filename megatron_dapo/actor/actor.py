@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.actor import compat
+from megatron_dapo.actor import compat, routing_replay
 from megatron_dapo.actor.batch import ActorBatch, BatchError
 from megatron_dapo.actor.context_parallel import cp_pad_multiple
 from megatron_dapo.actor.micro_batches import (
@@ -351,6 +351,7 @@ class Actor:
         Raises TrainingDivergedError after ``max_consecutive_skips`` non-finite steps in a row.
         """
         cfg = self.cfg
+        routing_replay.reset_counts()
         n_mini = len(self.mini_batches(batch, 0))
         if batch.old_logprobs is None and (n_mini > 1 or cfg.ppo_epochs > 1):
             batch = batch.with_old_logprobs(self.compute_logprobs(batch, cfg.temperature))
@@ -376,7 +377,18 @@ class Actor:
         # sync and checkpoints read them next, without a forward.
         sync_params_after_update(self.model)
         self.state.steps_done += 1
-        return self._summary(step_sums, updates, epochs=cfg.ppo_epochs)
+        out = self._summary(step_sums, updates, epochs=cfg.ppo_epochs)
+        if cfg.routing_replay == "rollout":
+            out["routing_mismatch"] = self._routing_mismatch()
+        return out
+
+    def _routing_mismatch(self) -> float:
+        """Fraction of (response token, MoE layer) routings of this step's forwards where the
+        trainer's own top-k differs from the replayed rollout choice, over all ranks (each rank
+        counts its tokens of its layers)."""
+        counts = routing_replay.take_counts().to(compat.device())
+        dist.all_reduce(counts)
+        return float(counts[0] / counts[1].clamp(min=1))
 
     def _account(self, outcome, reason: str) -> None:
         if outcome is not None and outcome.updated:

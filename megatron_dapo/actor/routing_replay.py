@@ -39,14 +39,46 @@ def _routers(chunk: Any) -> list[tuple[int, Any]]:
     return [(int(m.layer_number) - 1, m) for m in chunk.modules() if isinstance(m, TopKRouter)]
 
 
-def apply(chunk: Any, routed_experts: torch.Tensor | None) -> None:
+# [differing, counted] (token, MoE layer) routings at counted positions since reset_counts():
+# the trainer's own top-k set against the replayed one.
+_COUNTS = torch.zeros(2, dtype=torch.float64)
+
+
+def reset_counts() -> None:
+    _COUNTS.zero_()
+
+
+def take_counts() -> torch.Tensor:
+    """``[differing, counted]`` since :func:`reset_counts` on this rank."""
+    return _COUNTS.clone()
+
+
+def _count_mismatch(router: Any, args: tuple, out: tuple) -> None:
+    """Forward hook: how many counted tokens' own top-k differs from the routing used (the
+    replayed one). One extra gating matmul per MoE layer, without autograd."""
+    mask = getattr(router, "_replay_count_mask", None)
+    if mask is None:
+        return
+    with torch.no_grad():
+        logits = router.gating(args[0]).reshape(-1, router.config.num_moe_experts)
+        own = torch.zeros_like(out[1], dtype=torch.bool)
+        own.scatter_(1, logits.topk(router.topk, dim=-1).indices, True)
+        differs = (own != out[1].bool()).any(dim=-1)
+        mask = mask.to(differs.device)
+        _COUNTS[0] += float((differs & mask).sum())
+        _COUNTS[1] += float(mask.sum())
+
+
+def apply(chunk: Any, routed_experts: torch.Tensor | None, count_mask: torch.Tensor | None = None) -> None:
     """Make the chunk's routers replay ``routed_experts`` ([b, L, layers, k]) in the next forward,
-    or route by their own top-k when it is None."""
+    or route by their own top-k when it is None. ``count_mask`` ([b, L] bool): the positions whose
+    own-vs-replayed routing difference is counted (see :func:`take_counts`)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for layer, router in _routers(chunk):
         replay = router.router_replay
         if routed_experts is None:
+            router._replay_count_mask = None
             if replay is not None:
                 replay.clear_indices()
                 replay.clear_router_replay_action()
@@ -66,6 +98,10 @@ def apply(chunk: Any, routed_experts: torch.Tensor | None) -> None:
         # for activation recomputation and would grow by one tensor per forward.
         replay.target_topk_idx = routed_experts[:, :, layer].transpose(0, 1).reshape(length * b, k).long()
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        if not getattr(router, "_replay_hooked", False):
+            router.register_forward_hook(_count_mismatch)
+            router._replay_hooked = True
+        router._replay_count_mask = None if count_mask is None else count_mask.transpose(0, 1).reshape(-1)
 
 
 def check_supported(config: Any) -> None:

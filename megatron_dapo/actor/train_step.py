@@ -132,7 +132,7 @@ def score_micro_batches(
 
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
-        routing_replay.apply(model, micro.routed_experts)
+        routing_replay.apply(model, micro.routed_experts, micro.score_mask)
         output = model(micro.tokens, micro.position_ids, None)
 
         def collect(logits):
@@ -248,7 +248,7 @@ def backward_micro_batches(
 
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
-        routing_replay.apply(model, micro.routed_experts)
+        routing_replay.apply(model, micro.routed_experts, micro.score_mask)
         output = model(micro.tokens, micro.position_ids, None)
 
         def loss_func(logits):

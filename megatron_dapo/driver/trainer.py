@@ -46,6 +46,7 @@ ACTOR_KEYS = {
     "entropy": "actor/entropy",
     "grad_norm": "actor/grad_norm",
     "grad_norm_max": "actor/grad_norm_max",
+    "routing_mismatch": "actor/routing_mismatch",
     "lr": "actor/lr",
     "tokens": "actor/tokens",
     "mismatch_abs": "actor/rollout_logprob_abs_diff",
