@@ -122,3 +122,10 @@ def test_a_serving_server_costs_no_liveness_call_to_its_node_before_the_sync(hos
         assert manager.down["sglang-0"] == "its server is gone" and remote.alive_calls == 1
     finally:
         engine.close()
+
+
+def test_health_timeout_must_be_positive():
+    from megatron_dapo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.sglang\.health_timeout_s=0\.0 must be > 0"):
+        load_config(None, ["model.path=/m", "rollout.sglang.health_timeout_s=0"])
