@@ -19,7 +19,8 @@
 #   dapo_2_steps_colocated       2 DAPO steps through the whole stack (demo command, --engine sglang,
 #                                colocated, cuda_ipc): exit 0, per-step rollout/actor mismatch
 # Context parallelism is not checked here (ring attention needs >= 2 GPUs); the actor's CP path is
-# tested on CPU (tests/test_context_parallel_actor.py, exact stand-in for TE's CP attention).
+# tested on CPU (tests/test_context_parallel_*.py: CP=2 alone, with TP=2, with PP=2, through a
+# checkpoint resume, every loss mode; an exact stand-in for TE's CP attention).
 # --dry runs on CPU: tiny shapes, the CUDA-only checks reported NOT RUN (the test suite does this).
 # Each check has a time budget (tools/gpu_checks: @check(budget_s=...), 540 s in all): past it the
 # check FAILs naming its budget and the run stops, so one hang cannot eat the others' time; the
