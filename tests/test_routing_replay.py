@@ -374,6 +374,21 @@ def test_routing_replay_bad_inputs():
         make_actor_batch(
             [[1, 2]], [[3, 4]], [1.0], [0], routed_experts=[torch.zeros(2, 2, 2, dtype=torch.long)]
         )
+    # replay asked but the rollout recorded nothing: refused, not trained without replay
+    from types import SimpleNamespace
+
+    from megatron_dapo.actor.actor import Actor
+    from megatron_dapo.actor.routing_replay import RoutingReplayError, check_supported
+
+    plain = make_actor_batch([[1, 2]], [[3, 4]], [1.0], [0])
+    with pytest.raises(ValueError, match="actor.routing_replay: rollout but the batch has no routed_experts"):
+        Actor._replayed(SimpleNamespace(cfg=ActorConfig(routing_replay="rollout")), plain)
+    recorded = make_actor_batch(
+        [[1, 2]], [[3, 4]], [1.0], [0], routed_experts=[torch.zeros(3, 2, 2, dtype=torch.long)]
+    )
+    assert Actor._replayed(SimpleNamespace(cfg=ActorConfig()), recorded).routed_experts is None
+    with pytest.raises(RoutingReplayError, match="does not support activation recomputation"):
+        check_supported(SimpleNamespace(recompute_granularity="full"))
     dense = AutoModelForCausalLM.from_config(tiny_hf_config("qwen2", num_layers=1))
     with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts model"):
         HFEngine(model=dense, record_routing=True)
