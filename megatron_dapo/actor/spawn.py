@@ -51,8 +51,9 @@ def _stand_in(type_names: list[str], message: str) -> BaseException:
 
 
 # Imported once in the forkserver, before any rank forks from it. Nothing here may touch CUDA or
-# start threads (a fork copies neither safely); importing them does neither.
-_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "transformers"]
+# start threads (a fork copies neither safely); importing them does neither. mcore_import loads
+# megatron.core and its GPT model without the wandb it never uses here.
+_PRELOAD = ["torch", "torch.distributed", "megatron_dapo.actor.mcore_import", "transformers"]
 
 
 def _context():
