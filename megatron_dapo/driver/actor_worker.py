@@ -67,6 +67,7 @@ class ActorWorker:
 
     # ---------------------------------------------------------------- set-up
     def setup(self, threads: int | None = None) -> dict[str, Any]:
+        import megatron_dapo.actor.mcore_import  # noqa: F401 - megatron first, without wandb (~1 s CPU per rank)
         from megatron_dapo.actor import compat
         from megatron_dapo.actor.actor import build_actor
         from megatron_dapo.actor.parallel import init_parallel
