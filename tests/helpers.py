@@ -108,22 +108,12 @@ def make_tiny_hf_checkpoint(
     ``max_shard_size`` (e.g. "20KB") splits the weights into several safetensors files with an
     index json, as large HF checkpoints are. Deterministic for a given ``seed``.
     """
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_hf_config(
         family, tie_word_embeddings, num_layers, hidden, heads, kv_heads, vocab, head_dim=head_dim
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    model = random_hf_model(config, seed)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), safe_serialization=True, **kwargs)
     if with_tokenizer:
@@ -198,3 +188,18 @@ def hf_forward_reference(checkpoints: dict, ids_for_vocab) -> dict:
             logits = model(ids_for_vocab(model.config.vocab_size)).logits
         ref[name] = dict(logits=logits, state=hf_state_dict(path))
     return ref
+
+
+def random_hf_model(config, seed: int):
+    """An fp32 HF causal LM of ``config`` with every weight random and seeded: norms around 1, the
+    rest (biases, routers, gates included) around 0, so a swapped or mis-sliced tensor shows."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale, base = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
+            p.copy_(base + scale * torch.randn(p.shape, generator=gen))
+    return model

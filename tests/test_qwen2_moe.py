@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_forward_reference
+from helpers import hf_forward_reference, random_hf_model
 
 from megatron_dapo.actor.spawn import run_ranks
 
@@ -20,7 +20,7 @@ def _ids(vocab):
 
 
 def _checkpoint(path, seed, norm_topk):
-    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+    from transformers import Qwen2MoeConfig
 
     config = Qwen2MoeConfig(
         vocab_size=256,
@@ -40,13 +40,7 @@ def _checkpoint(path, seed, norm_topk):
         tie_word_embeddings=False,
         architectures=["Qwen2MoeForCausalLM"],
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # random norms, biases and gates too
-            scale, base = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
-            p.copy_(base + scale * torch.randn(p.shape, generator=gen))
+    model = random_hf_model(config, seed)
     model.save_pretrained(str(path))
     return str(path)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import hf_forward_reference, hf_state_dict, tiny_hf_config
+from helpers import hf_forward_reference, hf_state_dict, random_hf_model, tiny_hf_config
 
 from megatron_dapo.actor.model import ModelConfigError, arch_spec, transformer_config_from_hf
 from megatron_dapo.actor.spawn import run_ranks
@@ -24,17 +24,10 @@ def _ids(vocab):
 def _checkpoint(path, seed, norm_topk, tied):
     """A tiny random Qwen3-MoE checkpoint; random norms and router too, so a swapped expert or a
     wrong top-k normalisation shows in the logits."""
-    from transformers import AutoModelForCausalLM
 
     config = tiny_hf_config("qwen3_moe", tie_word_embeddings=tied, num_layers=2)
     config.norm_topk_prob = norm_topk
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale, base = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
-            p.copy_(base + scale * torch.randn(p.shape, generator=gen))
+    model = random_hf_model(config, seed)
     model.save_pretrained(str(path))
     return path
 

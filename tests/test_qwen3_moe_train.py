@@ -14,7 +14,7 @@ import io
 
 import pytest
 import torch
-from helpers import tiny_hf_config
+from helpers import random_hf_model, tiny_hf_config
 
 from megatron_dapo.actor.spawn import run_ranks
 
@@ -29,16 +29,9 @@ LOSS_MASK = [True, True, True, False, True, True, True, True]
 
 def _checkpoint(path):
     """Random weights at a scale where the router's choices vary from token to token."""
-    from transformers import AutoModelForCausalLM
 
     config = tiny_hf_config("qwen3_moe", num_layers=2)
-    torch.manual_seed(41)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(41)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale, base = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
-            p.copy_(base + scale * torch.randn(p.shape, generator=gen))
+    model = random_hf_model(config, 41)
     model.save_pretrained(str(path))
     return str(path)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_hf_config
+from helpers import random_hf_model, tiny_hf_config
 
 from megatron_dapo.actor.spawn import run_ranks
 
@@ -25,16 +25,9 @@ NEW_TOKENS = 6
 
 
 def _random_moe(seed):
-    from transformers import AutoModelForCausalLM
 
     config = tiny_hf_config("qwen3_moe", num_layers=2)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            scale, base = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
-            p.copy_(base + scale * torch.randn(p.shape, generator=gen))
+    model = random_hf_model(config, seed)
     return model.eval()
 
 
