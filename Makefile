@@ -16,7 +16,14 @@ LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
 
 setup: $(STAMP)
 
+# Free disk each venv needs, measured on a fresh clone (.venv 1.9 GB, .venv-sglang 2.4 GB) plus pip's
+# unpacking room: checked first, so a full disk stops with one line instead of pip's OSError midway.
+VENV_MB := 2600
+SG_VENV_MB := 3200
+need_disk = @test -x $(3)/bin/python || $(PY) tools/check_disk.py --need-mb $(1) --what "$(2)" . "$${TMPDIR:-/tmp}"
+
 $(BIN)/python:
+	$(call need_disk,$(VENV_MB),the CPU venv $(VENV),$(VENV))
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
@@ -41,6 +48,7 @@ SG_LOCK := requirements/sglang-cpu.txt
 setup-sglang: $(SG_STAMP)
 
 $(SG_STAMP): $(SG_LOCK)
+	$(call need_disk,$(SG_VENV_MB),the SGLang test venv $(SG_VENV),$(SG_VENV))
 	test -x $(SG_VENV)/bin/python || $(PY) -m venv $(SG_VENV)
 	$(SG_VENV)/bin/python -m pip install --quiet -r $(SG_LOCK)
 	$(SG_VENV)/bin/python -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
