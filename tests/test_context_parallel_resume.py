@@ -6,7 +6,8 @@ optimizer, scheduler, RNG) and trains a second step: the uninterrupted run. Fres
 resume from that checkpoint and train the second step:
 - at CP=2: the weights end bit for bit equal to the uninterrupted run's;
 - at CP=1 (DP=2; megatron's dist checkpoint is layout-free): within the fp32 noise of a layout
-  change (1e-6 of each weight's scale), the loss within 1e-6 relative.
+  change (1e-6 of each weight's scale), the loss within 1e-6 relative; the RNG state is restored
+  only at CP=2 (the layout the checkpoint records includes CP).
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ def _rank_run(rank, world, hf_dir, root, batch, old):
     actor.update(data)
     saved = save_checkpoint(root, 0, actor, hf_dir=hf_dir, keep_last=1)
     at_save = hf_state(actor)
+    rng_at_save = torch.get_rng_state()
     second = actor.update(data)["updates"][0]
-    out = {"saved": at_save, "full": dict(state=hf_state(actor), update=second)}
+    out = {"saved": at_save, "rng_at_save": rng_at_save, "full": dict(state=hf_state(actor), update=second)}
     for cp, budget in ((2, SMALL), (1, BIG)):
         init_parallel(cp=cp, seed=999)  # another seed: what the checkpoint holds must win
         actor = layout_actor(hf_dir, budget, **SEQ_MODE)
         record = load_checkpoint(actor, root, resume=str(saved))
         assert record["step"] == 0
+        rng = torch.get_rng_state()
         update = actor.update(data)["updates"][0]
-        out[cp] = dict(state=hf_state(actor), update=update)
+        out[cp] = dict(state=hf_state(actor), update=update, rng=rng)
     return as_bytes(out)
 
 
@@ -62,6 +65,14 @@ def test_resume_at_cp2_is_bitwise_identical(results):
     assert full["state"].keys() == res["state"].keys()
     for name, w in full["state"].items():
         assert torch.equal(res["state"][name], w), name
+
+
+def test_rng_state_is_restored_only_into_the_same_cp_layout(results):
+    # World 2 at CP=2 and at CP=1 (DP=2): same world, TP and PP, but rank 1 held the other half of
+    # every sequence before and holds other sequences now, so its saved RNG stream is not its own.
+    for rank in results:
+        assert torch.equal(rank[2]["rng"], rank["rng_at_save"])
+        assert not torch.equal(rank[1]["rng"], rank["rng_at_save"])
 
 
 def test_resume_at_cp1_equals_within_fp32_noise(results):

@@ -240,7 +240,22 @@ def _rng_sharded(data: Any) -> Any:
 # ---------------------------------------------------------------- save / load (collective)
 def _layout_key(actor) -> dict[str, int]:
     lay = actor.layout
-    return {"world": lay.world_size, "tp": lay.tp_size, "pp": lay.pp_size, "vpp": len(actor.model)}
+    return {
+        "world": lay.world_size,
+        "tp": lay.tp_size,
+        "pp": lay.pp_size,
+        "vpp": len(actor.model),
+        "cp": lay.cp_size,
+        "ep": lay.ep_size,
+    }
+
+
+def same_layout(saved: dict[str, int], current: dict[str, int]) -> bool:
+    """Whether a checkpoint's per-rank state (RNG) means the same on every rank now. CP and EP change
+    what a rank holds at the same world size (cp=2 vs dp=2), so they are part of it. A checkpoint that does not
+    record them is taken as cp=1, ep=1; one saved at cp>1 or ep>1 before they were recorded then
+    resumes without its RNG state, with the warning, rather than with another rank's."""
+    return {"cp": 1, "ep": 1, **saved} == current
 
 
 def save_checkpoint(
@@ -366,19 +381,19 @@ def load_checkpoint(
         return None
     common = torch.load(Path(found) / "common.pt", weights_only=False)
     record = common["trainer"]
-    same_layout = record["layout"] == _layout_key(actor)
+    layout_unchanged = same_layout(record["layout"], _layout_key(actor))
 
     model_sd = model_sharded_state_dict(actor.model)
     request: dict[str, Any] = dict(model_sd)
     if load_optimizer:
         request["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=True)
-    if same_layout:
+    if layout_unchanged:
         request["rng"] = _rng_sharded(None)
     try:
         loaded = dist_checkpointing.load(request, found)
     except Exception as e:
         hint = ""
-        if not same_layout and load_optimizer:
+        if not layout_unchanged and load_optimizer:
             hint = (
                 f" (saved with layout {record['layout']}, loading into {_layout_key(actor)}: megatron-core "
                 "may not reshard this optimizer's state; resume with the saved layout or load_optimizer=False)"
@@ -392,7 +407,7 @@ def load_checkpoint(
     else:
         # Model-only load: the fp32 master params still hold the old weights.
         actor.model_weights_changed()
-    if same_layout:
+    if layout_unchanged:
         set_rng_state(loaded["rng"])
     else:
         log.warning(
