@@ -211,6 +211,12 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
             del tokens_seen[:], maps[:]
             out[(ep, mode)]["metrics"] = actor.update(batch)
             out[(ep, mode)]["train_chosen"] = _chosen_experts(maps, tokens_seen, samples)
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    # megatron's class-level list of replay instances holds the last model's routers only, not
+    # every replay model built in this process (two here)
+    out["replay_instances"] = len(RouterReplay.global_router_replay_instances)
+    out["routers"] = sum(isinstance(m, TopKRouter) for m in actor.model[0].modules())
     return out
 
 
@@ -289,6 +295,12 @@ def test_routing_mismatch_metric_counts_response_routings_the_trainer_would_chan
     for r in ranks:
         assert r[(1, "rollout")]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12)
         assert 0 < r[(2, "rollout")]["metrics"]["routing_mismatch"] < 1
+
+
+def test_megatron_keeps_no_replay_instances_of_models_built_before(ranks):
+    for rank in ranks:
+        assert rank["routers"] == 2
+        assert rank["replay_instances"] == rank["routers"]
 
 
 def test_replaying_the_trainers_own_choice_is_bitwise_no_replay(ranks):

@@ -476,6 +476,7 @@ def build_actor(
     )
     if cfg.routing_replay == "rollout":
         check_replay_supported(chunks[0].config)
+        routing_replay.keep_only_instances_of(chunks)
     if load_weights:
         load_hf_weights(chunks, hf_dir)
     chunks = wrap_ddp(

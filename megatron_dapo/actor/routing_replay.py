@@ -104,6 +104,20 @@ def apply(chunk: Any, routed_experts: torch.Tensor | None, count_mask: torch.Ten
         router._replay_count_mask = None if count_mask is None else count_mask.transpose(0, 1).reshape(-1)
 
 
+def keep_only_instances_of(chunks: list) -> None:
+    """megatron-core appends every RouterReplay it creates to a class-level list and never drops
+    one: each model built in a process (a test's actors, a rebuilt actor) would keep its replay
+    targets alive. Keep the list to the routers of the model just built."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.global_router_replay_instances[:] = [
+        router.router_replay
+        for chunk in chunks
+        for _, router in _routers(chunk)
+        if router.router_replay is not None
+    ]
+
+
 def check_supported(config: Any) -> None:
     """Replay sets one target per router per forward; activation recomputation would rerun a
     router in the backward pass against the target of a later micro-batch."""
