@@ -117,3 +117,58 @@ def test_qwen3_30b_a3b_recipe_loads_validates_and_fits_as_its_comments_say():
     # an expert parallel size that does not divide the data-parallel ranks is refused by name
     with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size=32"):
         load_config(RECIPE, ["parallel.expert_model_parallel_size=32"])
+
+
+def test_moe_all_to_all_bytes_and_time_by_hand():
+    c = load_config(RECIPE)
+    plan = make_plan(inputs_from_config(c), resolve_model_shape(c.model.path), gpu_for("h100"))
+    # 64 prompts x n=16 of 200 + 0.25 x 8192 tokens; 48 layers over 16 GPUs; forwards: old
+    # log-probs, the update, its recompute, plus the backward = 4 exchanges of dispatch + combine,
+    # top-8 copies of 2048 bf16 values, 15/16 of them to other EP ranks.
+    tokens = 64 * 16 * (200 + 0.25 * c.data.max_response_length)
+    per_gpu = tokens * 48 / 16 * 4 * 2 * 8 * 2048 * 2 * 15 / 16
+    assert plan.a2a_bytes_per_gpu == pytest.approx(per_gpu, rel=1e-12)
+    assert plan.times.a2a_s == pytest.approx(per_gpu / 40e9)  # EP=16 spans two nodes of 8
+    one_node = make_plan(
+        inputs_from_config(
+            load_config(RECIPE, ["parallel.actor_world_size=8", "parallel.expert_model_parallel_size=8"])
+        ),
+        resolve_model_shape(c.model.path),
+        gpu_for("h200"),
+    )
+    assert one_node.a2a_bytes_per_gpu == pytest.approx(tokens * 48 / 8 * 4 * 65536 * 7 / 8, rel=1e-12)
+    assert one_node.times.a2a_s == pytest.approx(one_node.a2a_bytes_per_gpu / 200e9)  # NVLink
+    # the exchange is part of the train time; none without expert parallelism
+    no_ep = make_plan(
+        inputs_from_config(load_config(RECIPE, ["parallel.expert_model_parallel_size=1"])),
+        resolve_model_shape(c.model.path),
+        gpu_for("h100"),
+    )
+    assert no_ep.a2a_bytes_per_gpu == 0 and no_ep.times.a2a_s == 0
+    assert plan.times.train_s == pytest.approx(no_ep.times.train_s + plan.times.a2a_s)
+
+
+def test_qwen2_moe_shared_expert_counted_as_transformers_counts_it(tmp_path):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=80,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    hf_total = sum(p.numel() for p in Qwen2MoeForCausalLM(cfg).parameters())
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    shape = resolve_model_shape(str(tmp_path))
+    counts = count_params(shape)
+    assert counts.total(2) == hf_total
+    # a token passes the shared expert and its top-2 of 8 routed experts
+    assert counts.active(2) == hf_total - 2 * (8 - 2) * 3 * 64 * 32
+    assert shape.intermediate_size == 2 * 32 + 80

@@ -117,3 +117,8 @@ class Assumptions:
     sglang_runtime_gib: float = 4.0
     paused_engine_gib: float = 1.0
     packing_efficiency: float = 0.9
+    # MoE all-to-all per GPU, achievable (not link peak): NVLink within a node, the network across
+    # nodes; an EP group of TP x EP GPUs larger than a node runs at the network's rate.
+    a2a_intra_node_gb_s: float = 200.0
+    a2a_inter_node_gb_s: float = 40.0
+    gpus_per_node: int = 8

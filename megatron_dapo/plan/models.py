@@ -25,11 +25,14 @@ class ModelShape:
     gated_mlp: bool = True  # SwiGLU: gate + up + down projections.
     qk_norm: bool = False  # Qwen3: an RMSNorm of head_dim weights on q and one on k per layer.
     # Mixture of experts (Qwen3-MoE: every layer's MLP is a router plus num_experts SwiGLU experts
-    # of moe_intermediate_size, moe_topk of them per token). For MoE shapes intermediate_size is
-    # the FFN width one token passes through (topk x moe_intermediate_size), which sizes activations.
+    # of moe_intermediate_size, moe_topk of them per token; Qwen2-MoE adds one shared SwiGLU expert
+    # every token passes through, with a one-output gate). For MoE shapes intermediate_size is the
+    # FFN width one token passes through (topk x moe_intermediate_size + shared), which sizes
+    # activations.
     num_experts: int = 0
     moe_topk: int = 0
     moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -117,27 +120,26 @@ def shape_from_hf_config(cfg: dict, name: str = "model") -> ModelShape:
 
 
 def _moe_fields(cfg: dict, name: str) -> dict:
-    """Qwen3-MoE's expert fields (intermediate_size replaced by the per-token FFN width); {} for a
-    dense config; other MoE layouts are refused by name."""
+    """Qwen3-MoE's and Qwen2-MoE's expert fields (intermediate_size replaced by the per-token FFN
+    width); {} for a dense config; other MoE layouts are refused by name."""
     if cfg.get("num_local_experts"):
-        raise ValueError(f"{name}: num_local_experts (Mixtral-style MoE) is not supported; Qwen3-MoE is")
+        raise ValueError(
+            f"{name}: num_local_experts (Mixtral-style MoE) is not supported; Qwen3-MoE and Qwen2-MoE are"
+        )
     if not cfg.get("num_experts"):
         return {}
-    if (
-        cfg.get("mlp_only_layers")
-        or int(cfg.get("decoder_sparse_step", 1)) != 1
-        or cfg.get("shared_expert_intermediate_size")
-    ):
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
         raise ValueError(
-            f"{name}: only MoE in every layer without a shared expert is supported "
-            "(decoder_sparse_step=1, mlp_only_layers=[], no shared_expert_intermediate_size)"
+            f"{name}: only MoE in every layer is supported (decoder_sparse_step=1, mlp_only_layers=[])"
         )
     topk, width = int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"])
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
     return dict(
         num_experts=int(cfg["num_experts"]),
         moe_topk=topk,
         moe_intermediate_size=width,
-        intermediate_size=topk * width,
+        shared_expert_intermediate_size=shared,
+        intermediate_size=topk * width + shared,
     )
 
 

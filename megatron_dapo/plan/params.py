@@ -48,10 +48,13 @@ def count_params(m: ModelShape, vocab: int | None = None) -> ParamCount:
     mlp = (3 if m.gated_mlp else 2) * h * f
     experts = active = 0
     if m.num_experts:
-        # Router (num_experts x h, no bias) plus SwiGLU experts.
+        # Router (num_experts x h, no bias) plus SwiGLU experts; Qwen2-MoE's shared expert (every
+        # token, so outside experts_per_layer: replicated over EP like attention) and its gate (h x 1).
         expert = 3 * h * m.moe_intermediate_size
         experts, active = m.num_experts * expert, m.moe_topk * expert
         mlp = m.num_experts * h + experts
+        if m.shared_expert_intermediate_size:
+            mlp += 3 * h * m.shared_expert_intermediate_size + h
     return ParamCount(
         experts_per_layer=experts,
         active_experts_per_layer=active,

@@ -24,6 +24,7 @@ from megatron_dapo.plan.throughput import (
     StepTokens,
     TimeSplit,
     forward_flops_per_token,
+    moe_all_to_all_bytes_per_gpu,
     step_tokens,
     time_split,
 )
@@ -78,6 +79,7 @@ class Plan:
     checks: list[Check]
     assumptions: list[tuple[str, str, str]]  # (name, value, why)
     active_params: int = 0  # per token (MoE: the top-k experts only); = total_params for dense
+    a2a_bytes_per_gpu: float = 0.0  # MoE token dispatch + combine sent per actor GPU per step
 
     @property
     def fits(self) -> bool:
@@ -426,6 +428,11 @@ def make_plan(
         r["mean_prompt"],
         r["mean_response"],
     )
+    a2a_bytes = moe_all_to_all_bytes_per_gpu(
+        shape, tokens.train_tokens, p.ppo_epochs, p.recompute, p.ep, roles.actor_gpus
+    )
+    intra_node = p.tp * p.ep <= a.gpus_per_node
+    a2a_rate = (a.a2a_intra_node_gb_s if intra_node else a.a2a_inter_node_gb_s) * 1e9
     times = time_split(
         tokens,
         # A token's matmuls run through its top-k experts only (MoE): FLOPs follow active params.
@@ -438,6 +445,7 @@ def make_plan(
         gpu.bf16_tflops,
         a.mfu,
         overlapped=p.mode in ("one_step_off", "async") and not roles.colocated,
+        a2a_s=a2a_bytes / a2a_rate,
     )
     assumptions = [
         (
@@ -470,6 +478,16 @@ def make_plan(
         ("micro-batch packing", f"{a.packing_efficiency:g}", "filled fraction of the token budget"),
         ("grads", "fp32", "Megatron reduces bf16 grads in fp32 (main_grad)"),
     ]
+    if a2a_bytes:
+        assumptions.append(
+            (
+                "MoE all-to-all",
+                f"{a2a_rate / 1e9:g} GB/s per GPU",
+                f"achievable {'NVLink' if intra_node else 'network'} rate: the EP group spans TP x EP = "
+                f"{p.tp * p.ep} GPUs, {'within' if intra_node else 'more than'} a node of {a.gpus_per_node}; "
+                "routing assumed even, not overlapped with compute",
+            )
+        )
     if roles.colocated:
         assumptions.append(
             (
@@ -493,4 +511,5 @@ def make_plan(
         checks,
         assumptions,
         active_params=active_params,
+        a2a_bytes_per_gpu=a2a_bytes,
     )

@@ -110,6 +110,12 @@ def render(plan: Plan, console: Console) -> None:
         f"{t.train_sequences:,} sequences, {t.train_tokens / 1e6:.1f} M tokens, "
         f"{ts.train_flops / 1e15:,.0f} PFLOP",
     )
+    if plan.a2a_bytes_per_gpu:
+        step.add_row(
+            "MoE all-to-all",
+            f"{plan.a2a_bytes_per_gpu / 1e9:,.0f} GB sent per actor GPU (top-{plan.shape.moe_topk}, EP={p.ep}), "
+            f"{_hms(ts.a2a_s)} of the train time",
+        )
     step.add_row(
         "time",
         (

@@ -56,16 +56,36 @@ def forward_flops_per_token(m: ModelShape, total_params: int, mean_seq: float) -
     return 2 * matmul + 2 * m.num_layers * m.q_dim * mean_seq
 
 
+def moe_all_to_all_bytes_per_gpu(
+    m: ModelShape, train_tokens: float, ppo_epochs: int, recompute: bool, ep: int, actor_gpus: int
+) -> float:
+    """Bytes one actor GPU sends in megatron's alltoall token dispatcher over one DAPO step (bf16
+    hidden states; 0 for a dense model or EP=1).
+
+    Per MoE layer a forward sends each token's hidden state to its top-k experts (dispatch) and
+    takes the k outputs back (combine); a backward moves the same volume of gradients. Forwards:
+    one for the old log-probs, then per epoch one (two under full recompute) plus one backward. With
+    routing spread evenly, (ep-1)/ep of the copies leave the rank. DP x CP split the tokens, TP
+    splits them further (megatron-core requires sequence parallel for MoE at TP>1) and PP the
+    layers, so every GPU routes train_tokens x layers / actor_gpus token-layers."""
+    if not m.num_experts or ep <= 1:
+        return 0.0
+    exchanges = 1 + ppo_epochs * (2 + (1 if recompute else 0))
+    token_layers = train_tokens * m.num_layers / actor_gpus
+    return token_layers * exchanges * 2 * m.moe_topk * m.hidden_size * 2 * (ep - 1) / ep
+
+
 @dataclass(frozen=True)
 class TimeSplit:
     rollout_s: float
-    train_s: float
+    train_s: float  # compute plus the MoE all-to-all (a2a_s), which is not assumed to overlap it
     train_flops: float
     # trainer.mode one_step_off/async on disaggregated GPUs: the next batch is generated while
     # the actor trains, so in the steady state a step takes the longer of the two, not the sum
     # (assumed: the sync between them is short, and each round takes about the mean; async's
     # deeper queue also absorbs a slow round, which this does not model)
     overlapped: bool = False
+    a2a_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -91,14 +111,16 @@ def time_split(
     peak_tflops: float,
     mfu: float,
     overlapped: bool = False,
+    a2a_s: float = 0.0,
 ) -> TimeSplit:
     """Rollout: decode tokens / (per-GPU decode rate * rollout GPUs), prefill and the long tail
     ignored. Train: one forward for the old log-probs, then per epoch forward + backward (3
     forwards' worth) plus one more forward under full recompute, at `mfu` of peak. The sync DAPO
     step adds the two up whether the roles share GPUs or not; `overlapped` (one_step_off/async on
-    their own GPUs) takes the longer of the two."""
+    their own GPUs) takes the longer of the two. `a2a_s` (MoE token exchange) adds to the train time:
+    megatron-core overlaps it with compute only in setups this planner does not assume."""
     rollout_s = tokens.decode_tokens / (decode_tok_s_per_gpu * rollout_gpus)
     passes = 1 + ppo_epochs * (3 + (1 if recompute else 0))
     flops = tokens.train_tokens * fwd_flops_per_token * passes
-    train_s = flops / (actor_gpus * peak_tflops * 1e12 * mfu)
-    return TimeSplit(rollout_s, train_s, flops, overlapped)
+    train_s = flops / (actor_gpus * peak_tflops * 1e12 * mfu) + a2a_s
+    return TimeSplit(rollout_s, train_s, flops, overlapped, a2a_s)
