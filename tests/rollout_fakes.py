@@ -53,11 +53,20 @@ class Scorer:
 
 
 class ScriptedEngine:
-    """Answers by prompt class; can be slow, fail, die, or hang; honours abort like SGLang does."""
+    """Answers by prompt class; can be slow, fail, die, or hang; honours abort like SGLang does.
 
-    def __init__(self, name, length=3, slow_prompts=(), fail_calls=(), die_at_call=None, hang_calls=()):
+    A prompt is 3 tokens; anything after them is a partial response being continued, and the
+    answer is the rest of the full response. ``keep_on_abort``: tokens an aborted slow call had
+    generated (returned with the abort, as SGLang does); ``version``: the weight version reported."""
+
+    def __init__(
+        self, name, length=3, slow_prompts=(), fail_calls=(), die_at_call=None, hang_calls=(), keep_on_abort=0
+    ):
         self.name = name
         self.length = length
+        self.keep_on_abort = keep_on_abort
+        self.version = 3
+        self.requests = []
         self.slow_prompts = set(slow_prompts)
         self.fail_calls = set(fail_calls)
         self.die_at_call = die_at_call
@@ -92,17 +101,29 @@ class ScriptedEngine:
             while self._epoch == epoch and time.monotonic() < deadline:
                 time.sleep(0.01)
             if self._epoch != epoch:
-                return [GenerationResult(r.request_id, [], [], "abort", 0) for r in requests]
+                k = self.keep_on_abort
+                return [
+                    GenerationResult(
+                        r.request_id, self._full(r)[:k], [-0.5] * k, "abort", 0 if not k else self.version
+                    )
+                    for r in requests
+                ]
             self.unaborted_slow += 1
         out = []
-        for j, r in enumerate(requests):
+        for r in requests:
+            self.requests.append(r)
             self.seeds[r.request_id] = r.sampling.seed
-            cls = r.prompt_ids[0]
-            right = cls == RIGHT or (cls == MIXED and j % 2 == 0)
-            ids = [1 if right else 2] + [5] * (self.length - 1)
-            out.append(GenerationResult(r.request_id, ids, [-0.5] * len(ids), "stop", 3))
+            ids = self._full(r)[len(r.prompt_ids) - 3 :]
+            out.append(GenerationResult(r.request_id, ids, [-0.5] * len(ids), "stop", self.version))
         self.served.append(prompt_idx)
         return out
+
+    def _full(self, r):
+        """The whole response to request ``r`` (sample index from its id ``...-s{j}``)."""
+        j = int(r.request_id.rsplit("-s", 1)[1])
+        cls = r.prompt_ids[0]
+        right = cls == RIGHT or (cls == MIXED and j % 2 == 0)
+        return [1 if right else 2] + [5] * (self.length - 1)
 
     def abort(self):
         self.aborts += 1

@@ -121,6 +121,9 @@ class RolloutConfig:
     groups_per_call: int = 1
     request_timeout_s: float = 1800.0
     max_retries: int = 2
+    # Partial rollouts: the responses dynamic sampling aborts once the batch is full are kept
+    # (tokens, log-probs, per-token weight versions) and continued by the next rollout.
+    partial: bool = False
     dump_rollouts: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     val: ValSamplingConfig = field(default_factory=ValSamplingConfig)

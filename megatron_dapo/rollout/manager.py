@@ -46,6 +46,16 @@ import torch
 
 from megatron_dapo.algo import mixed_group_mask, overlong_penalty
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.partial import (
+    CarriedGroup,
+    PartialSample,
+    as_result,
+    carry_from_state,
+    carry_to_state,
+    continuation,
+    from_result,
+    join,
+)
 from megatron_dapo.rollout.types import (
     GenerationRequest,
     GenerationResult,
@@ -90,6 +100,13 @@ class RolloutManagerConfig:
     engine batches within a call, so give it more). ``over_sample``: after the first round of
     a run, a round draws ``ceil(1.1 * needed / keep_rate)`` prompts, clamped to
     ``[needed, max_over_sample_factor * needed]``, instead of ``gen_batch_size``.
+
+    ``partial`` (``rollout.partial``): the groups past the cut are not discarded but carried to
+    the next ``collect``, their aborted responses continued there (``rollout/partial.py``).
+    ``partial_max_lag``: a carried response whose oldest token is more than this many versions
+    behind the next rollout's weights starts over (its tokens are dropped and counted); None
+    means no bound (sync mode, where no staleness bound exists), 0 in one_step_off/async, whose
+    batches must not hold tokens older than the version they are generated with.
     """
 
     n: int = 16
@@ -115,6 +132,8 @@ class RolloutManagerConfig:
     request_timeout_s: float = 1800.0
     max_retries: int = 2
     abort_timeout_s: float = 60.0
+    partial: bool = False
+    partial_max_lag: int | None = None
 
     def __post_init__(self):
         for name in ("n", "gen_batch_size", "train_batch_size", "max_response_length", "groups_per_call"):
@@ -162,6 +181,8 @@ class RolloutManagerConfig:
             groups_per_call=ro.groups_per_call,
             request_timeout_s=ro.request_timeout_s,
             max_retries=ro.max_retries,
+            partial=bool(ro.partial),
+            partial_max_lag=None if cfg.trainer.mode == "sync" else 0,
         )
 
 
@@ -170,6 +191,7 @@ class _Group:
     serial: int  # draw position in this step
     prompt: Any
     samples: list[RolloutSample] | None = None
+    carried: CarriedGroup | None = None  # rollout.partial: what an earlier rollout left of it
 
 
 @dataclass
@@ -180,6 +202,45 @@ class _Unit:
     requests: list[GenerationRequest]
     attempts: int = 0
     avoid: str | None = None
+    # rollout.partial: the requests sent (the unfinished ones, continued after their tokens so
+    # far); the finished responses (``held``) and the unfinished ones' tokens (``prefix``) by id
+    send: list[GenerationRequest] = field(default_factory=list)
+    held: dict[str, PartialSample] = field(default_factory=dict)
+    prefix: dict[str, PartialSample] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.send and not self.held:
+            self.send = self.requests
+
+    def replan(self) -> None:
+        """``send`` from what is held and what is partly generated."""
+        self.send = [
+            continuation(r.request_id, r.prompt_ids, self.prefix[r.request_id], r.sampling)
+            if r.request_id in self.prefix
+            else r
+            for r in self.requests
+            if r.request_id not in self.held
+        ]
+
+    def fold(self, results: list[GenerationResult]) -> int:
+        """Keep what ``results`` (answers to ``send``, finished or aborted) generated; the tokens
+        they added."""
+        sent = {q.request_id for q in self.send}
+        added = 0
+        for r in results:
+            rid = r.request_id
+            if rid not in sent:
+                continue
+            prior = self.prefix.get(rid)
+            sample = from_result(join(prior, r), prior)
+            added += len(r.output_ids)
+            if sample.finished:
+                self.held[rid] = sample
+                self.prefix.pop(rid, None)
+            else:
+                self.prefix[rid] = sample
+        self.replan()
+        return added
 
 
 @dataclass
@@ -208,6 +269,10 @@ class _Ledger:
         self.prefix_kept = 0
         self.cut: int | None = None  # number of groups, in draw order, that decided the batch
         self.kept: list[_Group] = []
+        self.resumed = 0  # rollout.partial: groups carried in from the previous rollout
+        self.units: dict[int, _Unit] = {}  # draw position -> its unit (rollout.partial)
+        self.carry_out: list[CarriedGroup] = []  # rollout.partial: groups past the cut, kept
+        self.restarted_tokens = 0  # rollout.partial: carried tokens dropped for staleness
         self.filtered = {"all_correct": 0, "all_wrong": 0, "other": 0}
         # groups whose filter metric is constant, measured whether or not the filter drops them
         self.zero_spread_serials: set[int] = set()
@@ -240,16 +305,19 @@ class _Ledger:
         self.scored_groups = end
         self.zero_spread = sum(serial < end for serial in self.zero_spread_serials)
         for serial in range(end, self.drawn):
+            if self.carry_out:  # rollout.partial: carried to the next rollout, not unused
+                continue
             if serial in self.outcome or serial in self.generated:
                 self.surplus += 1
             else:
                 self.aborted += 1
 
     def check(self, in_batch: int) -> None:
-        total = in_batch + sum(self.filtered.values()) + self.surplus + self.aborted
+        carried = len(self.carry_out)
+        total = in_batch + sum(self.filtered.values()) + self.surplus + self.aborted + carried
         assert total == self.drawn, (
             f"rollout accounting broken: drawn {self.drawn} != batch {in_batch} + filtered {self.filtered} "
-            f"+ surplus {self.surplus} + aborted {self.aborted}"
+            f"+ surplus {self.surplus} + aborted {self.aborted} + carried {carried}"
         )
 
 
@@ -278,6 +346,8 @@ class RolloutManager:
         self._zombies: dict[Future, _Call] = {}  # timed-out calls whose threads have not returned
         # set by the trainer: True once the run must stop; a step in flight is then abandoned
         self.should_stop: Any = None
+        # rollout.partial: the groups the last rollout left past its cut, continued by the next
+        self._carry: list[CarriedGroup] = []
 
     # -- public ---------------------------------------------------------------------------
 
@@ -288,10 +358,22 @@ class RolloutManager:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._keep_rate = state.get("keep_rate")
 
+    def partial_state_dict(self) -> dict[str, Any]:
+        """rollout.partial: the carried groups (tokens, log-probs, versions) as JSON-able data; kept
+        apart from :meth:`state_dict` so a checkpoint can store it in its own field."""
+        return carry_to_state(self._carry)
+
+    def load_partial_state_dict(self, state: dict[str, Any]) -> None:
+        self._carry = carry_from_state(state)
+
     def collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         """One rollout step: a batch of ``train_batch_size`` mixed groups (see the module doc)."""
         cfg = self.cfg
         ledger = _Ledger([e.name for e in self.engines], cfg.train_batch_size)
+        # rollout.partial: the previous rollout's tail goes first in draw order (it was drawn
+        # earlier), so it is used before anything new; self._carry changes only on success, so
+        # an abandoned or failed rollout leaves it as it was
+        resume = self._resumable(weight_version, ledger) if cfg.partial else []
         t0 = time.perf_counter()
         while ledger.cut is None:
             self._check_stop()
@@ -314,13 +396,19 @@ class RolloutManager:
                     "max_num_gen_batches=0 to enable endless trials (or allow_partial_batch=true)."
                 )
             size = self._round_size(cfg.train_batch_size - ledger.prefix_kept)
-            prompts = dataset.next_batch(size)
-            groups = [_Group(ledger.drawn + i, p) for i, p in enumerate(prompts)]
+            groups = [_Group(ledger.drawn + i, c.prompt, carried=c) for i, c in enumerate(resume)]
+            if size > len(resume):
+                prompts = dataset.next_batch(size - len(resume))
+                groups += [_Group(ledger.drawn + len(resume) + i, p) for i, p in enumerate(prompts)]
+            ledger.resumed += len(resume)
+            resume = []
             ledger.drawn += len(groups)
             ledger.rounds += 1
             self._run_round(groups, weight_version, ledger)
         wall = time.perf_counter() - t0
 
+        if cfg.partial and ledger.cut is not None:
+            self._carry_tail(ledger)
         ledger.settle()
         if ledger.scored_groups:
             self._keep_rate = max(len(ledger.kept), 1) / ledger.scored_groups
@@ -331,7 +419,24 @@ class RolloutManager:
                 s.group_id = gid
                 samples.append(s)
         ledger.check(len(batch_groups))
-        return RolloutBatch(samples, self._metrics(samples, ledger, wall))
+        if cfg.partial:
+            self._carry = ledger.carry_out
+        return RolloutBatch(samples, self._metrics(samples, ledger, wall, weight_version))
+
+    def _resumable(self, version: int, ledger: _Ledger) -> list[CarriedGroup]:
+        """The carried groups, each response older than ``partial_max_lag`` started over."""
+        lag = self.cfg.partial_max_lag
+        out = []
+        for group in self._carry:
+            samples = []
+            for s in group.samples:
+                oldest = s.oldest_version()
+                if lag is not None and oldest is not None and version - oldest > lag:
+                    ledger.restarted_tokens += len(s.output_ids)
+                    s = PartialSample()
+                samples.append(s)
+            out.append(CarriedGroup(group.prompt, samples))
+        return out
 
     # -- rounds -----------------------------------------------------------------------------
 
@@ -363,7 +468,17 @@ class RolloutManager:
                 for g in chunk
                 for j in range(cfg.n)
             ]
-            units.append(_Unit(chunk, requests))
+            unit = _Unit(chunk, requests)
+            if any(g.carried is not None for g in chunk):
+                for gi, g in enumerate(chunk):
+                    for j, s in enumerate(g.carried.samples if g.carried is not None else []):
+                        rid = requests[gi * cfg.n + j].request_id
+                        if s.finished:
+                            unit.held[rid] = s
+                        elif s.output_ids or s.interrupted:
+                            unit.prefix[rid] = s
+                unit.replan()
+            units.append(unit)
         return units
 
     def _run_round(self, groups: list[_Group], version: int, ledger: _Ledger) -> None:
@@ -375,7 +490,12 @@ class RolloutManager:
             max_workers=min(self._slots * len(self.engines), 512), thread_name_prefix="rollout"
         )
         score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        for unit in queue:
+            ledger.units.update((g.serial, unit) for g in unit.groups)
         try:
+            for unit in [u for u in queue if not u.send]:  # carried groups already finished
+                queue.remove(unit)
+                self._to_scoring(unit, [], scoring, score_pool)
             while queue or calls or scoring:
                 if self.should_stop is not None and self.should_stop():
                     self._abort_engines(calls)
@@ -432,7 +552,7 @@ class RolloutManager:
             # a retried unit avoids the engine that failed it when another one has room
             free.sort(key=lambda e: (e.name == unit.avoid, load[e.name]))
             engine = free[0]
-            calls[pool.submit(engine.generate, unit.requests)] = _Call(unit, engine, time.perf_counter())
+            calls[pool.submit(engine.generate, unit.send)] = _Call(unit, engine, time.perf_counter())
 
     def _finish_call(self, call: _Call, fut: Future, queue, scoring, score_pool, ledger: _Ledger) -> None:
         """Hand a finished call's results to scoring, or retry it."""
@@ -443,10 +563,21 @@ class RolloutManager:
             error = _check_results(unit, results)
         if error is None:
             ledger.tokens += sum(len(r.output_ids) for r in results)
-            by_id = {r.request_id: r for r in results}
-            scoring[score_pool.submit(self._score_unit, unit, by_id)] = unit.groups
+            self._to_scoring(unit, results, scoring, score_pool)
             return
+        if self.cfg.partial and isinstance(results, list):
+            # an abort that hit this call (another call's timeout on the same engine): the
+            # retry continues what it generated instead of starting over
+            ledger.tokens += unit.fold([r for r in results if isinstance(r, GenerationResult)])
         self._retry(unit, engine, error, queue, ledger)
+
+    def _to_scoring(self, unit: _Unit, results: list[GenerationResult], scoring, score_pool) -> None:
+        if self.cfg.partial:
+            unit.fold(results)  # every answer is complete: all of them are held now
+            by_id = {rid: as_result(rid, s) for rid, s in unit.held.items()}
+        else:
+            by_id = {r.request_id: r for r in results}
+        scoring[score_pool.submit(self._score_unit, unit, by_id)] = unit.groups
 
     def _retry(self, unit: _Unit, engine: Any, error: BaseException | str, queue, ledger: _Ledger) -> None:
         groups = [g.serial for g in unit.groups]
@@ -499,12 +630,34 @@ class RolloutManager:
             )
             if complete:
                 ledger.generated.update(g.serial for g in call.unit.groups)
+            if (
+                self.cfg.partial
+                and fut in done
+                and fut.exception() is None
+                and isinstance(fut.result(), list)
+            ):
+                call.unit.fold([r for r in fut.result() if isinstance(r, GenerationResult)])
         if any(f in not_done for f in calls):
             logger.warning("rollout: %d engine calls did not return within abort_timeout_s", len(not_done))
         calls.clear()
         for groups in scoring.values():
             ledger.generated.update(g.serial for g in groups)
         scoring.clear()
+
+    def _carry_tail(self, ledger: _Ledger) -> None:
+        """rollout.partial: every group past the cut, with what it generated (finished responses
+        whole, aborted ones up to the abort, unstarted ones empty), for the next rollout. A call
+        that did not return in time leaves its groups as they were before it (its late answer is
+        never read), so nothing is counted twice."""
+        n = self.cfg.n
+        for serial in range(ledger.cut, ledger.drawn):
+            unit = ledger.units[serial]
+            gi = next(i for i, g in enumerate(unit.groups) if g.serial == serial)
+            samples = []
+            for req in unit.requests[gi * n : (gi + 1) * n]:
+                rid = req.request_id
+                samples.append(unit.held.get(rid) or unit.prefix.get(rid) or PartialSample())
+            ledger.carry_out.append(CarriedGroup(unit.groups[gi].prompt, samples))
 
     # -- scoring ------------------------------------------------------------------------------
 
@@ -515,14 +668,16 @@ class RolloutManager:
         for gi, g in enumerate(unit.groups):
             rows = []
             for j in range(cfg.n):
-                res = by_id[unit.requests[gi * cfg.n + j].request_id]
+                rid = unit.requests[gi * cfg.n + j].request_id
+                res = by_id[rid]
                 text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
-                rows.append((res, text))
+                held = unit.held.get(rid)
+                rows.append((res, text, held.interrupted if held is not None else 0))
                 items.append((g.prompt.data_source, text, g.prompt.ground_truth, g.prompt.extra_info))
             per_group.append(rows)
         rewards = self.scorer.score_many(items)
         lengths = torch.tensor(
-            [len(r.output_ids) for rows in per_group for r, _ in rows], dtype=torch.float64
+            [len(r.output_ids) for rows in per_group for r, _, _ in rows], dtype=torch.float64
         )
         if cfg.overlong_buffer_enable:
             penalties = overlong_penalty(
@@ -533,7 +688,7 @@ class RolloutManager:
         out, k = [], 0
         for g, rows in zip(unit.groups, per_group):
             samples = []
-            for res, text in rows:
+            for res, text, interrupted in rows:
                 rw, pen = rewards[k], float(penalties[k])
                 k += 1
                 samples.append(
@@ -554,6 +709,7 @@ class RolloutManager:
                         reward_error=rw.error,
                         token_versions=res.token_versions,
                         routed_experts=res.routed_experts,
+                        interrupted=interrupted,
                     )
                 )
             out.append(samples)
@@ -591,7 +747,9 @@ class RolloutManager:
         why = "; ".join(f"{name}: {reason}" for name, reason in self.down.items())
         return f"rollout: all {len(self.engines)} engines are down ({why}); restart them or check their logs"
 
-    def _metrics(self, samples: list[RolloutSample], ledger: _Ledger, wall: float) -> dict[str, float]:
+    def _metrics(
+        self, samples: list[RolloutSample], ledger: _Ledger, wall: float, version: int
+    ) -> dict[str, float]:
         cfg = self.cfg
         lengths = [s.response_length for s in samples]
         all_intervals = [iv for ivs in ledger.intervals.values() for iv in ivs]
@@ -599,7 +757,7 @@ class RolloutManager:
         busy = [_union_length(ivs) / wall if wall > 0 else 0.0 for ivs in ledger.intervals.values()]
         m = {
             "rollout/gen_rounds": ledger.rounds,
-            "rollout/prompts_drawn": ledger.drawn,
+            "rollout/prompts_drawn": ledger.drawn - ledger.resumed,  # new prompts from the data
             "rollout/groups_in_batch": len(samples) // cfg.n,
             "rollout/keep_rate": len(ledger.kept) / ledger.scored_groups if ledger.scored_groups else 0.0,
             "rollout/unused": ledger.surplus + ledger.aborted,
@@ -620,6 +778,8 @@ class RolloutManager:
             "rollout/engine_busy_fraction": sum(busy) / len(busy),
             "rollout/tokens_per_s": ledger.tokens / gen_time if gen_time > 0 else 0.0,
         }
+        if cfg.partial:
+            m.update(_partial_metrics(samples, ledger, version))
         if samples:
             n = len(samples)
             m.update(
@@ -670,6 +830,31 @@ def dump_rollouts(batch: RolloutBatch, path: str | Path) -> Path:
     return path
 
 
+def _partial_metrics(samples: list[RolloutSample], ledger: _Ledger, version: int) -> dict[str, float]:
+    """rollout.partial: groups carried in and out, tokens kept across the cut or dropped as too
+    stale, the share of the batch's responses that were interrupted and continued, and the
+    batch's tokens by how many versions older than this rollout's weights generated them."""
+    m = {
+        "rollout/partial_groups_resumed": float(ledger.resumed),
+        "rollout/partial_groups_carried": float(len(ledger.carry_out)),
+        "rollout/partial_tokens_carried": float(sum(g.tokens() for g in ledger.carry_out)),
+        "rollout/partial_tokens_restarted": float(ledger.restarted_tokens),
+        "rollout/partial_sample_fraction": (
+            sum(s.interrupted > 0 for s in samples) / len(samples) if samples else 0.0
+        ),
+    }
+    unknown = 0
+    for s in samples:
+        if s.token_versions is None:
+            unknown += s.response_length
+            continue
+        for v in s.token_versions:
+            key = f"rollout/tokens_version_lag_{version - v}"
+            m[key] = m.get(key, 0.0) + 1.0
+    m["rollout/tokens_version_unknown"] = float(unknown)
+    return m
+
+
 def _request_seed(seed: int, version: int, serial: int, sample: int) -> int:
     """A 31-bit seed per (run seed, weight version, group draw position, sample index)."""
     x = 0
@@ -679,12 +864,12 @@ def _request_seed(seed: int, version: int, serial: int, sample: int) -> int:
 
 
 def _check_results(unit: _Unit, results: Any) -> str | None:
-    """None if ``results`` answer every request of ``unit`` completely; else what is wrong."""
-    if not isinstance(results, list) or len(results) != len(unit.requests):
+    """None if ``results`` answer every request sent for ``unit`` completely; else what is wrong."""
+    if not isinstance(results, list) or len(results) != len(unit.send):
         got = len(results) if isinstance(results, list) else type(results).__name__
-        return f"engine returned {got} results for {len(unit.requests)} requests"
+        return f"engine returned {got} results for {len(unit.send)} requests"
     ids = {r.request_id for r in results}
-    missing = [q.request_id for q in unit.requests if q.request_id not in ids]
+    missing = [q.request_id for q in unit.send if q.request_id not in ids]
     if missing:
         return f"engine results lack request ids {missing[:3]}"
     aborted = [r.request_id for r in results if r.finish_reason == "abort"]

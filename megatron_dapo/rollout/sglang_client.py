@@ -231,7 +231,27 @@ def parse_generate_reply(
     routed = None
     if routed_experts_shape is not None and kind != "abort" and ids:
         routed = parse_routed_experts(meta, routed_experts_shape, len(req.prompt_ids) + len(ids) - 1, where)
-    return GenerationResult(req.request_id, ids, logprobs, kind, version, routed_experts=routed)
+    token_versions = _token_versions(meta.get("weight_versions"), len(ids))
+    return GenerationResult(
+        req.request_id, ids, logprobs, kind, version, token_versions=token_versions, routed_experts=routed
+    )
+
+
+def _token_versions(spans: Any, tokens: int) -> list[int] | None:
+    """SGLang's ``meta_info.weight_versions`` (``{"version", "start", "end"}`` spans over output
+    positions, sent when the weights changed while the request ran) -> one version per token;
+    None (every token is the reply's ``weight_version``) when absent or not covering the tokens."""
+    if not spans:
+        return None
+    out: list[int] = []
+    try:
+        for span in spans:
+            if int(span["start"]) != len(out):
+                return None
+            out += [int(span["version"])] * (int(span["end"]) - int(span["start"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return out if len(out) == tokens else None
 
 
 # -- the client --------------------------------------------------------------------------------

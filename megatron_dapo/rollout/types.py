@@ -121,6 +121,9 @@ class RolloutSample:
     token_versions: list[int] | None = None
     # MoE routing replay: GenerationResult.routed_experts of this response, or None.
     routed_experts: Any = None
+    # rollout.partial: how many times the generation was stopped (tail abort) and continued
+    # later, possibly with newer weights (0: generated in one go)
+    interrupted: int = 0
 
     @property
     def response_length(self) -> int:

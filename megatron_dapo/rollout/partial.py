@@ -1,0 +1,161 @@
+"""Partial rollouts (``rollout.partial``): responses stopped before they finished, kept and continued.
+
+When the rollout manager aborts the over-sampling tail of dynamic sampling (the batch is full,
+the weights change next), the requests still generating return the tokens they have so far
+(the HF engine between decode steps, SGLang in its aborted ``/generate`` reply). With partial
+rollouts on, those tokens are not thrown away: each sample keeps its tokens, their rollout
+log-probs and the weight version of every token, and the next rollout continues it with
+whatever weights the engines then hold, sending prompt + partial response as the input and the
+remaining token budget. The finished sample is the concatenation; ``token_versions`` records the
+version of each token, so staleness (oldest token) and rollout correction (per token) see the mix.
+
+Everything here is plain data: what a group carries between rollouts, how a continuation
+request is built, how its answer joins what came before, and the JSON form a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_dapo.data.types import PromptSample
+from megatron_dapo.rollout.types import GenerationRequest, GenerationResult, SamplingParams
+
+
+@dataclass
+class PartialSample:
+    """One response of a carried group: its tokens so far, and whether it already finished.
+
+    ``finish_reason`` is None while unfinished ("stop"/"length" once done: a finished response is
+    carried whole and not sent again). ``token_versions`` is None when an engine did not know its
+    weight version for some piece (then the whole response's versions are unknown).
+    ``interrupted`` counts the aborts this response went through (a continuation follows each).
+    """
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] | None = field(default_factory=list)
+    finish_reason: str | None = None
+    weight_version: int | None = None
+    routed_experts: Any = None
+    interrupted: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def oldest_version(self) -> int | None:
+        """The version of the oldest token (None: no tokens, or versions unknown)."""
+        return min(self.token_versions) if self.token_versions else None
+
+
+@dataclass
+class CarriedGroup:
+    """A prompt group past the cut of a rollout: ``n`` partial samples, in sample order."""
+
+    prompt: PromptSample
+    samples: list[PartialSample]
+
+    def tokens(self) -> int:
+        return sum(len(s.output_ids) for s in self.samples)
+
+    def oldest_version(self) -> int | None:
+        versions = [v for s in self.samples if (v := s.oldest_version()) is not None]
+        return min(versions) if versions else None
+
+
+def join(prefix: PartialSample | None, result: GenerationResult) -> GenerationResult:
+    """The continuation's answer after the tokens already generated: one result for the whole
+    response (versions per token; unknown when either piece's are; the routed experts of the
+    last call, which forwarded prompt + every earlier token)."""
+    if prefix is None or not prefix.output_ids:
+        return result
+    versions = (
+        prefix.token_versions + result.token_versions
+        if prefix.token_versions is not None and result.token_versions is not None
+        else None
+    )
+    return GenerationResult(
+        result.request_id,
+        prefix.output_ids + result.output_ids,
+        prefix.logprobs + result.logprobs,
+        result.finish_reason,
+        result.weight_version,
+        token_versions=versions,
+        routed_experts=result.routed_experts,
+    )
+
+
+def from_result(result: GenerationResult, prefix: PartialSample | None) -> PartialSample:
+    """What a sample carries after ``result`` (already joined with ``prefix``) came back."""
+    aborted = result.finish_reason == "abort"
+    before = prefix.interrupted if prefix is not None else 0
+    return PartialSample(
+        output_ids=list(result.output_ids),
+        logprobs=list(result.logprobs),
+        token_versions=None if result.token_versions is None else list(result.token_versions),
+        finish_reason=None if aborted else result.finish_reason,
+        weight_version=result.weight_version,
+        routed_experts=None if aborted else result.routed_experts,
+        interrupted=before + aborted,
+    )
+
+
+def as_result(request_id: str, sample: PartialSample) -> GenerationResult:
+    """A finished carried sample as the result of its (unsent) request."""
+    return GenerationResult(
+        request_id,
+        list(sample.output_ids),
+        list(sample.logprobs),
+        sample.finish_reason,
+        sample.weight_version,
+        token_versions=None if sample.token_versions is None else list(sample.token_versions),
+        routed_experts=sample.routed_experts,
+    )
+
+
+def continuation(
+    request_id: str, prompt_ids: list[int], sample: PartialSample, sampling: SamplingParams
+) -> GenerationRequest:
+    """The request that continues ``sample``: prompt + its tokens as the input, the rest of the
+    response budget as ``max_new_tokens`` (same stop tokens and sampling settings)."""
+    done = len(sample.output_ids)
+    if done >= sampling.max_new_tokens:  # cannot happen: such a response finished with "length"
+        raise ValueError(
+            f"request {request_id}: partial response of {done} tokens has no budget left "
+            f"(max_new_tokens={sampling.max_new_tokens})"
+        )
+    params = SamplingParams(**{**asdict(sampling), "max_new_tokens": sampling.max_new_tokens - done})
+    return GenerationRequest(request_id, list(prompt_ids) + list(sample.output_ids), params)
+
+
+# ---------------------------------------------------------------- checkpoint form
+def carry_to_state(groups: list[CarriedGroup]) -> dict[str, Any]:
+    """JSON-able form for the checkpoint (``TrainerState.partial_rollouts``); {} when none."""
+    if not groups:
+        return {}
+    out = []
+    for g in groups:
+        rows = []
+        for s in g.samples:
+            row = asdict(s)
+            if isinstance(s.routed_experts, torch.Tensor):
+                row["routed_experts"] = s.routed_experts.tolist()
+            rows.append(row)
+        out.append({"prompt": asdict(g.prompt), "samples": rows})
+    return {"groups": out}
+
+
+def carry_from_state(state: dict[str, Any]) -> list[CarriedGroup]:
+    groups = []
+    for g in (state or {}).get("groups", []):
+        samples = []
+        for row in g["samples"]:
+            row = dict(row)
+            if row.get("routed_experts") is not None:
+                row["routed_experts"] = torch.tensor(row["routed_experts"], dtype=torch.int16)
+            samples.append(PartialSample(**row))
+        groups.append(CarriedGroup(PromptSample(**g["prompt"]), samples))
+    return groups

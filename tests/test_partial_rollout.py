@@ -1,0 +1,234 @@
+"""Partial rollouts (``rollout.partial``): an interrupted generation continued later equals the
+uninterrupted one (HF engine, greedy, same weights under a new version) with per-token versions
+across the sync; the over-sampling tail is carried to the next rollout and continued there
+(counts by hand); the carried state survives a checkpoint; SGLang's aborted reply keeps its
+tokens and per-token versions as SGLang's source defines them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_hf_config
+from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, accounted, manager_config
+
+from megatron_dapo.rollout.hf_engine import HFEngine
+from megatron_dapo.rollout.manager import RolloutManager
+from megatron_dapo.rollout.partial import continuation, from_result, join
+from megatron_dapo.rollout.sglang_client import parse_generate_reply, payload_generate
+from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+torch.set_num_threads(1)
+
+
+def _tiny_model():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        tiny_hf_config(vocab=128, hidden=32, heads=4, kv_heads=2), dtype=torch.float32
+    )
+    with torch.no_grad():  # far from uniform, so greedy picks are not near-ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    return model.eval()
+
+
+def _reference_logprobs(model, prompt, output):
+    """log_softmax of each output token from one unpadded full-sequence forward (T=1, greedy)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def test_hf_generation_stopped_at_a_sync_and_continued_equals_the_uninterrupted_one():
+    model = _tiny_model()
+    engine = HFEngine(model=model)
+    reqs = [
+        GenerationRequest(
+            f"r{i}", [5 + i] * (2 + 3 * i), SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+        )
+        for i in range(3)
+    ]
+    whole = engine.generate(reqs)
+
+    # stop every request after exactly 4 tokens: the abort lands during the 5th forward (prefill
+    # + 4 decode steps), and the engine checks it before sampling the next token
+    forwards = []
+
+    def abort_at_fifth(*_):
+        forwards.append(1)
+        if len(forwards) == 5:
+            engine.abort()
+
+    hook = model.register_forward_hook(abort_at_fifth)
+    stopped = engine.generate(reqs)
+    hook.remove()
+    assert [(len(r.output_ids), r.finish_reason) for r in stopped] == [(4, "abort")] * 3
+
+    # a weight sync to version 1 with the same weights, then the continuation
+    engine.load_weights([dict(model.state_dict())], version=1)
+    kept = [from_result(r, None) for r in stopped]
+    rest = engine.generate(
+        [continuation(q.request_id, q.prompt_ids, k, q.sampling) for q, k in zip(reqs, kept)]
+    )
+    for q, w, k, r in zip(reqs, whole, kept, rest):
+        joined = join(k, r)
+        assert len(r.output_ids) == 8 and r.finish_reason == "length"  # the remaining budget only
+        assert joined.output_ids == w.output_ids
+        # the same numbers up to float rounding (prefill of prompt + 4 tokens vs 4 cached decode
+        # steps), and both match an independent full-sequence forward
+        torch.testing.assert_close(torch.tensor(joined.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
+        ref = _reference_logprobs(model, q.prompt_ids, w.output_ids)
+        torch.testing.assert_close(torch.tensor(joined.logprobs), ref, rtol=0, atol=1e-5)
+        assert joined.token_versions == [0] * 4 + [1] * 8
+        assert joined.finish_reason == "length"
+
+
+def _carrying_manager(engine, **kw):
+    # 6 prompts per round, 2 groups needed; one group per call, all 6 calls dispatched at once
+    cfg = manager_config(train_batch_size=2, gen_batch_size=6, partial=True, **kw)
+    return RolloutManager([engine], Scorer(), cfg, Tokenizer())
+
+
+def test_over_sampling_tail_is_continued_by_the_next_rollout_not_discarded():
+    # prompts 0, 1 answer at once (both mixed: the batch is full); 2..5 generate 2 of their 3
+    # tokens and block until the tail abort, which returns those 2 tokens
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2)
+    mgr = _carrying_manager(engine)
+    data = Dataset([MIXED])
+    first = mgr.collect(data, weight_version=3)
+    m = first.metrics
+    assert [s.prompt.index for s in first.samples[::4]] == [0, 1]
+    assert m["rollout/surplus"] == 0 and m["rollout/aborted"] == 0 and m["rollout/unused"] == 0
+    assert m["rollout/partial_groups_carried"] == 4  # prompts 2..5
+    assert m["rollout/partial_tokens_carried"] == 4 * 4 * 2  # 4 groups x n=4 x 2 tokens
+    assert m["rollout/prompts_drawn"] == 6 and accounted(m) + 4 == 6
+
+    # the weights move to version 4; nothing blocks now
+    engine.slow_prompts = set()
+    engine.version = 4
+    before = len(engine.requests)
+    second = mgr.collect(data, weight_version=4)
+    m = second.metrics
+    # the carried groups come first in draw order: the batch is prompts 2 and 3, continued
+    assert [s.prompt.index for s in second.samples[::4]] == [2, 3]
+    assert m["rollout/partial_groups_resumed"] == 4
+    assert m["rollout/prompts_drawn"] == 2  # 6 per round, 4 of them carried: prompts 6, 7 are new
+    assert m["rollout/groups_in_batch"] == 2 and m["rollout/partial_groups_carried"] == 4  # 4, 5, 6, 7
+    assert accounted(m) + m["rollout/partial_groups_carried"] == m["rollout/prompts_drawn"] + 4
+    for j, s in enumerate(second.samples):
+        right = j % 2 == 0  # the scripted answer of a mixed prompt: even samples right
+        assert s.response_ids == [1 if right else 2, 5, 5]
+        assert s.acc == right and s.finish_reason == "stop"
+        assert s.rollout_logprobs == [-0.5] * 3
+        assert s.token_versions == [3, 3, 4] and s.interrupted == 1
+    assert m["rollout/partial_sample_fraction"] == 1.0
+    assert m["rollout/tokens_version_lag_1"] == 8 * 2 and m["rollout/tokens_version_lag_0"] == 8
+    # the continuations sent prompt + the 2 kept tokens, with the remaining budget (8 - 2)
+    sent = {r.request_id: r for r in engine.requests[before:]}
+    cont = sent["v4-g0-s0"]
+    assert cont.prompt_ids == [MIXED, 7, 2, 1, 5] and cont.sampling.max_new_tokens == 6
+    # every prompt drawn so far is in exactly one place: a batch or the carried tail
+    carried = [g.prompt.index for g in mgr._carry]
+    assert sorted([0, 1, 2, 3] + carried) == list(range(8))
+
+
+def test_tail_too_stale_for_the_pipeline_starts_over_and_is_counted():
+    # one_step_off/async (partial_max_lag=0): a carried response from an older version restarts
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2)
+    mgr = _carrying_manager(engine, partial_max_lag=0)
+    data = Dataset([MIXED])
+    mgr.collect(data, weight_version=3)
+    engine.slow_prompts = set()
+    engine.version = 4
+    second = mgr.collect(data, weight_version=4)
+    assert second.metrics["rollout/partial_tokens_restarted"] == 32
+    for s in second.samples:
+        assert s.token_versions == [4, 4, 4] and s.interrupted == 0
+
+
+def test_carried_tail_travels_in_the_checkpoint():
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2)
+    mgr = _carrying_manager(engine)
+    data = Dataset([MIXED])
+    mgr.collect(data, weight_version=3)
+    state = json.loads(json.dumps(mgr.partial_state_dict()))  # what TrainerState stores
+    assert len(state["groups"]) == 4
+
+    engine.slow_prompts = set()
+    engine.version = 4
+    cursor = data.cursor
+    resumed = _carrying_manager(engine)
+    resumed.load_partial_state_dict(state)
+    restored_data = Dataset([MIXED])
+    restored_data.cursor = cursor
+    a = mgr.collect(data, weight_version=4)
+    b = resumed.collect(restored_data, weight_version=4)
+    rows = lambda batch: [  # noqa: E731
+        (s.prompt.index, s.response_ids, s.rollout_logprobs, s.token_versions, s.interrupted)
+        for s in batch.samples
+    ]
+    assert rows(a) == rows(b) and rows(a)[0][3] == [3, 3, 4]
+
+
+def test_partial_off_keeps_discarding_the_tail():
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2)
+    cfg = manager_config(train_batch_size=2, gen_batch_size=6)
+    mgr = RolloutManager([engine], Scorer(), cfg, Tokenizer())
+    m = mgr.collect(Dataset([MIXED]), 3).metrics
+    assert m["rollout/unused"] == 4 and "rollout/partial_groups_carried" not in m
+    assert mgr.partial_state_dict() == {}
+
+
+# -- SGLang ------------------------------------------------------------------------------------
+
+
+def test_sglang_aborted_reply_keeps_tokens_and_per_token_versions():
+    # the reply TokenizerManager._handle_abort_req builds for a running request: output_token_logprobs
+    # of the tokens so far, and meta_info.weight_versions spans (utils/weight_versions.py:
+    # {"version": str, "start", "end"} over output positions) when the weights changed mid-request
+    req = GenerationRequest("v3-g0-s0", [11, 12], SamplingParams(max_new_tokens=10))
+    reply = {
+        "text": "",
+        "output_ids": [7, 8, 9],
+        "meta_info": {
+            "id": "v3-g0-s0",
+            "finish_reason": {"type": "abort", "message": "Abort before prefill"},
+            "weight_version": "4",
+            "weight_versions": [
+                {"version": "3", "start": 0, "end": 2},
+                {"version": "4", "start": 2, "end": 3},
+            ],
+            "output_token_logprobs": [[-0.1, 7, None], [-0.2, 8, None], [-0.3, 9, None]],
+            "completion_tokens": 3,
+        },
+    }
+    res = parse_generate_reply(reply, req, "sg")
+    assert (res.output_ids, res.logprobs, res.finish_reason) == ([7, 8, 9], [-0.1, -0.2, -0.3], "abort")
+    assert res.token_versions == [3, 3, 4] and res.weight_version == 4
+
+    # its continuation: prompt + the 3 tokens as input_ids, 7 tokens of budget left
+    payload = payload_generate(
+        continuation(req.request_id, req.prompt_ids, from_result(res, None), req.sampling)
+    )
+    assert payload["input_ids"] == [11, 12, 7, 8, 9]
+    assert payload["sampling_params"]["max_new_tokens"] == 7
+
+
+@pytest.mark.parametrize("spans", [None, [{"version": "4", "start": 0, "end": 5}]])
+def test_sglang_reply_without_matching_spans_takes_the_reply_version(spans):
+    # no spans (the weights did not change during the request), or spans that do not cover the
+    # tokens returned: every token is the reply's weight_version
+    req = GenerationRequest("r", [1], SamplingParams(max_new_tokens=4))
+    meta = {
+        "finish_reason": {"type": "stop"},
+        "weight_version": "5",
+        "output_token_logprobs": [[-0.1, 3, None]],
+    }
+    if spans is not None:
+        meta["weight_versions"] = spans
+    assert parse_generate_reply({"meta_info": meta}, req, "sg").token_versions == [5]
