@@ -33,6 +33,16 @@ class Dataset:
         return out
 
 
+class CheckpointedDataset(Dataset):
+    """The scripted dataset with the cursor a trainer checkpoints."""
+
+    def state_dict(self):
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state):
+        self.cursor = state["cursor"]
+
+
 class Tokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "right" if ids and ids[0] == 1 else "wrong"
@@ -57,14 +67,24 @@ class ScriptedEngine:
 
     A prompt is 3 tokens; anything after them is a partial response being continued, and the
     answer is the rest of the full response. ``keep_on_abort``: tokens an aborted slow call had
-    generated (returned with the abort, as SGLang does); ``version``: the weight version reported."""
+    generated (returned with the abort, as SGLang does); ``version``: the weight version reported;
+    ``slow_once``: a slow prompt blocks until the engine's first abort, then answers at once."""
 
     def __init__(
-        self, name, length=3, slow_prompts=(), fail_calls=(), die_at_call=None, hang_calls=(), keep_on_abort=0
+        self,
+        name,
+        length=3,
+        slow_prompts=(),
+        fail_calls=(),
+        die_at_call=None,
+        hang_calls=(),
+        keep_on_abort=0,
+        slow_once=False,
     ):
         self.name = name
         self.length = length
         self.keep_on_abort = keep_on_abort
+        self.slow_once = slow_once
         self.version = 3
         self.requests = []
         self.slow_prompts = set(slow_prompts)
@@ -96,11 +116,18 @@ class ScriptedEngine:
             time.sleep(1.0)  # ignores abort, like a wedged server
         prompt_idx = requests[0].prompt_ids[2]
         if prompt_idx in self.slow_prompts:
-            # blocks until aborted; the generous deadline only ends a test whose manager never aborts
+            # blocks until aborted; the generous deadline only ends a test whose manager never aborts.
+            # slow_once: until the engine's first abort, even one before this call started (the
+            # manager may abort a call it dispatched before the call's thread got to run)
+            def aborted():
+                return self.aborts > 0 if self.slow_once else self._epoch != epoch
+
             deadline = time.monotonic() + 120
-            while self._epoch == epoch and time.monotonic() < deadline:
+            while not aborted() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            if self._epoch != epoch:
+            if aborted():
+                if self.slow_once:  # the continuation of this prompt answers at once
+                    self.slow_prompts.discard(prompt_idx)
                 k = self.keep_on_abort
                 return [
                     GenerationResult(

@@ -97,7 +97,7 @@ def _carrying_manager(engine, **kw):
 def test_over_sampling_tail_is_continued_by_the_next_rollout_not_discarded():
     # prompts 0, 1 answer at once (both mixed: the batch is full); 2..5 generate 2 of their 3
     # tokens and block until the tail abort, which returns those 2 tokens
-    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2)
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2, slow_once=True)
     mgr = _carrying_manager(engine)
     data = Dataset([MIXED])
     first = mgr.collect(data, weight_version=3)
@@ -109,7 +109,6 @@ def test_over_sampling_tail_is_continued_by_the_next_rollout_not_discarded():
     assert m["rollout/prompts_drawn"] == 6 and accounted(m) + 4 == 6
 
     # the weights move to version 4; nothing blocks now
-    engine.slow_prompts = set()
     engine.version = 4
     before = len(engine.requests)
     second = mgr.collect(data, weight_version=4)
@@ -139,11 +138,10 @@ def test_over_sampling_tail_is_continued_by_the_next_rollout_not_discarded():
 
 def test_tail_too_stale_for_the_pipeline_starts_over_and_is_counted():
     # one_step_off/async (partial_max_lag=0): a carried response from an older version restarts
-    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2)
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2, slow_once=True)
     mgr = _carrying_manager(engine, partial_max_lag=0)
     data = Dataset([MIXED])
     mgr.collect(data, weight_version=3)
-    engine.slow_prompts = set()
     engine.version = 4
     second = mgr.collect(data, weight_version=4)
     assert second.metrics["rollout/partial_tokens_restarted"] == 32
@@ -152,14 +150,13 @@ def test_tail_too_stale_for_the_pipeline_starts_over_and_is_counted():
 
 
 def test_carried_tail_travels_in_the_checkpoint():
-    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2)
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2, slow_once=True)
     mgr = _carrying_manager(engine)
     data = Dataset([MIXED])
     mgr.collect(data, weight_version=3)
     state = json.loads(json.dumps(mgr.partial_state_dict()))  # what TrainerState stores
     assert len(state["groups"]) == 4
 
-    engine.slow_prompts = set()
     engine.version = 4
     cursor = data.cursor
     resumed = _carrying_manager(engine)
@@ -176,7 +173,7 @@ def test_carried_tail_travels_in_the_checkpoint():
 
 
 def test_partial_off_keeps_discarding_the_tail():
-    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2)
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2, slow_once=True)
     cfg = manager_config(train_batch_size=2, gen_batch_size=6)
     mgr = RolloutManager([engine], Scorer(), cfg, Tokenizer())
     m = mgr.collect(Dataset([MIXED]), 3).metrics
@@ -232,3 +229,90 @@ def test_sglang_reply_without_matching_spans_takes_the_reply_version(spans):
     if spans is not None:
         meta["weight_versions"] = spans
     assert parse_generate_reply({"meta_info": meta}, req, "sg").token_versions == [5]
+
+
+# -- the trainer: the carried tail in its checkpoint -------------------------------------------
+
+
+def _train(tmp_path, name, stop_after=None, resume="never"):
+    """The real manager (rollout.partial, built from the config) on the scripted engine in the
+    trainer loop with checkpointing stand-in ranks; the samples each step trained on."""
+    from rollout_fakes import CheckpointedDataset
+    from test_async import CheckpointingRanks
+    from trainer_fakes import trainer_config
+
+    from megatron_dapo.driver.run_dir import RunDir
+    from megatron_dapo.driver.stop import StopFlag
+    from megatron_dapo.driver.trainer import DAPOTrainer
+    from megatron_dapo.rollout.manager import RolloutManagerConfig
+
+    cfg = trainer_config(
+        tmp_path,
+        **{
+            "trainer.run_name": name,
+            "trainer.total_steps": 2,
+            "trainer.train_batch_size": 2,
+            "trainer.resume": resume,
+            "trainer.save_freq": 1,
+            "rollout.gen_batch_size": 6,
+            "rollout.n": 4,
+            "rollout.over_sample": "false",
+            "rollout.partial": "true",
+            "actor.ppo_mini_batch_size": 2,
+            "data.max_response_length": 8,
+            "algorithm.overlong_buffer.len": 4,
+        },
+    )
+    # prompts 2..5 are slow in step 1 only (a resumed run starts after it)
+    engine = ScriptedEngine(
+        "e0", slow_prompts=range(2, 6) if resume == "never" else (), keep_on_abort=2, slow_once=True
+    )
+    engine.version = 0
+    mcfg = RolloutManagerConfig.from_config(cfg)
+    assert mcfg.partial and mcfg.partial_max_lag is None  # sync mode: no staleness bound
+    manager = RolloutManager([engine], Scorer(), mcfg, Tokenizer())
+    stop, trained = StopFlag(), {}
+
+    def dump(rollout, path):
+        step = int(path.stem.split("_")[1])
+        trained[step] = [
+            (s.prompt.index, s.response_ids, s.token_versions, s.interrupted) for s in rollout.samples
+        ]
+        if step == stop_after:
+            stop.set("SIGTERM")
+
+    def sync(version):
+        engine.version = version
+        return {}
+
+    run = RunDir.create(cfg.trainer.runs_dir, name)
+    trainer = DAPOTrainer(
+        cfg,
+        run=run,
+        ranks=CheckpointingRanks(),
+        manager=manager,
+        dataset=CheckpointedDataset([MIXED]),
+        transport_sync=sync,
+        stop=stop,
+        dump_rollouts=dump,
+    )
+    trainer.fit()
+    metrics = {r["step"]: r for r in map(json.loads, run.metrics.read_text().splitlines())}
+    return trained, metrics
+
+
+def test_a_resume_continues_the_tail_the_checkpoint_carried(tmp_path):
+    whole, metrics = _train(tmp_path, "whole")
+    # step 2 trains prompts 2 and 3: 2 tokens of version 0 (step 1's tail), 1 of version 1
+    assert [row[0] for row in whole[2][::4]] == [2, 3]
+    assert {tuple(row[2]) for row in whole[2]} == {(0, 0, 1)} and {row[3] for row in whole[2]} == {1}
+    assert metrics[2]["rollout/staleness_token_max"] == 1 and metrics[2]["rollout/staleness_sample_max"] == 1
+    assert metrics[2]["rollout/partial_sample_fraction"] == 1.0
+
+    _train(tmp_path, "cut", stop_after=1)
+    state = json.loads((tmp_path / "cut" / "checkpoints" / "step_00000001" / "state.json").read_text())
+    carried = state["partial_rollouts"]["groups"]
+    assert [g["prompt"]["index"] for g in carried] == [2, 3, 4, 5]
+    assert all(s["output_ids"] and s["token_versions"] == [0, 0] for g in carried for s in g["samples"])
+    resumed, _ = _train(tmp_path, "cut", resume="auto")
+    assert sorted(resumed) == [2] and resumed[2] == whole[2]

@@ -63,6 +63,10 @@ class Prefetch:
         self.count = count
         self._cursor = copy.deepcopy(dataset.state_dict())
         self._manager_state = copy.deepcopy(manager.state_dict()) if hasattr(manager, "state_dict") else None
+        # rollout.partial: the carried tail, which a finished batch of this prefetch replaced
+        self._partial_state = (
+            copy.deepcopy(manager.partial_state_dict()) if hasattr(manager, "partial_state_dict") else None
+        )
         self._batches: list[RolloutBatch] = []
         self._error: BaseException | None = None
         self.finished_at: float | None = None  # perf_counter when the engines went idle
@@ -89,6 +93,8 @@ class Prefetch:
             self.dataset.load_state_dict(self._cursor)
             if self._manager_state is not None:
                 self.manager.load_state_dict(self._manager_state)
+            if self._partial_state is not None:
+                self.manager.load_partial_state_dict(self._partial_state)
             return None
         if self._error is not None:
             raise self._error

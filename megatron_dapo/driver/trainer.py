@@ -77,6 +77,9 @@ class TrainerState:
     # trainer.mode=one_step_off/async: the next steps' rollouts, finished before this checkpoint
     # (generated with older weights; the data cursor is already past them), oldest first
     prefetched: dict = field(default_factory=dict)
+    # rollout.partial: the groups the last rollout left past its cut (partly generated
+    # responses with their tokens, log-probs and per-token versions), continued by the next one
+    partial_rollouts: dict = field(default_factory=dict)
 
 
 class DAPOTrainer:
@@ -142,12 +145,16 @@ class DAPOTrainer:
         if self.state.manager_state and hasattr(self.manager, "load_state_dict"):
             self.manager.load_state_dict(self.state.manager_state)
         self._queue = deque(queue_from_state(self.state.prefetched))
+        if hasattr(self.manager, "load_partial_state_dict"):
+            self.manager.load_partial_state_dict(self.state.partial_rollouts)
         self._saved_step = self.state.step
         return True
 
     def save(self) -> str:
         self.state.data_cursor = self.dataset.state_dict()
         self.state.prefetched = queue_to_state(list(self._queue))
+        if hasattr(self.manager, "partial_state_dict"):
+            self.state.partial_rollouts = self.manager.partial_state_dict()
         if hasattr(self.manager, "state_dict"):
             self.state.manager_state = self.manager.state_dict()
         path = self._call(
