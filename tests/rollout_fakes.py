@@ -85,6 +85,8 @@ class ScriptedEngine:
         self.length = length
         self.keep_on_abort = keep_on_abort
         self.slow_once = slow_once
+        self.blocked = 0  # slow calls waiting for an abort now
+        self.blocked_changed = threading.Condition()
         self.version = 3
         self.requests = []
         self.slow_prompts = set(slow_prompts)
@@ -123,8 +125,13 @@ class ScriptedEngine:
                 return self.aborts > 0 if self.slow_once else self._epoch != epoch
 
             deadline = time.monotonic() + 120
+            with self.blocked_changed:
+                self.blocked += 1
+                self.blocked_changed.notify_all()
             while not aborted() and time.monotonic() < deadline:
                 time.sleep(0.01)
+            with self.blocked_changed:
+                self.blocked -= 1
             if aborted():
                 if self.slow_once:  # the continuation of this prompt answers at once
                     self.slow_prompts.discard(prompt_idx)

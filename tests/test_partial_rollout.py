@@ -234,7 +234,7 @@ def test_sglang_reply_without_matching_spans_takes_the_reply_version(spans):
 # -- the trainer: the carried tail in its checkpoint -------------------------------------------
 
 
-def _train(tmp_path, name, stop_after=None, resume="never"):
+def _train(tmp_path, name, stop_after=None, resume="never", slow=range(2, 6), ranks=None, **over):
     """The real manager (rollout.partial, built from the config) on the scripted engine in the
     trainer loop with checkpointing stand-in ranks; the samples each step trained on."""
     from rollout_fakes import CheckpointedDataset
@@ -261,15 +261,16 @@ def _train(tmp_path, name, stop_after=None, resume="never"):
             "actor.ppo_mini_batch_size": 2,
             "data.max_response_length": 8,
             "algorithm.overlong_buffer.len": 4,
+            **over,
         },
     )
     # prompts 2..5 are slow in step 1 only (a resumed run starts after it)
     engine = ScriptedEngine(
-        "e0", slow_prompts=range(2, 6) if resume == "never" else (), keep_on_abort=2, slow_once=True
+        "e0", slow_prompts=slow if resume == "never" else (), keep_on_abort=2, slow_once=True
     )
     engine.version = 0
     mcfg = RolloutManagerConfig.from_config(cfg)
-    assert mcfg.partial and mcfg.partial_max_lag is None  # sync mode: no staleness bound
+    assert mcfg.partial and mcfg.partial_max_lag == (None if cfg.trainer.mode == "sync" else 0)
     manager = RolloutManager([engine], Scorer(), mcfg, Tokenizer())
     stop, trained = StopFlag(), {}
 
@@ -289,7 +290,7 @@ def _train(tmp_path, name, stop_after=None, resume="never"):
     trainer = DAPOTrainer(
         cfg,
         run=run,
-        ranks=CheckpointingRanks(),
+        ranks=ranks(engine) if ranks is not None else CheckpointingRanks(),
         manager=manager,
         dataset=CheckpointedDataset([MIXED]),
         transport_sync=sync,
@@ -316,3 +317,39 @@ def test_a_resume_continues_the_tail_the_checkpoint_carried(tmp_path):
     assert all(s["output_ids"] and s["token_versions"] == [0, 0] for g in carried for s in g["samples"])
     resumed, _ = _train(tmp_path, "cut", resume="auto")
     assert sorted(resumed) == [2] and resumed[2] == whole[2]
+
+
+def test_a_weight_sync_pauses_the_running_rollout_which_continues_with_the_new_weights(tmp_path):
+    """one_step_off: step 2's batch (prompts 2, 3) is generated while the actor trains step 1. The
+    sync of step 1 does not wait for it: the rollout is paused (its calls aborted after 2 of 3
+    tokens, which are kept), the engine gets version 1, and the rollout continues: every
+    response is [v0, v0, v1], within one_step_off's bound (actor version 1 at step 2)."""
+    from test_async import CheckpointingRanks
+
+    class RanksTrainingWhileGenerating(CheckpointingRanks):
+        def __init__(self, engine):
+            super().__init__()
+            self.engine = engine
+
+        def call(self, method, *args, **kwargs):
+            if method == "train_step" and not any(m == "train_step" for m, _ in self.calls):
+                # step 1's update ends only once step 2's rollout has both its calls generating
+                with self.engine.blocked_changed:
+                    assert self.engine.blocked_changed.wait_for(lambda: self.engine.blocked == 2, 60)
+            return super().call(method, *args, **kwargs)
+
+    trained, metrics = _train(
+        tmp_path,
+        "pipelined",
+        slow=(2, 3),
+        ranks=RanksTrainingWhileGenerating,
+        **{"trainer.mode": "one_step_off", "trainer.placement": "disaggregated", "rollout.gen_batch_size": 2},
+    )
+    assert [row[0] for row in trained[1][::4]] == [0, 1]
+    assert {tuple(row[2]) for row in trained[1]} == {(0, 0, 0)}
+    assert [row[0] for row in trained[2][::4]] == [2, 3]
+    assert {tuple(row[2]) for row in trained[2]} == {(0, 0, 1)} and {row[3] for row in trained[2]} == {1}
+    for j, row in enumerate(trained[2]):
+        assert row[1] == [1 if j % 2 == 0 else 2, 5, 5]  # the response is whole, nothing doubled
+    assert metrics[2]["rollout/staleness_token_max"] == 1 and metrics[2]["rollout/stale_dropped_samples"] == 0
+    assert "timing/pause_rollout" in metrics[1] and "timing/pause_rollout" not in metrics[2]

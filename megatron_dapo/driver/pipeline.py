@@ -100,6 +100,10 @@ class Prefetch:
             raise self._error
         return self._batches
 
+    def done(self) -> bool:
+        """The rollouts have finished (or failed)."""
+        return self._done.is_set()
+
     def join(self, timeout: float) -> None:
         """For an error path: give the thread a bounded time to notice the stop and end."""
         self._done.wait(timeout)

@@ -232,6 +232,23 @@ class DAPOTrainer:
         self._rollout_end = time.perf_counter()
         return rollout
 
+    def _interrupt_for_sync(
+        self, prefetch: Prefetch, timer: PhaseTimer, progress: StepProgress, step: int
+    ) -> bool:
+        """rollout.partial: pause the prefetch still generating so the sync need not wait for it;
+        True when paused. Not with engines down (their restart changes the manager's engine
+        set), and not when the pause does not settle within ``rollout.request_timeout_s`` (the
+        rollout is resumed and the sync waits for it, as without partial rollouts)."""
+        if not self.cfg.rollout.partial or prefetch.done() or getattr(self.manager, "down", None):
+            return False
+        with timer.phase("pause_rollout"), progress.phase(step, "pausing the rollout for the sync"):
+            if not self.manager.pause(float(self.cfg.rollout.request_timeout_s)):
+                log.warning("rollout did not pause within rollout.request_timeout_s; the sync waits for it")
+                self.manager.resume()
+                return False
+        self._rollout_end = time.perf_counter()  # the engines wait for the weights from here
+        return True
+
     def _validation_due(self, step: int) -> bool:
         t = self.cfg.trainer
         return bool(self.validate) and t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps)
@@ -336,17 +353,32 @@ class DAPOTrainer:
                         self._cancel_rollout = True
                         prefetch.join(self.cfg.trainer.stop_timeout_s)
                     raise
-                if prefetch is not None:
+                # rollout.partial: a rollout still running is paused for the sync and continues
+                # with the new weights, its responses keeping their tokens (a sample then holds
+                # tokens of two versions); without it the sync waits for the rollout to finish
+                interrupt = prefetch is not None and self._interrupt_for_sync(prefetch, timer, progress, step)
+                if prefetch is not None and not interrupt:
                     with timer.phase("wait_data"), progress.phase(step, "waiting for the next rollout"):
                         self._queue.extend(prefetch.result() or [])
                     self._rollout_end = prefetch.finished_at
-                with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
-                    revived = restart_down_engines(self.manager) if hasattr(self.manager, "down") else []
-                    if revived:
-                        self._call("reset_transport", limit="other_s")
-                    self._to_sync()
-                    sync_metrics = self.sync(step)
-                    return_to_service(self.manager, revived)  # only now, with the new weights
+                try:
+                    with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
+                        revived = restart_down_engines(self.manager) if hasattr(self.manager, "down") else []
+                        if revived:
+                            self._call("reset_transport", limit="other_s")
+                        self._to_sync()
+                        sync_metrics = self.sync(step)
+                        return_to_service(self.manager, revived)  # only now, with the new weights
+                except BaseException:
+                    if interrupt:  # the paused rollout ends with the run, never stays paused
+                        self._cancel_rollout = True
+                        self.manager.resume()
+                        prefetch.join(self.cfg.trainer.stop_timeout_s)
+                    raise
+                if interrupt:
+                    self.manager.resume()
+                    with timer.phase("wait_data"), progress.phase(step, "waiting for the next rollout"):
+                        self._queue.extend(prefetch.result() or [])
                 # engines idle from their last rollout until the new weights are in (validation aside)
                 sync_metrics["timing/engine_wait_weights_s"] = time.perf_counter() - self._rollout_end
                 sync_metrics["timing/actor_wait_data_s"] = timer.seconds.get("gen", 0.0) + timer.seconds.get(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -348,6 +349,12 @@ class RolloutManager:
         self.should_stop: Any = None
         # rollout.partial: the groups the last rollout left past its cut, continued by the next
         self._carry: list[CarriedGroup] = []
+        # rollout.partial: pause()/resume() around a weight sync while a rollout runs on
+        # another thread (one_step_off/async); guarded by _cond
+        self._cond = threading.Condition()
+        self._pausing = False
+        self._quiet = False  # paused with no engine call in flight
+        self._collecting = False
 
     # -- public ---------------------------------------------------------------------------
 
@@ -366,8 +373,48 @@ class RolloutManager:
     def load_partial_state_dict(self, state: dict[str, Any]) -> None:
         self._carry = carry_from_state(state)
 
+    def pause(self, timeout_s: float) -> bool:
+        """rollout.partial, from another thread: stop the rollout in flight for a weight sync.
+
+        Every engine call in flight is aborted and returns what it generated so far, which is
+        kept (its requests continue after :meth:`resume`, with whatever weights the engines
+        then hold); no call starts until then. Returns once no call is in flight (True), or
+        False after ``timeout_s``. Without a rollout in flight it returns at once; one that
+        starts while paused waits too."""
+        if not self.cfg.partial:
+            raise ValueError(
+                "RolloutManager.pause needs rollout.partial=true (set it, or wait for the rollout)"
+            )
+        with self._cond:
+            self._pausing = True
+            self._cond.notify_all()
+            collecting = self._collecting
+        if collecting:
+            # abort here rather than wait for the rollout loop's next poll to do it; the loop
+            # still aborts any call it dispatched just before it saw the pause
+            self._abort_all([e for e in self.engines if e.name not in self.down])
+        with self._cond:
+            return self._cond.wait_for(lambda: self._quiet or not self._collecting, timeout_s)
+
+    def resume(self) -> None:
+        """Let the paused rollout continue (after the weight sync)."""
+        with self._cond:
+            self._pausing = False
+            self._quiet = False
+            self._cond.notify_all()
+
     def collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         """One rollout step: a batch of ``train_batch_size`` mixed groups (see the module doc)."""
+        with self._cond:
+            self._collecting = True
+        try:
+            return self._collect(dataset, weight_version)
+        finally:
+            with self._cond:
+                self._collecting = False
+                self._cond.notify_all()
+
+    def _collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         cfg = self.cfg
         ledger = _Ledger([e.name for e in self.engines], cfg.train_batch_size)
         # rollout.partial: the previous rollout's tail goes first in draw order (it was drawn
@@ -492,6 +539,7 @@ class RolloutManager:
         score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         for unit in queue:
             ledger.units.update((g.serial, unit) for g in unit.groups)
+        paused_calls: set[Future] = set()  # calls aborted for a pause (their aborts are kept)
         try:
             for unit in [u for u in queue if not u.send]:  # carried groups already finished
                 queue.remove(unit)
@@ -503,10 +551,16 @@ class RolloutManager:
                 if ledger.cut is not None:
                     self._stop(queue, calls, scoring, ledger)
                     return
-                self._dispatch(queue, calls, gen_pool)
-                if queue and all(e.name in self.down for e in self.engines):
-                    raise NoEngineAliveError(self._down_message())
+                paused = self.cfg.partial and self._paused(calls, paused_calls)
+                if not paused:
+                    self._dispatch(queue, calls, gen_pool)
+                    if queue and all(e.name in self.down for e in self.engines):
+                        raise NoEngineAliveError(self._down_message())
                 pending = list(calls) + list(scoring) + list(self._zombies)
+                if paused and not pending:  # nothing to collect: sleep until resumed
+                    with self._cond:
+                        self._cond.wait_for(lambda: not self._pausing, _POLL_S)
+                    continue
                 done, _ = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
                 for fut in done:
                     if fut in scoring:
@@ -514,6 +568,10 @@ class RolloutManager:
                     elif fut in calls:
                         call = calls.pop(fut)
                         self._record_interval(call, ledger)
+                        if fut in paused_calls:
+                            paused_calls.discard(fut)
+                            if self._requeue_paused(call, fut, queue, ledger):
+                                continue
                         self._finish_call(call, fut, queue, scoring, score_pool, ledger)
                     elif fut in self._zombies:  # a timed-out call came back late: its result is dropped
                         self._record_interval(self._zombies.pop(fut), ledger)
@@ -522,12 +580,46 @@ class RolloutManager:
             gen_pool.shutdown(wait=False, cancel_futures=True)
             score_pool.shutdown(wait=True)
 
+    def _paused(self, calls: dict[Future, _Call], paused_calls: set[Future]) -> bool:
+        """While :meth:`pause` holds: abort each call in flight once, and report quiet once none
+        is left. True when the loop must not dispatch now."""
+        with self._cond:
+            if not self._pausing:
+                return False
+            if not calls:
+                self._quiet = True
+                self._cond.notify_all()
+        fresh = {f: c for f, c in calls.items() if f not in paused_calls}
+        if fresh:
+            paused_calls.update(fresh)
+            self._abort_engines(fresh)
+        return True
+
+    def _requeue_paused(self, call: _Call, fut: Future, queue: deque[_Unit], ledger: _Ledger) -> bool:
+        """A call a pause aborted: keep what it generated and queue the rest (not a failure, no
+        retry counted). False when it finished anyway or failed (the normal path takes it)."""
+        if fut.exception() is not None:
+            return False
+        results = fut.result()
+        if not isinstance(results, list) or {getattr(r, "request_id", None) for r in results} != {
+            q.request_id for q in call.unit.send
+        }:
+            return False
+        if not any(r.finish_reason == "abort" for r in results):
+            return False
+        ledger.tokens += call.unit.fold(results)
+        queue.appendleft(call.unit)
+        return True
+
     def _check_stop(self) -> None:
         if self.should_stop is not None and self.should_stop():
             raise RolloutAbandoned("the run is stopping: rollout abandoned")
 
     def _abort_engines(self, calls: dict[Future, _Call]) -> None:
-        for engine in {c.engine.name: c.engine for c in calls.values()}.values():
+        self._abort_all({c.engine.name: c.engine for c in calls.values()}.values())
+
+    def _abort_all(self, engines) -> None:
+        for engine in engines:
             try:
                 engine.abort()
             except Exception as e:  # noqa: BLE001 - stopping anyway
