@@ -35,6 +35,7 @@ class FakeSGLang:
         self.log: list[tuple[str, str, dict | None, dict]] = []
         self.script: dict[str, deque] = defaultdict(deque)
         self.aborted = threading.Event()
+        self.block_rids: set[str] = set()  # /generate requests with these ids block until an abort
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,6 +51,8 @@ class FakeSGLang:
                 path = self.path.split("?")[0]
                 fake.log.append((self.command, path, body, dict(self.headers)))
                 action = fake.script[path].popleft() if fake.script[path] else ("default",)
+                if path == "/generate" and body["rid"] in fake.block_rids:
+                    action = ("block_until_abort",)
                 if action[0] == "drop":  # close the socket without an answer
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -465,3 +468,33 @@ def test_generation_resumes_even_when_closing_the_update_session_fails(server, e
     with pytest.raises(SGLangError, match=r"/end_weight_update -> HTTP 400"):
         e.run(e.client.continue_generation())
     assert server.paths()[-2:] == ["/end_weight_update", "/continue_generation"]
+
+
+def test_rollout_manager_continues_an_aborted_sglang_request(server, engine_factory):
+    """rollout.partial over HTTP: the tail request the manager aborts comes back with its first
+    token (the shape of SGLang's abort reply); the next rollout sends prompt + that token with
+    the budget left, and the sample is the two pieces joined."""
+    from rollout_fakes import Dataset, Scorer, Tokenizer, manager_config
+
+    from megatron_dapo.rollout.manager import RolloutManager
+
+    e = engine_factory(server.url)
+    cfg = manager_config(
+        n=1,
+        train_batch_size=1,
+        gen_batch_size=2,
+        filter_groups_enable=False,
+        partial=True,
+        max_response_length=8,
+    )
+    mgr = RolloutManager([e], Scorer(), cfg, Tokenizer())
+    server.block_rids = {"v0-g1-s0"}  # prompt 1, the second group drawn
+    first = mgr.collect(Dataset([0]), 0)
+    assert [s.prompt.index for s in first.samples] == [0]
+    assert first.metrics["rollout/partial_groups_carried"] == 1
+    second = mgr.collect(Dataset([0]), 1)
+    (s,) = [s for s in second.samples if s.prompt.index == 1]
+    body = next(b for _, p, b, _ in server.log if p == "/generate" and b["rid"] == "v1-g0-s0")
+    assert body["input_ids"] == [0, 7, 1, 2] and body["sampling_params"]["max_new_tokens"] == 7
+    assert s.response_ids == [2, 3, 2] and s.rollout_logprobs == [-0.5, -0.5, -1.25]
+    assert s.token_versions == [4, 4, 4] and s.interrupted == 1 and s.finish_reason == "stop"

@@ -8,6 +8,10 @@ and the tokens it had so far; calls that start after ``abort`` run normally. Tha
 what SGLang's ``/abort_request {"abort_all": true}`` does to its open ``/generate`` requests,
 and what the HF engine does between decode steps, so one blocking method plus one abort cover
 both engines without a second (streaming) API to keep in sync.
+
+Partial rollouts (``rollout.partial``) need nothing more from an engine: the tokens an aborted
+request returns are kept by the manager, and their continuation is an ordinary request whose
+prompt ends with them and whose ``max_new_tokens`` is the budget left (``rollout/partial.py``).
 """
 
 from __future__ import annotations
