@@ -19,6 +19,7 @@ import torch
 from helpers import hf_state_dict
 
 from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.rollout.partial import continuation, from_result, join
 from megatron_dapo.rollout.sglang_client import SGLangEngine, SGLangError
 from megatron_dapo.rollout.sglang_weight_sync import (
     init_custom_group,
@@ -168,6 +169,18 @@ def test_abort_of_running_and_queued_requests(engine, sglang_cpu_server, models)
     # the queued ones never ran: SGLang sends no output_token_logprobs for them
     assert any(len(r.output_ids) == 0 for r in results)
     assert all(len(r.output_ids) < LONG and len(r.output_ids) == len(r.logprobs) for r in results)
+    # rollout.partial: a running request's tokens continue (prompt + tokens as the input, the
+    # budget left); the joined log-probs are those of one HF forward of the served checkpoint
+    i, aborted = next((i, r) for i, r in enumerate(results) if r.output_ids)
+    prompt, kept = PROMPTS[i % len(PROMPTS)], from_result(aborted, None)
+    again = req(100, prompt, LONG, ignore_eos=True)
+    (rest,) = engine.generate([continuation(again.request_id, prompt, kept, again.sampling)])
+    joined = join(kept, rest)
+    assert rest.finish_reason == "length" and len(joined.output_ids) == LONG
+    diff = (
+        (hf_logprobs(models["base"], prompt, joined.output_ids) - torch.tensor(joined.logprobs)).abs().max()
+    )
+    assert diff.item() < TOL, f"continued log-probs differ from HF by {diff.item():.3g}"
     assert_serves(engine, models["base"])
 
 
