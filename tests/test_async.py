@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 from trainer_fakes import FakeDataset, FakeRanks, trainer_config
 
-from megatron_dapo.actor.checkpoint import write_manifest
+from megatron_dapo.actor.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
 from megatron_dapo.algo import RolloutCorrection, policy_loss
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.data.types import PromptSample
+from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.trainer import DAPOTrainer
@@ -185,9 +188,8 @@ def test_a_resume_with_a_smaller_bound_drops_the_carried_groups_beyond_it(tmp_pa
     0, 0, 1). Resumed with K=1 (actor version 2 at step 3): the two version-0 batches are too
     stale and are dropped and counted; step 3 trains the version-1 batch."""
     _run(tmp_path, "r", stop_after=2, **{"trainer.mode": "async", "trainer.max_staleness": 3})
-    state = json.loads((tmp_path / "r" / "checkpoints" / "step_00000002" / "state.json").read_text())
-    carried = state["prefetched"]["batches"]
-    assert [{v for s in b["samples"] for v in s["token_versions"]} for b in carried] == [{0}, {0}, {1}]
+    carried = read_carried(tmp_path / "r" / "checkpoints" / "step_00000002" / CARRIED_FILE)
+    assert [{v for s in b.samples for v in s.token_versions} for b in carried] == [{0}, {0}, {1}]
     trained, metrics, manager, _ = _run(
         tmp_path, "r", **{"trainer.mode": "async", "trainer.max_staleness": 1, "trainer.resume": "auto"}
     )
@@ -218,12 +220,99 @@ def test_async_mode_needs_its_own_devices_and_a_positive_bound():
 
 def test_a_one_step_off_checkpoint_of_the_one_batch_form_still_resumes():
     """Checkpoints written before the queue held one batch as {'samples', 'metrics'}."""
-    from dataclasses import asdict
-
-    from megatron_dapo.driver.pipeline import queue_from_state, queue_to_state
+    from megatron_dapo.driver.pipeline import queue_from_state
 
     old = {"samples": [asdict(_sample(0, 1, [4, 4]))], "metrics": {"rollout/prompts_drawn": 1}}
     (batch,) = queue_from_state(old)
     assert batch.samples == [_sample(0, 1, [4, 4])] and batch.metrics == {"rollout/prompts_drawn": 1}
-    assert queue_from_state(queue_to_state([batch, batch])) == [batch, batch]
-    assert queue_to_state([]) == {} and queue_from_state({}) == []
+    queue = {"batches": [old, old]}  # the form before carried.safetensors
+    assert queue_from_state(queue) == [batch, batch] and queue_from_state({}) == []
+
+
+# ---------------------------------------------------------------- the carried file
+K2 = {"trainer.mode": "async", "trainer.max_staleness": 2}
+
+
+@pytest.fixture
+def stopped_k2(tmp_path):
+    """An uninterrupted 5-step async K=2 run, and run "r" stopped after step 2: its checkpoints
+    of steps 1 and 2 each carry the two batches generated ahead (steps 2-3 and 3-4)."""
+    reference, _, _, _ = _run(tmp_path, "ref", **K2)
+    _run(tmp_path, "r", stop_after=2, **K2)
+    return reference, tmp_path / "r" / "checkpoints"
+
+
+def _resume(tmp_path, name="r", **over):
+    trained, _, _, dataset = _run(tmp_path, name, **{**K2, "trainer.resume": "auto", **over})
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    return trained, dataset, summary
+
+
+def test_the_carried_batches_are_a_checkpoint_file_and_resume_exactly(stopped_k2, tmp_path):
+    reference, ckpts = stopped_k2
+    ckpt = ckpts / "step_00000002"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert "prefetched" not in state and state["carried"]["items"] == 2
+    assert state["carried"]["starts"] == [
+        {"data_cursor": {"index": 8}, "manager_state": None},  # before step 3's prompts
+        {"data_cursor": {"index": 12}, "manager_state": None},
+    ]
+    files = json.loads((ckpt / MANIFEST).read_text())["files"]
+    assert CARRIED_FILE in files and not (ckpts / ".carried.staging").exists()
+    carried = read_carried(ckpt / CARRIED_FILE)
+    assert [b.samples for b in carried] == [reference[3], reference[4]]  # what the steps train
+    trained, dataset, summary = _resume(tmp_path)
+    assert summary["resumed_from"] == 2 and sorted(trained) == [3, 4, 5]
+    for step in trained:
+        assert trained[step] == reference[step], step
+    assert dataset.index == 20  # no prompt drawn twice
+
+
+def test_a_torn_carried_file_rejects_its_checkpoint_naming_it(stopped_k2, tmp_path, caplog):
+    reference, ckpts = stopped_k2
+    victim = ckpts / "step_00000002" / CARRIED_FILE
+    victim.write_bytes(victim.read_bytes()[:-10])
+    with pytest.raises(CheckpointError) as e:
+        verify_checkpoint(victim.parent)
+    assert f"{victim} is truncated" in str(e.value) and "\n" not in str(e.value)
+    trained, _, summary = _resume(tmp_path)  # auto falls back to step 1, whose batches are whole
+    assert summary["resumed_from"] == 1 and "skipping checkpoint step_00000002" in caplog.text
+    assert trained == {s: reference[s] for s in (2, 3, 4, 5)}
+
+
+def test_a_checkpoint_with_the_batches_in_its_trainer_state_json_still_resumes(stopped_k2, tmp_path):
+    """The form before carried.safetensors: `prefetched` in the trainer state, the dataclasses
+    as dicts (what `asdict` gave), no carried file."""
+    reference, ckpts = stopped_k2
+    ckpt = ckpts / "step_00000002"
+    state = json.loads((ckpt / "state.json").read_text())
+    batches = read_carried(ckpt / CARRIED_FILE)
+    del state["carried"]
+    state["prefetched"] = {
+        "batches": [{"samples": [asdict(s) for s in b.samples], "metrics": b.metrics} for b in batches]
+    }
+    (ckpt / "state.json").write_text(json.dumps(state))
+    (ckpt / CARRIED_FILE).unlink()
+    write_manifest(ckpt)
+    trained, dataset, summary = _resume(tmp_path)
+    assert summary["resumed_from"] == 2
+    assert trained == {s: reference[s] for s in (3, 4, 5)} and dataset.index == 20
+
+
+def test_drop_carried_on_resume_draws_their_prompts_again_with_the_resumed_weights(stopped_k2, tmp_path):
+    """The two carried batches (versions 0 and 1) are dropped; the cursor goes back to before
+    step 3's prompts (index 8), so steps 3-5 draw 12 prompts, all generated with version 2, the
+    weights the checkpoint holds; the same for any resume of that checkpoint."""
+    runs = []
+    for name in ("a", "b"):
+        shutil.copytree(tmp_path / "r", tmp_path / name)
+        trained, dataset, summary = _resume(tmp_path, name, **{"trainer.drop_carried_on_resume": "true"})
+        assert summary["resumed_from"] == 2 and summary["dropped_carried_batches"] == 2
+        assert {s: {v for x in trained[s] for v in x.token_versions} for s in trained} == {
+            3: {2},
+            4: {2},
+            5: {2},
+        }
+        assert dataset.index == 20
+        runs.append(trained)
+    assert runs[0] == runs[1]

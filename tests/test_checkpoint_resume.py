@@ -53,9 +53,21 @@ def _actor(hf_dir, load_weights=True):
     return build_actor(hf_dir, cfg, optim, total_updates=12, load_weights=load_weights)
 
 
+def _carried_batch():
+    from megatron_dapo.data.types import PromptSample
+    from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
+
+    prompt = PromptSample(3, "math_dapo", [], "q", [1, 2], "3", {})
+    sample = RolloutSample(
+        0, prompt, [4, 5], [-0.1, -2.5e-7], "45", "stop", 1.0, True, "3", 0.0, 1.0, 1, False
+    )
+    return RolloutBatch([sample], {"rollout/prompts_drawn": 1.0})
+
+
 def _train(rank, world, hf_dir, root):
     from megatron_dapo.actor.checkpoint import save_checkpoint
     from megatron_dapo.actor.parallel import init_parallel
+    from megatron_dapo.driver.carried import CARRIED_FILE, write_carried
 
     init_parallel(tp=2, pp=1)
     actor = _actor(hf_dir)
@@ -65,7 +77,15 @@ def _train(rank, world, hf_dir, root):
         lrs.append(actor.optimizer.param_groups[0]["lr"])
         rngs.append(torch.get_rng_state())
         trainer = {"cursor": {"epoch": 0, "index": 4 * (step + 1)}, "metrics_lines": step + 1}
-        save_checkpoint(root, step, actor, trainer_state=trainer, hf_dir=hf_dir, keep_last=2)
+        extra = None
+        if step == 2:  # as the async driver does: the carried batches, staged beside the root
+            staged = Path(root) / ".carried.staging"
+            if rank == 0:
+                write_carried(staged, [_carried_batch()])
+            extra = {CARRIED_FILE: str(staged)}
+        save_checkpoint(
+            root, step, actor, trainer_state=trainer, hf_dir=hf_dir, keep_last=2, extra_files=extra
+        )
     return as_bytes(dict(state=hf_state(actor), lrs=lrs, rngs=rngs, actor_state=actor.state))
 
 
@@ -152,6 +172,29 @@ def test_truncated_checkpoint_named_and_auto_falls_back(runs, tmp_path, caplog):
         find_resume_checkpoint(root, str(root / "step_00000002"))
     assert find_resume_checkpoint(root, "auto") == root / "step_00000001"
     assert "skipping checkpoint" in caplog.text
+
+
+def test_carried_batches_are_adopted_into_the_checkpoint_and_covered_by_its_manifest(runs, tmp_path, caplog):
+    """Rank 0 moved the staged file in before the manifest: it is listed (size, CRC), reads back
+    equal, and a torn copy rejects the checkpoint in one line naming it, like any corrupt file."""
+    import json
+
+    from megatron_dapo.actor.checkpoint import MANIFEST, CheckpointError, find_resume_checkpoint
+    from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
+
+    root = _copy(runs["root"], tmp_path)
+    ckpt = root / "step_00000002"
+    files = json.loads((ckpt / MANIFEST).read_text())["files"]
+    assert files[CARRIED_FILE]["size"] == (ckpt / CARRIED_FILE).stat().st_size
+    assert not (root / ".carried.staging").exists() and not (root / "step_00000001" / CARRIED_FILE).exists()
+    assert read_carried(ckpt / CARRIED_FILE) == [_carried_batch()]
+    victim = ckpt / CARRIED_FILE
+    victim.write_bytes(victim.read_bytes()[:-1])
+    with pytest.raises(CheckpointError) as e:
+        find_resume_checkpoint(root, str(ckpt))
+    assert f"{victim} is truncated" in str(e.value) and "\n" not in str(e.value)
+    assert find_resume_checkpoint(root, "auto") == root / "step_00000001"
+    assert CARRIED_FILE in caplog.text
 
 
 def test_corrupt_bytes_detected_by_checksum(runs, tmp_path):

@@ -184,4 +184,4 @@ def test_sigterm_during_the_prefetch_saves_the_finished_step_without_it(tmp_path
     assert step == 1 and summary["stopped_by"] == "SIGTERM" and summary["step"] == 1
     assert state["data_cursor"] == {"index": 4}, "the abandoned prefetch's prompts must be drawn again"
     assert state["manager_state"] == {"keep_rate": 0.5}
-    assert state["prefetched"] == {}
+    assert state["carried"] == {} and "prefetched" not in state

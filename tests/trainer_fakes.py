@@ -5,6 +5,8 @@ the trainer built on them."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 from megatron_dapo.config import load_config
@@ -23,8 +25,11 @@ class FakeRanks:
         if method == "save_checkpoint":
             root, step, state, _keep = args
             path = Path(root) / f"step_{step:08d}"
+            shutil.rmtree(path, ignore_errors=True)  # a re-save of a step replaces it, as the real one
             path.mkdir(parents=True)
             (path / "state.json").write_text(json.dumps(state))
+            for name, src in kwargs.get("extra_files", {}).items():  # as rank 0 adopts them
+                os.replace(src, path / name)
             (Path(root) / "latest").write_text(path.name + "\n")
             return [str(path)]
         return [None]

@@ -8,6 +8,8 @@ Layout under a checkpoint root::
                              (optimizer.sharded_state_dict), "rng" (one ShardedObject per rank),
                              and the common entries "scheduler" and "trainer";
                              plus config.json/tokenizer files and megatron_dapo_model.json;
+        carried.safetensors           (async modes, when batches were generated ahead) the
+                                      carried batches, driver/carried.py
         megatron_dapo_manifest.json   every file's size and CRC-32, written last
     root/latest              text: the directory name of the newest complete checkpoint
 
@@ -266,11 +268,15 @@ def save_checkpoint(
     trainer_state: dict[str, Any] | None = None,
     hf_dir: str | os.PathLike | None = None,
     keep_last: int = 3,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Save everything needed to resume after rollout step ``step``; returns the directory.
 
     Collective: every actor rank calls it. ``trainer_state`` is the driver's JSON-able state
     (data cursor, metrics line count, ...), returned by :func:`load_checkpoint`.
+    ``extra_files``: {name in the checkpoint: a file the driver wrote beside ``root``} (the
+    batches carried in async modes): rank 0 moves each into the checkpoint before the manifest
+    is written, so the manifest covers it and it is published (or discarded) with the rest.
     """
     from megatron_dapo.weights.dist_ckpt import model_sharded_state_dict, save_model_checkpoint
 
@@ -296,6 +302,9 @@ def save_checkpoint(
     error = None
     try:
         save_model_checkpoint(actor.model, tmp, hf_dir=hf_dir, extra=extra)
+        if dist.get_rank() == 0:
+            for name, src in (extra_files or {}).items():
+                os.replace(src, tmp / name)  # same file system (both under trainer.runs_dir)
     except OSError as e:  # a full disk, a quota: this rank's files are incomplete
         error = str(e)
     errors: list[Any] = [None] * dist.get_world_size()

@@ -263,6 +263,9 @@ class TrainerConfig:
     # async: the most versions a token may lag the actor that trains on it (older groups are
     # dropped and counted as rollout/stale_dropped_samples); 1 is one_step_off's bound
     max_staleness: int = 1
+    # one_step_off/async resume: a checkpoint carries the batches generated ahead of it (its
+    # carried.safetensors); true drops them and draws their prompts again with the resumed weights
+    drop_carried_on_resume: bool = False
     rollout_gpus: int = 0  # disaggregated: GPUs for engines; actor gets the rest
     ray_address: Optional[str] = None
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

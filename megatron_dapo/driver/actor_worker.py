@@ -231,7 +231,9 @@ class ActorWorker:
         return sd if dist.get_rank() == 0 else None
 
     # ---------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, root: str, step: int, trainer_state: dict, keep_last: int) -> str:
+    def save_checkpoint(
+        self, root: str, step: int, trainer_state: dict, keep_last: int, extra_files: dict | None = None
+    ) -> str:
         from megatron_dapo.actor.checkpoint import save_checkpoint
 
         path = save_checkpoint(
@@ -241,6 +243,7 @@ class ActorWorker:
             trainer_state=trainer_state,
             hf_dir=self.cfg["model"]["path"],
             keep_last=keep_last,
+            extra_files=extra_files,
         )
         return str(path)
 

@@ -7,8 +7,10 @@ behind the actor that trains on it. The rollout itself is the manager's `collect
 (dynamic sampling, retries, the determinism of its seeds), only started earlier.
 
 A prefetched batch that is finished when a checkpoint is taken travels in the checkpoint
-(`rollout_to_state`), with the data cursor already past its prompts, so a resume trains on
-exactly the batch the uninterrupted run would have.
+(`carried.safetensors`, driver/carried.py), with the data cursor already past its prompts, so a
+resume trains on exactly the batch the uninterrupted run would have. Each batch also keeps the
+data cursor and manager state from before it was drawn (`Prefetch.starts`), so that
+`trainer.drop_carried_on_resume=true` can put its prompts back instead of skipping them.
 
 `trainer.mode=async` with `trainer.max_staleness=K` is the same pipeline K batches deep: batch j
 is generated with the weights of version max(j-1-K, 0), so the sync to version v waits until
@@ -24,7 +26,6 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from dataclasses import asdict
 from typing import Any
 
 from megatron_dapo.data.types import PromptSample
@@ -68,6 +69,8 @@ class Prefetch:
             copy.deepcopy(manager.partial_state_dict()) if hasattr(manager, "partial_state_dict") else None
         )
         self._batches: list[RolloutBatch] = []
+        # per batch: the data cursor and manager state before it was drawn (checkpointed with it)
+        self.starts: list[dict[str, Any]] = []
         self._error: BaseException | None = None
         self.finished_at: float | None = None  # perf_counter when the engines went idle
         self._done = threading.Event()
@@ -77,7 +80,9 @@ class Prefetch:
     def _run(self) -> None:
         try:
             for _ in range(self.count):
+                start = batch_start(self.dataset, self.manager)
                 self._batches.append(self.manager.collect(self.dataset, self.version))
+                self.starts.append(start)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread in result()
             self._error = e
         finally:
@@ -109,18 +114,18 @@ class Prefetch:
         self._done.wait(timeout)
 
 
-# ---------------------------------------------------------------- checkpoint form
-def rollout_to_state(batch: RolloutBatch) -> dict[str, Any]:
-    """A finished rollout as JSON-able data for TrainerState (floats round-trip exactly)."""
-    return {"samples": [asdict(s) for s in batch.samples], "metrics": dict(batch.metrics)}
+def batch_start(dataset: Any, manager: Any) -> dict[str, Any]:
+    """Where the data and the manager stood before a batch was drawn (small, JSON-able)."""
+    return {
+        "data_cursor": copy.deepcopy(dataset.state_dict()),
+        "manager_state": copy.deepcopy(manager.state_dict()) if hasattr(manager, "state_dict") else None,
+    }
 
 
-def queue_to_state(batches: list[RolloutBatch]) -> dict[str, Any]:
-    """The finished batches ahead of the actor, oldest first ({} when none)."""
-    return {"batches": [rollout_to_state(b) for b in batches]} if batches else {}
-
-
+# ---------------------------------------------------------------- the old checkpoint form
 def queue_from_state(state: dict[str, Any]) -> list[RolloutBatch]:
+    """The carried batches of a checkpoint written before carried.safetensors: they were JSON in
+    the trainer state (`prefetched`), {"batches": [...]} or, before the queue, one batch."""
     if not state:
         return []
     if "samples" in state:  # a one_step_off checkpoint written before the queue: one batch

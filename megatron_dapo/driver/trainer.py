@@ -17,13 +17,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from megatron_dapo.driver.batch_builder import build_actor_batch
+from megatron_dapo.driver.carried import CARRIED_FILE, read_carried, write_carried
 from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
-from megatron_dapo.driver.pipeline import Prefetch, batches_ahead, queue_from_state, queue_to_state
+from megatron_dapo.driver.pipeline import Prefetch, batches_ahead, queue_from_state
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.rank_group import RankCallError
 from megatron_dapo.driver.run_dir import MetricsLogger, RunDir, jsonable_record
@@ -75,8 +77,11 @@ class TrainerState:
     # line (validation, logging) must not lose the line; the resume writes it from here.
     step_record: dict = field(default_factory=dict)
     # trainer.mode=one_step_off/async: the next steps' rollouts, finished before this checkpoint
-    # (generated with older weights; the data cursor is already past them), oldest first
-    prefetched: dict = field(default_factory=dict)
+    # (generated with older weights; the data cursor is already past them), oldest first, are in
+    # the checkpoint's carried.safetensors (driver/carried.py); this is its small index:
+    # {"file", "items", "starts": per item the data cursor / manager state before it was drawn}.
+    # ({} when nothing is carried. Checkpoints written before held them here as `prefetched`.)
+    carried: dict = field(default_factory=dict)
     # rollout.partial: the groups the last rollout left past its cut (partly generated
     # responses with their tokens, log-probs and per-token versions), continued by the next one
     partial_rollouts: dict = field(default_factory=dict)
@@ -122,6 +127,8 @@ class DAPOTrainer:
         self._saved_step: int | None = None
         self.ahead = batches_ahead(cfg)  # batches generated ahead of the actor (the staleness bound)
         self._queue: deque = deque()  # the finished rollouts of the next steps, oldest first
+        self._starts: deque = deque()  # per queued rollout: pipeline.batch_start before it (or None)
+        self._dropped_on_resume = 0  # carried batches trainer.drop_carried_on_resume discarded
         self._rollout_end = time.perf_counter()  # when the engines last finished a rollout
 
     # ---------------------------------------------------------------- resume
@@ -139,36 +146,86 @@ class DAPOTrainer:
         if path is None:
             return False
         # the ranks re-check sizes; the checksums were just verified here
-        loaded = self._call("load_checkpoint", str(path), str(path), False, limit="checkpoint_s")[0]
+        loaded = dict(self._call("load_checkpoint", str(path), str(path), False, limit="checkpoint_s")[0])
+        legacy = loaded.pop("prefetched", None) or {}  # a checkpoint written before carried.safetensors
         self.state = TrainerState(**loaded)
         self.dataset.load_state_dict(self.state.data_cursor)
         if self.state.manager_state and hasattr(self.manager, "load_state_dict"):
             self.manager.load_state_dict(self.state.manager_state)
-        self._queue = deque(queue_from_state(self.state.prefetched))
+        self._load_carried(Path(path), legacy)
         if hasattr(self.manager, "load_partial_state_dict"):
             self.manager.load_partial_state_dict(self.state.partial_rollouts)
         self._saved_step = self.state.step
         return True
 
+    def _load_carried(self, path: Path, legacy: dict) -> None:
+        """The checkpoint's carried batches into the queue, or, with
+        `trainer.drop_carried_on_resume`, none of them: the data cursor and the manager go back to
+        where they stood before the oldest was drawn, so its prompts are drawn again and generated
+        with the resumed weights (the same for every resume of this checkpoint)."""
+        index = self.state.carried
+        count = int(index.get("items", 0)) if index else len(queue_from_state(legacy))
+        starts = list(index.get("starts") or []) if index else []
+        if count and self.cfg.trainer.drop_carried_on_resume:
+            start = starts[0] if starts else None
+            if start is not None:
+                self.dataset.load_state_dict(start["data_cursor"])
+                if start["manager_state"] is not None and hasattr(self.manager, "load_state_dict"):
+                    self.manager.load_state_dict(start["manager_state"])
+            log.warning(
+                "trainer.drop_carried_on_resume=true: dropped the %d batch(es) checkpoint %s carried; %s",
+                count,
+                path,
+                "their prompts are drawn again"
+                if start is not None
+                else "this older checkpoint does not record where their prompts began, so they are skipped",
+            )
+            self._dropped_on_resume = count
+            self.state.carried = {}
+            # rollout.partial's tail was drawn after the oldest carried batch: its prompts are
+            # drawn again too, so continuing it as well would train them twice
+            self.state.partial_rollouts = {}
+            return
+        batches = read_carried(path / index["file"]) if index else queue_from_state(legacy)
+        self._queue = deque(batches)
+        self._starts = deque(starts + [None] * (len(batches) - len(starts)))
+
     def save(self) -> str:
         self.state.data_cursor = self.dataset.state_dict()
-        self.state.prefetched = queue_to_state(list(self._queue))
         if hasattr(self.manager, "partial_state_dict"):
             self.state.partial_rollouts = self.manager.partial_state_dict()
+        extra_files = None
+        staged = self.run.checkpoints / ".carried.staging"
+        if self._queue:
+            # its own file, not JSON in the trainer state: at real sizes the batches are hundreds
+            # of MB; rank 0 moves it into the checkpoint before the manifest (actor/checkpoint.py)
+            write_carried(staged, list(self._queue))
+            self.state.carried = {
+                "file": CARRIED_FILE,
+                "items": len(self._queue),
+                "starts": list(self._starts),
+            }
+            extra_files = {CARRIED_FILE: str(staged)}
+        else:
+            self.state.carried = {}
         if hasattr(self.manager, "state_dict"):
             self.state.manager_state = self.manager.state_dict()
-        path = self._call(
-            "save_checkpoint",
-            str(self.run.checkpoints),
-            self.state.step,
-            asdict(self.state),
-            self.cfg.trainer.keep_last,
-            limit="checkpoint_s",
-        )[0]
+        try:
+            path = self._call(
+                "save_checkpoint",
+                str(self.run.checkpoints),
+                self.state.step,
+                asdict(self.state),
+                self.cfg.trainer.keep_last,
+                limit="checkpoint_s",
+                **({"extra_files": extra_files} if extra_files else {}),
+            )[0]
+        finally:
+            staged.unlink(missing_ok=True)  # moved into the checkpoint, or left by a failed save
         self._saved_step = self.state.step
         return path
 
-    def _call(self, method: str, *args, limit: str):
+    def _call(self, method: str, *args, limit: str, **kwargs):
         """A call to every rank, bounded by `trainer.call_timeout.<limit>`: a hung rank ends the run
         with one line naming the call, the ranks and the knob, never a silent wait."""
         timeout_s = float(self.cfg.trainer.call_timeout[limit])
@@ -181,7 +238,9 @@ class DAPOTrainer:
             f"during step {self.state.step + 1}; trainer.resume=auto continues from {self.last_checkpoint()}"
         )
         try:
-            return self.ranks.call(method, *args, timeout_s=timeout_s, timeout_note=note, context=context)
+            return self.ranks.call(
+                method, *args, timeout_s=timeout_s, timeout_note=note, context=context, **kwargs
+            )
         except RankCallError as e:
             if not e.timed_out:
                 raise
@@ -210,6 +269,7 @@ class DAPOTrainer:
         dropped = 0
         while self._queue:
             rollout = self._queue.popleft()
+            self._starts.popleft()
             kept, n = drop_stale_groups(rollout.samples, self.state.weight_version, self.ahead)
             dropped += n
             if kept:
@@ -306,6 +366,8 @@ class DAPOTrainer:
         )
         progress = StepProgress(total, self.state.step, enabled=cfg.logging.progress)
         summary: dict[str, Any] = {"resumed_from": self.state.step if resumed else None}
+        if self._dropped_on_resume:
+            summary["dropped_carried_batches"] = self._dropped_on_resume
         try:
             if resumed or cfg.model.megatron_path:
                 # engines start from the HF weights of model.path; bring them to the actor's
@@ -359,7 +421,9 @@ class DAPOTrainer:
                 interrupt = prefetch is not None and self._interrupt_for_sync(prefetch, timer, progress, step)
                 if prefetch is not None and not interrupt:
                     with timer.phase("wait_data"), progress.phase(step, "waiting for the next rollout"):
-                        self._queue.extend(prefetch.result() or [])
+                        ahead = prefetch.result() or []
+                        self._queue.extend(ahead)
+                        self._starts.extend(prefetch.starts[: len(ahead)])
                     self._rollout_end = prefetch.finished_at
                 try:
                     with timer.phase("sync_weights"), progress.phase(step, "weight sync"):

@@ -1,0 +1,167 @@
+"""Issue 13: the batches an async checkpoint carries live in their own file (driver/carried.py).
+
+The reference is the items themselves: what comes back equals what went in, floats and tensors
+bit for bit (NaN, -0.0, infinities, subnormals included), in order, with other carried kinds
+(the slot partial rollouts use) interleaved; a torn file is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+
+import pytest
+import torch
+
+from megatron_dapo.data.types import PromptSample
+from megatron_dapo.driver.carried import read_carried, register_carried_type, write_carried
+from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
+from megatron_dapo.weights.hf_io import CheckpointError
+
+
+@dataclasses.dataclass
+class PartialStandIn:
+    """A stand-in for another kind of carried item (a generation paused mid-response)."""
+
+    request_id: str
+    prompt: PromptSample
+    output_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+
+
+register_carried_type("test_partial", PartialStandIn)
+
+
+def _prompt(i: int) -> PromptSample:
+    return PromptSample(
+        index=i,
+        data_source="math_dapo",
+        messages=[{"role": "user", "content": f"Compute {i} + 1. ✓"}],
+        prompt_text=f"Compute {i} + 1.",
+        prompt_ids=[7, i, 2**20],
+        ground_truth=str(i + 1),
+        extra_info={"split": "train", "weights": [0.5, 1.0]},
+    )
+
+
+def _sample(i: int, n: int, experts_shape=(2, 3), version: int | None = 1) -> RolloutSample:
+    g = torch.Generator().manual_seed(i)
+    logprobs = (-torch.rand(n, generator=g, dtype=torch.float64) * 7).tolist()
+    special = [-0.0, float("-inf"), float("nan"), -5e-324, -1.7976931348623157e308]
+    logprobs[: min(n, len(special))] = special[:n]
+    tokens = len(_prompt(i).prompt_ids) + n - 1
+    return RolloutSample(
+        group_id=i // 2,
+        prompt=_prompt(i),
+        response_ids=torch.randint(0, 151_000, (n,), generator=g).tolist(),
+        rollout_logprobs=logprobs,
+        response_text=f"{i} + 1 = {i + 1} — Answer: {i + 1}" if n else "",
+        finish_reason="stop" if n % 2 else "length",
+        score=1.0 if i % 2 else -1.0,
+        acc=bool(i % 2),
+        pred=str(i + 1),
+        overlong_penalty=-0.25 * (i % 3),
+        final_reward=0.1 + 0.2,  # a float that is not its short decimal
+        weight_version=version,
+        truncated=not n % 2,
+        reward_error=None if i % 3 else "timed out",
+        token_versions=None if version is None else [version] * n,
+        routed_experts=None
+        if experts_shape is None
+        else torch.randint(0, 8, (tokens, *experts_shape), generator=g, dtype=torch.int32),
+    )
+
+
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+def assert_same(a, b, where="item"):
+    """Equal, with floats compared by their bits and tensors by dtype, shape and bytes."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, float):
+        assert _bits(a) == _bits(b), (where, a, b)
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _items():
+    batch = RolloutBatch(
+        [_sample(0, 5), _sample(1, 0), _sample(2, 3, version=None), _sample(3, 1, experts_shape=None)],
+        {"rollout/prompts_drawn": 12.0, "rollout/reward/mean": 1 / 3},
+    )
+    # routed experts of different shapes (another model) are stored one tensor per row
+    mixed = RolloutBatch([_sample(4, 2, (2, 3)), _sample(5, 2, (4, 2))], {"rollout/prompts_drawn": 2.0})
+    partials = [
+        PartialStandIn(f"r{i}", _prompt(i), [3, 4, i], [-0.5, -0.0, -1e-9], [0, 0, 1]) for i in range(3)
+    ]
+    empty_text = RolloutBatch([_sample(6, 0)], {})  # a column of empty strings only
+    return [batch, partials[0], partials[1], RolloutBatch([], {}), mixed, partials[2], empty_text]
+
+
+def test_carried_items_round_trip_bit_for_bit_in_order(tmp_path):
+    items = _items()
+    path = tmp_path / "carried.safetensors"
+    size = write_carried(path, items)
+    assert size == path.stat().st_size
+    back = read_carried(path)
+    assert_same(items, back)
+    assert math.isnan(back[0].samples[0].rollout_logprobs[2])
+    assert back[0].samples[0].routed_experts.dtype == torch.int32
+    assert (
+        write_carried(tmp_path / "none.safetensors", []) > 0
+        and read_carried(tmp_path / "none.safetensors") == []
+    )
+
+
+def test_an_int_beyond_int64_still_round_trips():
+    import tempfile
+
+    s = _sample(0, 2)
+    s.response_ids = [1, 2**70]
+    with tempfile.TemporaryDirectory() as d:
+        write_carried(f"{d}/c", [RolloutBatch([s], {})])
+        assert read_carried(f"{d}/c")[0].samples[0].response_ids == [1, 2**70]
+
+
+def test_a_torn_or_foreign_carried_file_is_refused_in_one_line_naming_it(tmp_path):
+    path = tmp_path / "carried.safetensors"
+    write_carried(path, _items())
+    data = path.read_bytes()
+    for cut in (len(data) - 100, 40, 3):
+        torn = tmp_path / f"torn_{cut}.safetensors"
+        torn.write_bytes(data[:cut])
+        with pytest.raises(CheckpointError) as e:
+            read_carried(torn)
+        assert str(torn) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="missing.safetensors"):
+        read_carried(tmp_path / "missing.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "model.safetensors"))  # a weights file
+    with pytest.raises(CheckpointError, match="model.safetensors.*format None"):
+        read_carried(tmp_path / "model.safetensors")
+
+
+def test_an_unregistered_item_is_refused_naming_the_fix(tmp_path):
+    @dataclasses.dataclass
+    class Unknown:
+        x: int
+
+    with pytest.raises(TypeError, match="register_carried_type"):
+        write_carried(tmp_path / "c", [Unknown(1)])
