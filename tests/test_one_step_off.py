@@ -1,9 +1,12 @@
-"""trainer.mode=one_step_off: the engines generate step k+1's batch while the actor trains step k.
+"""trainer.mode=one_step_off/async: the engines generate the next steps' batches while the actor trains.
 
-The promise (issue 13): every token of step k's batch comes from the weights of step k-2 (0 at
-steps 1 and 2), so staleness is 0 at step 1 and exactly 1 from step 2 on; the loss takes the
-rollout's log-probs as the behaviour policy; a checkpoint carries the batch prefetched for the
-next step, so SIGKILL + resume equals the uninterrupted run; colocated placement refuses it.
+The promise (issue 13), end to end with the real stack (Ray, 2 Megatron ranks, the HF engine) at
+async K=2, one_step_off's schedule K batches deep (test_async.py checks K=1 = one_step_off's
+schedule with stand-ins): every token of step k's batch comes from the weights of version
+max(k-3, 0), so staleness is 0 at step 1 and reaches exactly 2 at step 3; the loss takes the
+rollout's log-probs as the behaviour policy; a checkpoint carries the batches generated ahead
+(their own file, carried.safetensors), so SIGKILL + resume equals the uninterrupted run;
+colocated placement refuses both modes.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ from trainer_fakes import FakeDataset, FakeRanks, make_trainer, trainer_config
 
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.data.types import PromptSample
+from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.rollout.manager import RolloutAbandoned
 from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 
-STEPS = 3
-ONE_STEP_OFF = {
+STEPS = 4
+ASYNC_K2 = {
     **DAPO_ON,
-    "trainer.mode": "one_step_off",
+    "trainer.mode": "async",
+    "trainer.max_staleness": 2,
     "trainer.placement": "disaggregated",
     "trainer.val_before_train": "false",
     "trainer.test_freq": 0,
@@ -49,21 +54,21 @@ def test_one_step_off_needs_engines_on_their_own_devices():
 
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory):
-    """An uninterrupted 3-step one_step_off run (dynamic sampling on)."""
-    runs = tmp_path_factory.mktemp("one_step_off_runs")
-    train_to_end(train_overrides(assets, runs, "ref", STEPS, **ONE_STEP_OFF))
+    """An uninterrupted 4-step async K=2 run (dynamic sampling on)."""
+    runs = tmp_path_factory.mktemp("async_runs")
+    train_to_end(train_overrides(assets, runs, "ref", STEPS, **ASYNC_K2))
     return runs / "ref"
 
 
-def test_every_token_is_one_version_behind_from_step_2(reference):
+def test_no_token_is_more_than_two_versions_behind(reference):
     records = read_metrics(reference)
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     for r in records:
         # the rollout dump records the engine's weight version per sample: step k trains on
-        # what the weights of step k-2 generated (the initial weights for steps 1 and 2)
+        # what the weights of version max(k-3, 0) generated (the initial ones for steps 1-3)
         rows = [json.loads(line) for line in (reference / "rollouts" / f"step_{r['step']}.jsonl").open()]
-        assert rows and {row["weight_version"] for row in rows} == {max(r["step"] - 2, 0)}, r["step"]
-        lag = 0.0 if r["step"] == 1 else 1.0
+        assert rows and {row["weight_version"] for row in rows} == {max(r["step"] - 3, 0)}, r["step"]
+        lag = float(min(r["step"] - 1, 2))  # the actor trains step k with version k-1
         for key in ("token_mean", "token_max", "sample_mean", "sample_max"):
             assert r[f"rollout/staleness_{key}"] == lag, (r["step"], key)
         assert r["timing/actor_wait_data_s"] >= 0 and r["timing/engine_wait_weights_s"] >= 0
@@ -81,26 +86,31 @@ def test_every_token_is_one_version_behind_from_step_2(reference):
         assert spread > 1e-3, (r["step"], spread)
 
 
-def test_sigkill_after_a_prefetch_and_resume_equals_the_uninterrupted_run(assets, reference, tmp_path):
-    """Held after step 1 (its checkpoint holds step 2's prefetched batch, generated with the
-    initial weights), killed, resumed: without that batch in the checkpoint the resumed step 2
-    would generate anew with step 1's weights and differ."""
-    args = train_overrides(assets, tmp_path, "killed", STEPS, **ONE_STEP_OFF, **{"trainer.resume": "auto"})
+def test_sigkill_while_two_batches_are_carried_and_resume_equals_the_uninterrupted_run(
+    assets, reference, tmp_path
+):
+    """Held after step 2, SIGKILLed: its checkpoint carries the batches of steps 3 (generated
+    with the initial weights) and 4 (with step 1's). Resumed (trainer.resume=auto): without them
+    in the checkpoint the resumed steps would generate anew with step 2's weights and differ."""
+    args = train_overrides(assets, tmp_path, "killed", STEPS, **ASYNC_K2, **{"trainer.resume": "auto"})
     run = tmp_path / "killed"
-    proc = start_and_wait_for_step(args, run / "metrics.jsonl", 1)
+    proc = start_and_wait_for_step(args, run / "metrics.jsonl", 2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    ckpt = run / "checkpoints" / "step_00000002"
+    assert (run / "checkpoints" / "latest").read_text().strip() == ckpt.name
+    carried = read_carried(ckpt / CARRIED_FILE)
+    assert [{v for s in b.samples for v in s.token_versions} for b in carried] == [{0}, {1}]
 
     train_to_end(args)
-    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 1
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 2
     a = load_file(str(reference / "hf" / f"step_{STEPS}" / "model.safetensors"))
     b = load_file(str(run / "hf" / f"step_{STEPS}" / "model.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
         assert (a[name] == b[name]).all(), f"{name} differs after resume"
     ref, got = read_metrics(reference), read_metrics(run)
-    assert [r["step"] for r in got] == [1, 2, 3]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
     for key in (
         "rollout/reward/mean",
         "rollout/staleness_token_mean",
@@ -171,7 +181,12 @@ class SigtermInPrefetch:
 
 def test_sigterm_during_the_prefetch_saves_the_finished_step_without_it(tmp_path):
     cfg = trainer_config(
-        tmp_path, **{"trainer.resume": "never", **{k: v for k, v in ONE_STEP_OFF.items() if "." in k}}
+        tmp_path,
+        **{
+            "trainer.resume": "never",
+            **{k: v for k, v in ASYNC_K2.items() if "." in k},
+            "trainer.mode": "one_step_off",
+        },
     )
     stop = StopFlag()
     ranks, dataset, manager = TrainingRanks(), FakeDataset(), SigtermInPrefetch(stop)
