@@ -195,7 +195,8 @@ class DAPOTrainer:
         if hasattr(self.manager, "partial_state_dict"):
             self.state.partial_rollouts = self.manager.partial_state_dict()
         extra_files = None
-        staged = self.run.checkpoints / ".carried.staging"
+        # absolute: rank 0 (maybe another process, another cwd) moves it into the checkpoint
+        staged = (self.run.checkpoints / ".carried.staging").absolute()
         if self._queue:
             # its own file, not JSON in the trainer state: at real sizes the batches are hundreds
             # of MB; rank 0 moves it into the checkpoint before the manifest (actor/checkpoint.py)
