@@ -105,8 +105,12 @@ def _items():
         [_sample(0, 5), _sample(1, 0), _sample(2, 3, version=None), _sample(3, 1, experts_shape=None)],
         {"rollout/prompts_drawn": 12.0, "rollout/reward/mean": 1 / 3},
     )
-    # routed experts of different shapes (another model) are stored one tensor per row
-    mixed = RolloutBatch([_sample(4, 2, (2, 3)), _sample(5, 2, (4, 2))], {"rollout/prompts_drawn": 2.0})
+    # routed experts of different shapes (another model) are stored one tensor per row, here one
+    # tensor held by two rows (safetensors refuses to save shared memory as such); a lone
+    # surrogate in a response text
+    mixed = RolloutBatch([_sample(4, 2, (2, 3)), _sample(5, 2, (2, 3)), _sample(7, 1, (4, 2))], {})
+    mixed.samples[1].routed_experts = mixed.samples[0].routed_experts
+    mixed.samples[2].response_text = "half a character: \ud83d"
     partials = [
         PartialStandIn(f"r{i}", _prompt(i), [3, 4, i], [-0.5, -0.0, -1e-9], [0, 0, 1]) for i in range(3)
     ]

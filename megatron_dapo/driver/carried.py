@@ -47,6 +47,8 @@ from megatron_dapo.weights.hf_io import CheckpointError
 CARRIED_FILE = "carried.safetensors"
 FORMAT = "megatron-dapo-carried/1"
 _BATCH = "rollout_batch"
+# a lone surrogate (a tokenizer's decode of half a character) round-trips too
+_UTF8_ERRORS = "surrogatepass"
 # kind name -> dataclass of one item (a row); RolloutBatch is the built-in kind above
 _TYPES: dict[str, type] = {}
 
@@ -144,19 +146,21 @@ def _encode_column(key: str, values: list[Any], tensors: dict[str, torch.Tensor]
             data = data.to(torch.int32)  # token ids and versions: half the bytes, same values
         tensors[key], tensors[key + "#len"] = data, _lengths(values, len)
     elif kind == "text":
-        raw = b"".join(v.encode() for v in present)
+        encoded = [None if v is None else v.encode("utf-8", _UTF8_ERRORS) for v in values]
+        raw = b"".join(v for v in encoded if v is not None)
         # (frombuffer refuses an empty buffer)
         tensors[key] = (
             torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
         )
-        tensors[key + "#len"] = _lengths([None if v is None else v.encode() for v in values], len)
+        tensors[key + "#len"] = _lengths(encoded, len)
     elif kind == "tensor":
         tensors[key] = torch.cat([v.detach().cpu() for v in present]).contiguous()
         tensors[key + "#len"] = _lengths(values, lambda v: v.shape[0])
     elif kind == "tensors":
         for i, v in enumerate(values):
             if v is not None:
-                tensors[f"{key}#{i}"] = v.detach().cpu().contiguous()
+                # a copy: safetensors refuses tensors that share memory (one tensor in two rows)
+                tensors[f"{key}#{i}"] = v.detach().cpu().clone(memory_format=torch.contiguous_format)
         return {"kind": kind, "present": [v is not None for v in values]}
     else:
         return {"kind": "json", "values": values}
@@ -182,7 +186,7 @@ def _decode_column(key: str, spec: dict[str, Any], rows: int, get) -> list[Any]:
             part = flat[at : at + n]
             at += n
             if kind == "text":
-                part = bytes(part.numpy()).decode()
+                part = bytes(part.numpy()).decode("utf-8", _UTF8_ERRORS)
             elif kind == "tensor":
                 part = part.clone()
             values.append(part)
