@@ -199,7 +199,8 @@ class DAPOTrainer:
         staged = (self.run.checkpoints / ".carried.staging").absolute()
         if self._queue:
             # its own file, not JSON in the trainer state: at real sizes the batches are hundreds
-            # of MB; rank 0 moves it into the checkpoint before the manifest (actor/checkpoint.py)
+            # of MB; rank 0 moves it into the checkpoint before the manifest (actor/checkpoint.py).
+            # Other kinds of carried items (carried.register_carried_type) join this list.
             write_carried(staged, list(self._queue))
             self.state.carried = {
                 "file": CARRIED_FILE,
