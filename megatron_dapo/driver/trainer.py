@@ -255,6 +255,12 @@ class DAPOTrainer:
             return str(self.run.checkpoints / latest.read_text().strip())
         return f"none under {self.run.checkpoints}"
 
+    def _queue_prefetched(self, prefetch: Prefetch) -> None:
+        """The prefetch's finished batches join the queue, each with where its prompts began."""
+        ahead = prefetch.result() or []
+        self._queue.extend(ahead)
+        self._starts.extend(prefetch.starts[: len(ahead)])
+
     def _abandon_step(self, cursor: dict, manager_state: dict | None) -> None:
         """A stop during rollout: forget the step in flight (its prompts go back to the data
         cursor) and checkpoint the last finished step, which the actor still holds unchanged."""
@@ -423,9 +429,7 @@ class DAPOTrainer:
                 interrupt = prefetch is not None and self._interrupt_for_sync(prefetch, timer, progress, step)
                 if prefetch is not None and not interrupt:
                     with timer.phase("wait_data"), progress.phase(step, "waiting for the next rollout"):
-                        ahead = prefetch.result() or []
-                        self._queue.extend(ahead)
-                        self._starts.extend(prefetch.starts[: len(ahead)])
+                        self._queue_prefetched(prefetch)
                     self._rollout_end = prefetch.finished_at
                 try:
                     with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
@@ -444,7 +448,7 @@ class DAPOTrainer:
                 if interrupt:
                     self.manager.resume()
                     with timer.phase("wait_data"), progress.phase(step, "waiting for the next rollout"):
-                        self._queue.extend(prefetch.result() or [])
+                        self._queue_prefetched(prefetch)
                 # engines idle from their last rollout until the new weights are in (validation aside)
                 sync_metrics["timing/engine_wait_weights_s"] = time.perf_counter() - self._rollout_end
                 sync_metrics["timing/actor_wait_data_s"] = timer.seconds.get("gen", 0.0) + timer.seconds.get(
