@@ -1,7 +1,9 @@
 """Qwen3-MoE (8 experts, top-2, 2 layers, q/k norms, head_dim 24) built in megatron-core from the
-HF config, at expert parallel size 1 on CPU: logits equal transformers' Qwen3MoeForCausalLM
-(1e-5, fp32) and the weight-sync buckets equal HF's state dict bit for bit (per-expert names),
-without and with pipeline parallelism, with and without renormalised top-k probabilities."""
+HF config on CPU: logits equal transformers' Qwen3MoeForCausalLM (1e-5, fp32) and the weight-sync
+buckets equal HF's state dict bit for bit (per-expert names), at DP2, PP2, EP2 and TP2 (experts
+split over TP as megatron's expert tensor parallel = TP, sequence parallel on), with and without
+renormalised top-k probabilities; HF -> Megatron dist checkpoint -> HF bit-exact at PP2 and at
+EP2 x TP2 (4 ranks), whose logits verify-model checks at that layout."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from megatron_dapo.actor.model import ModelConfigError, arch_spec, transformer_c
 from megatron_dapo.actor.spawn import run_ranks
 
 MODELS = ("norm-topk", "tied-raw-topk")  # untied with norm_topk_prob; tied without
-LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, ep) on 2 ranks; tp=pp=1 is data parallel 2
+LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 1)]  # (tp, pp, ep) on 2 ranks; tp=pp=1 is DP 2
 BATCH, SEQ = 2, 12
 
 
@@ -82,7 +84,7 @@ CASES = [(m, *layout) for m in MODELS for layout in LAYOUTS]
 def test_moe_logits_match_hf(runs, hf_reference, model, tp, pp, ep):
     ref = hf_reference[model]["logits"]
     got = [r[(model, tp, pp, ep)]["logits"] for r in runs if r[(model, tp, pp, ep)]["logits"] is not None]
-    assert len(got) == 2 // pp  # the last stage of each data-parallel replica
+    assert len(got) == 2 // pp  # the last stage of each replica (both TP ranks return logits)
     for g in got:
         diff = (g - ref).abs().max().item()
         assert diff < 1e-5, f"max |logit diff| {diff:.2e}"
@@ -122,17 +124,20 @@ def test_moe_config_fields_and_refusals():
     cfg = transformer_config_from_hf(hf)
     assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size) == (8, 2, 32)
     assert not cfg.moe_router_pre_softmax and cfg.qk_layernorm and cfg.kv_channels == 24
-    with pytest.raises(ModelConfigError, match="tp=2 is not supported for MoE"):
-        transformer_config_from_hf(hf, tp=2)
+    # TP for MoE: experts split over TP too (megatron-core's default expert_tensor_parallel_size),
+    # and sequence parallel on, without which megatron's MoE layer refuses to train.
+    tp2 = transformer_config_from_hf(hf, tp=2)
+    assert (tp2.expert_tensor_parallel_size, tp2.sequence_parallel) == (2, True)
+    assert transformer_config_from_hf(hf).expert_tensor_parallel_size == 1
     hf.mlp_only_layers = [0]
     with pytest.raises(ModelConfigError, match="mlp_only_layers=\\[0\\]"):
         arch_spec(hf)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp,ep", [(2, 1), (1, 2)], ids=["pp2", "ep2"])
+@pytest.mark.parametrize("tp,pp,ep", [(1, 2, 1), (2, 1, 2)], ids=["pp2", "ep2xtp2"])
 def test_moe_converts_hf_to_megatron_to_hf_bit_exact_and_verify_model(
-    tiny_hf_checkpoint, tmp_path, capsys, pp, ep
+    tiny_hf_checkpoint, tmp_path, capsys, tp, pp, ep
 ):
     from megatron_dapo.cli import main as cli
     from megatron_dapo.weights.convert import hf_to_megatron, megatron_to_hf
@@ -140,12 +145,20 @@ def test_moe_converts_hf_to_megatron_to_hf_bit_exact_and_verify_model(
 
     src = tiny_hf_checkpoint(family="qwen3_moe", num_layers=4, seed=33)
     meg, back = tmp_path / "meg", tmp_path / "hf_back"
-    hf_to_megatron(src, meg, tp=1, pp=pp, ep=ep, progress=False)
-    assert (read_layout(meg)["pp"], read_layout(meg)["ep"]) == (pp, ep)
+    hf_to_megatron(src, meg, tp=tp, pp=pp, ep=ep, progress=False)
+    layout = read_layout(meg)
+    assert (layout["tp"], layout["pp"], layout["ep"]) == (tp, pp, ep)
     megatron_to_hf(meg, back, progress=False)
     a, b = hf_state_dict(src), hf_state_dict(back)
     assert sorted(a) == sorted(b)
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-    assert cli(["verify-model", "--hf-dir", str(src), "--megatron-dir", str(meg), "--atol", "1e-5"]) == 0
-    assert "max |logit diff|" in capsys.readouterr().out
+    # Logits of the dist checkpoint loaded at its own layout (EP2 x TP2: 4 ranks, all-to-all).
+    layout_args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+    assert (
+        cli(
+            ["verify-model", "--hf-dir", str(src), "--megatron-dir", str(meg), "--atol", "1e-5", *layout_args]
+        )
+        == 0
+    )
+    assert f"Megatron(tp={tp}, pp={pp}, ep={ep}," in capsys.readouterr().out

@@ -58,6 +58,13 @@ Patches (all installed together, once per process):
    mask from the global positions of the load-balanced chunks. On GPU TE's attention is used.
    RoPE's per-CP-rank slice (``rope_utils.get_pos_emb_on_this_cp_rank``) pins and ``.cuda()``-moves
    its chunk index: on CPU pinning is dropped and ``.cuda()`` is the identity for that call.
+9. Sequence parallelism with the local spec (``_apply_sp_norm_cpu_compat``). megatron-core 0.16's
+   ``WrappedTorchNorm`` (the local spec's norm without apex) asserts ``not sequence_parallel``:
+   a torch norm does not mark its weight ``sequence_parallel``, so ``finalize_model_grads``
+   would not sum its gradient over the TP ranks, each of which saw only its shard of the
+   sequence. On CPU with SP it is built from the config with that flag off and its parameters
+   are then marked ``sequence_parallel = True``, exactly what apex's ``FusedLayerNorm`` does on
+   GPU. Needed because megatron's MoE layer trains with TP > 1 only under SP.
 
 Not patched, because the CPU path does not use them: the distributed optimizer (the CPU path uses
 megatron's non-distributed optimizer), CUDA graphs, NCCL user buffers, overlapped grad reduce /
@@ -297,6 +304,7 @@ def apply_cpu_compat() -> None:
     _install_cpu_rng_tracker()
     _apply_moe_cpu_compat()
     _apply_cp_cpu_compat()
+    _apply_sp_norm_cpu_compat()
     _APPLIED = True
 
 
@@ -380,3 +388,28 @@ def _apply_cp_cpu_compat() -> None:
     wrapped = _within(_tensor_cuda_is_identity, rope_utils.get_pos_emb_on_this_cp_rank)
     rope_utils.get_pos_emb_on_this_cp_rank = wrapped
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = wrapped
+
+
+# ---- Sequence parallelism with the local spec's torch norms on CPU (patch 9) ----
+
+
+def _apply_sp_norm_cpu_compat() -> None:
+    import dataclasses
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+    if getattr(original, "_sp_marked", False):
+        return
+
+    def new(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        # A shallow copy with SP off only to pass the assertion; the norm keeps no config.
+        norm = original(cls, dataclasses.replace(config, sequence_parallel=False), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    new._sp_marked = True
+    WrappedTorchNorm.__new__ = new

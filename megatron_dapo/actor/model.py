@@ -269,10 +269,9 @@ def transformer_config_from_hf(
     if sequence_parallel and tp == 1:
         sequence_parallel = False
     if spec.num_experts and tp > 1:
-        raise ModelConfigError(
-            f"{spec.architecture}: tp={tp} is not supported for MoE models yet (experts are checked at "
-            "tp=1 only); use tp=1"
-        )
+        # megatron-core's MoELayer refuses to train with TP > 1 without sequence parallelism (its
+        # token dispatchers gather the SP shards of the TP group); forward-only use is equal.
+        sequence_parallel = True
     kwargs: dict[str, Any] = dict(
         num_layers=layers,
         hidden_size=hf_config.hidden_size,
@@ -319,7 +318,12 @@ def transformer_config_from_hf(
                 f"num_experts={spec.num_experts} is not divisible by expert parallel size {ep}; "
                 "choose parallel.expert_model_parallel_size dividing it"
             )
-        kwargs.update(_moe_kwargs(spec), expert_model_parallel_size=ep)
+        # Expert tensor parallel = TP, megatron-core's own default (ModelParallelConfig and
+        # initialize_model_parallel both set expert_tensor_parallel_size = tp when unset): the
+        # experts' fc1/fc2 are split over the TP ranks exactly like the dense MLP's, so the
+        # weight maps and the TP groups are shared. (ETP=1 would instead fold EP into the TP
+        # ranks; it is a layout megatron allows but not its default.)
+        kwargs.update(_moe_kwargs(spec), expert_model_parallel_size=ep, expert_tensor_parallel_size=tp)
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe)
     if recompute:

@@ -20,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--ep", type=int, default=1, help="MoE expert parallel size (runs tp*pp*ep ranks)")
     p.add_argument("--atol", type=float, default=1e-4, help="max allowed |logit difference| (default 1e-4)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=16)
@@ -40,14 +41,14 @@ def fixed_batch(vocab_size: int, batch: int, seq_len: int, seed: int):
     return torch.randint(0, vocab_size, (batch, seq_len), generator=gen)
 
 
-def verify_rank(rank, world, hf_dir, megatron_dir, tp, pp, vpp, batch, seq_len, seed, spec="auto"):
+def verify_rank(rank, world, hf_dir, megatron_dir, tp, pp, vpp, batch, seq_len, seed, spec="auto", ep=1):
     """One rank: Megatron logits, and on the last stage's TP-0 DP-0 rank the diff against HF."""
     import torch
 
     from megatron_dapo.actor.model import build_gpt_model, forward_logits, load_hf_config
     from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
 
-    layout = init_parallel(tp=tp, pp=pp, vpp=vpp)
+    layout = init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep)
     config = load_hf_config(hf_dir)
     use_te = {"auto": None, "te": True, "local": False}[spec]
     chunks = build_gpt_model(config, params_dtype=torch.float32, use_te=use_te, perform_initialization=False)
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = run_ranks(
             verify_rank,
-            args.tp * args.pp,
+            args.tp * args.pp * args.ep,
             args.hf_dir,
             args.megatron_dir,
             args.tp,
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             args.seq_len,
             args.seed,
             args.spec,
+            args.ep,
         )
     except RankFailed as e:
         from megatron_dapo.errors import report
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     diff = max(d for d in results if d is not None)
     source = args.megatron_dir or args.hf_dir
     print(
-        f"max |logit diff| Megatron(tp={args.tp}, pp={args.pp}, spec={args.spec}, weights={source}) vs HF: {diff:.3e} "
+        f"max |logit diff| Megatron(tp={args.tp}, pp={args.pp}, ep={args.ep}, spec={args.spec}, weights={source}) vs HF: {diff:.3e} "
         f"(atol {args.atol:g})"
     )
     if diff > args.atol:

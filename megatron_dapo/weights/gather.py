@@ -79,6 +79,7 @@ def _plan(model_chunks: list[Any]) -> tuple[list[_Item], list[Any], Dims]:
     hf_config = hf_config_of(model_chunks)
     dims = dims_of(hf_config, padded_vocab_of(model_chunks))
     tp = ps.get_tensor_model_parallel_world_size()
+    etp = ps.get_expert_tensor_parallel_world_size()
     order = {name: i for i, name in enumerate(expected_hf_names(hf_config))}
     exported = [b for b in bind(model_chunks, hf_config) if b.export]
     local = [
@@ -87,7 +88,7 @@ def _plan(model_chunks: list[Any]) -> tuple[list[_Item], list[Any], Dims]:
             i,
             b.kind,
             b.hf_names,
-            _hf_shapes(b.kind, tuple(b.param.shape), tp, dims),
+            _hf_shapes(b.kind, tuple(b.param.shape), etp if is_expert(b) else tp, dims),
             b.param.dtype,
             None,
         )
@@ -157,21 +158,26 @@ def _merged_on_owner(item: _Item, binding: Any, dims: Dims) -> list[torch.Tensor
     """
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
+    if item.owner_ep is not None or is_expert(binding):
+        # An expert's shards live on the expert-tensor-parallel group (megatron's ETP, = TP here).
+        tp, rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+        group = ps.get_expert_tensor_parallel_group() if tp > 1 else None
+    else:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     local = binding.param.detach()
     if item.kind == "replicated" or tp == 1:
         shards = [local]
     else:
-        group = ps.get_tensor_model_parallel_group()
         dst = dist.get_global_rank(group, 0)
-        if ps.get_tensor_model_parallel_rank() == 0:
+        if rank == 0:
             flat = torch.empty((tp, *local.shape), dtype=local.dtype, device=local.device)
             shards = list(flat.unbind(0))
             dist.gather(local.contiguous(), gather_list=shards, dst=dst, group=group)
         else:
             dist.gather(local.contiguous(), gather_list=None, dst=dst, group=group)
             return None
-    if ps.get_tensor_model_parallel_rank() != 0:
+    if rank != 0:
         return None
     return MERGERS[item.kind](shards, dims)
 
@@ -208,7 +214,10 @@ def iter_hf_buckets(
             else:
                 mine = ps.get_expert_model_parallel_rank() == item.owner_ep
                 merged = _merged_on_owner(item, exported[item.local_index], dims) if mine else None
-                tensors = _expert_broadcast(item, merged, exported[0].param.device)
+                # The owner's expert-TP rank 0 holds the merged tensors; the expert-TP rank 0s of
+                # the other EP ranks (one per DP replica's holder) receive them.
+                if ps.get_expert_tensor_parallel_rank() == 0:
+                    tensors = _expert_broadcast(item, merged, exported[0].param.device)
             if tensors is not None and item.owner_pp != 0:
                 for t in tensors:
                     dist.send(t.contiguous(), holder_global)

@@ -10,7 +10,7 @@ import torch
 from megatron_dapo.weights.hf_io import CheckpointError, SafetensorsReader
 from megatron_dapo.weights.layout import READERS
 from megatron_dapo.weights.model_io import hf_config_of, padded_vocab_of
-from megatron_dapo.weights.plan import bind, dims_of
+from megatron_dapo.weights.plan import bind, dims_of, is_expert
 from megatron_dapo.weights.progress import progress_bar
 
 _CHECKED_FIELDS = (
@@ -57,16 +57,19 @@ def load_hf_weights(
     check_same_architecture(model_config, load_hf_config(hf_dir), str(hf_dir))
     reader = SafetensorsReader(hf_dir)
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    # Experts are split over the expert-tensor-parallel group (megatron's ETP, = TP here).
+    etp, erank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
     dims = dims_of(model_config, padded_vocab_of(model_chunks))
     bindings = bind(model_chunks, model_config)
     total = 0
     with progress_bar(progress, len(bindings), f"loading {hf_dir}") as advance:
         for b in bindings:
-            shard = READERS[b.kind](reader, b.hf_names, tp, rank, dims)
+            size, at = (etp, erank) if is_expert(b) else (tp, rank)
+            shard = READERS[b.kind](reader, b.hf_names, size, at, dims)
             if tuple(shard.shape) != tuple(b.param.shape):
                 raise CheckpointError(
                     f"shape mismatch for {', '.join(b.hf_names)} -> {b.megatron_name}: checkpoint gives "
-                    f"{tuple(shard.shape)} for TP rank {rank}/{tp}, the model expects {tuple(b.param.shape)}"
+                    f"{tuple(shard.shape)} for TP rank {at}/{size}, the model expects {tuple(b.param.shape)}"
                 )
             with torch.no_grad():
                 b.param.data.copy_(shard)
