@@ -86,7 +86,7 @@ def _rank_run(rank, world, hf_dir, inputs, layouts):
     from megatron_dapo.actor.batch import make_actor_batch
     from megatron_dapo.actor.optimizer import OptimizerSettings
     from megatron_dapo.actor.parallel import init_parallel
-    from megatron_dapo.weights.gather import iter_hf_buckets
+    from megatron_dapo.weights.gather import is_bucket_holder, iter_hf_buckets
 
     batch = make_actor_batch(
         inputs["prompts"],
@@ -115,8 +115,8 @@ def _rank_run(rank, world, hf_dir, inputs, layouts):
         for bucket in iter_hf_buckets(actor.model):
             if bucket:
                 state.update({k: v.clone() for k, v in bucket.items()})
-        # At EP=2 every rank holds buckets (one per data-parallel replica): keep both.
-        keep = rank == 0 or layout.get("ep", 1) > 1
+        # Each data-parallel replica has a holder (TP and PP rank 0); at EP=2 keep every one.
+        keep = is_bucket_holder() and (rank == 0 or layout.get("ep", 1) > 1)
         out[tuple(sorted(layout.items()))] = dict(metrics=metrics, state=state if keep else None)
     return _as_bytes(out)
 
@@ -188,6 +188,8 @@ def ep1(hf_dir, inputs):
 
 
 EP2, PP2 = (("ep", 2), ("pp", 1), ("tp", 1)), (("ep", 1), ("pp", 2), ("tp", 1))
+TP2 = (("ep", 1), ("pp", 1), ("tp", 2))
+EP2_TP2 = (("ep", 2), ("pp", 1), ("tp", 2))
 # A budget of 14 tokens packs the two data-parallel halves into 4 and 3 micro-batches.
 EP2_UNEVEN = (("budget", 14), ("ep", 2), ("pp", 1), ("tp", 1))
 
@@ -196,8 +198,20 @@ EP2_UNEVEN = (("budget", 14), ("ep", 2), ("pp", 1), ("tp", 1))
 def two_ranks(hf_dir, inputs):
     """EP=2 (the experts split over the two data-parallel ranks, tokens exchanged all-to-all over
     gloo) and PP=2, in one launch."""
-    layouts = [dict(tp=1, pp=1, ep=2), dict(tp=1, pp=2, ep=1), dict(tp=1, pp=1, ep=2, budget=14)]
+    layouts = [
+        dict(tp=1, pp=1, ep=2),
+        dict(tp=1, pp=2, ep=1),
+        dict(tp=1, pp=1, ep=2, budget=14),
+        dict(tp=2, pp=1, ep=1),
+    ]
     return _results(hf_dir, inputs, 2, layouts)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(hf_dir, inputs):
+    """EP=2 x TP=2: experts split over EP and, within an EP rank, over TP (expert tensor parallel
+    = TP), sequence parallel on, data parallel 2."""
+    return _results(hf_dir, inputs, 4, [dict(tp=2, pp=1, ep=2)])
 
 
 def _check_against_reference(got, reference):
@@ -223,11 +237,24 @@ def test_moe_train_step_ep1_equals_hf_reference(ep1, reference, hf_dir):
     assert sum(".mlp.experts." in k for k in moved) >= 8
 
 
-@pytest.mark.parametrize("layout", [EP2, PP2, EP2_UNEVEN], ids=["ep2", "pp2", "ep2-uneven-micro-batches"])
+@pytest.mark.parametrize(
+    "layout", [EP2, PP2, EP2_UNEVEN, TP2], ids=["ep2", "pp2", "ep2-uneven-micro-batches", "tp2"]
+)
 def test_moe_train_step_is_layout_invariant(two_ranks, ep1, reference, layout):
     ranks = [r[layout] for r in two_ranks]
     holders = [r for r in ranks if r["state"] is not None]
-    assert len(holders) == (1 if layout == PP2 else 2)  # at EP=2 each replica gathers all experts
+    assert len(holders) == (2 if layout in (EP2, EP2_UNEVEN) else 1)  # at EP=2 each replica gathers
+    _check_layout(holders, ep1, reference)
+
+
+def test_moe_train_step_ep2_x_tp2_equals_ep1(four_ranks, ep1, reference):
+    ranks = [r[EP2_TP2] for r in four_ranks]
+    holders = [r for r in ranks if r["state"] is not None]
+    assert len(holders) == 2  # TP rank 0 of each data-parallel replica, each with all experts
+    _check_layout(holders, ep1, reference)
+
+
+def _check_layout(holders, ep1, reference):
     for got in holders:
         _check_against_reference(got, reference)
         ref_u, got_u = ep1["metrics"]["updates"][0], got["metrics"]["updates"][0]

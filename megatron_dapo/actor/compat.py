@@ -65,6 +65,13 @@ Patches (all installed together, once per process):
    sequence. On CPU with SP it is built from the config with that flag off and its parameters
    are then marked ``sequence_parallel = True``, exactly what apex's ``FusedLayerNorm`` does on
    GPU. Needed because megatron's MoE layer trains with TP > 1 only under SP.
+10. Uneven sequence-parallel gathers (``_apply_uneven_gather_cpu_compat``). With EP x TP the
+   alltoall token dispatcher gathers and reduce-scatters the tokens of the expert-TP group with
+   per-rank split sizes (``tensor_parallel.mappings._gather_along_first_dim`` /
+   ``_reduce_scatter_along_first_dim`` with ``output_split_sizes`` / ``input_split_sizes``),
+   as lists of uneven tensors, which NCCL takes and gloo refuses ("invalid tensor size"). On CPU
+   those two calls, only when given split sizes, pad every piece to the largest and all-gather
+   equal pieces, or all-reduce the whole input and keep this rank's rows: the same values.
 
 Not patched, because the CPU path does not use them: the distributed optimizer (the CPU path uses
 megatron's non-distributed optimizer), CUDA graphs, NCCL user buffers, overlapped grad reduce /
@@ -305,6 +312,7 @@ def apply_cpu_compat() -> None:
     _apply_moe_cpu_compat()
     _apply_cp_cpu_compat()
     _apply_sp_norm_cpu_compat()
+    _apply_uneven_gather_cpu_compat()
     _APPLIED = True
 
 
@@ -413,3 +421,48 @@ def _apply_sp_norm_cpu_compat() -> None:
 
     new._sp_marked = True
     WrappedTorchNorm.__new__ = new
+
+
+# ---- Uneven gathers / reduce-scatters of the EP x TP token dispatcher on gloo (patch 10) ----
+
+
+def _gather_uneven(input_: torch.Tensor, group: Any, sizes: list[int]) -> torch.Tensor:
+    import torch.distributed as dist
+
+    longest = max(sizes)
+    padded = input_.new_zeros((longest, *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    out = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    return torch.cat([out[r * longest : r * longest + n] for r, n in enumerate(sizes)])
+
+
+def _reduce_scatter_uneven(input_: torch.Tensor, group: Any, sizes: list[int]) -> torch.Tensor:
+    import torch.distributed as dist
+
+    total = input_.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    start = sum(sizes[: group.rank()])
+    return total[start : start + sizes[group.rank()]].clone()
+
+
+def _apply_uneven_gather_cpu_compat() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "_uneven_on_cpu", False):
+        return
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        return _gather_uneven(input_, group, list(output_split_sizes))
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        return _reduce_scatter_uneven(input_, group, list(input_split_sizes))
+
+    gather_along_first_dim._uneven_on_cpu = True
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
