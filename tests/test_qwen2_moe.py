@@ -1,7 +1,7 @@
 """Qwen2-MoE's shared expert (shared_expert + sigmoid shared_expert_gate) on a tiny random
 Qwen2MoeForCausalLM (8 experts, top-2, 2 layers, q/k/v bias): built in megatron-core from the HF
 config, its logits equal transformers' within 1e-5 (fp32), the weight-sync buckets equal the HF
-state dict bit for bit (HF -> Megatron -> HF), at EP=1 and EP=2, with and without renormalised
+state dict bit for bit (HF -> Megatron -> HF), at EP=1, EP=2 and TP=2, with and without renormalised
 top-k probabilities."""
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ def _checkpoint(path, seed, norm_topk):
     return str(path)
 
 
+LAYOUTS = [(1, 1), (1, 2), (2, 1)]  # (tp, ep) on 2 ranks; TP2 splits the shared expert and experts
+
+
 def _rank_run(rank, world, model_dirs):
     from megatron_dapo.actor.model import build_gpt_model, forward_logits, load_hf_config
     from megatron_dapo.actor.parallel import init_parallel
@@ -54,8 +57,8 @@ def _rank_run(rank, world, model_dirs):
     out = {}
     for name, hf_dir in model_dirs.items():
         config = load_hf_config(hf_dir)
-        for ep in (1, 2):
-            init_parallel(tp=1, pp=1, ep=ep)
+        for tp, ep in LAYOUTS:
+            init_parallel(tp=tp, pp=1, ep=ep)
             chunks = build_gpt_model(config, perform_initialization=False)
             load_hf_weights(chunks, hf_dir)
             logits = forward_logits(chunks, _ids(config.vocab_size))
@@ -63,7 +66,7 @@ def _rank_run(rank, world, model_dirs):
             for bucket in iter_hf_buckets(chunks, bucket_bytes=32 << 10):
                 if bucket is not None:
                     state.update(bucket)
-            out[(name, ep)] = dict(logits=logits, state=state)
+            out[(name, tp, ep)] = dict(logits=logits, state=state if state else None)
     return out
 
 
@@ -79,13 +82,17 @@ def runs(checkpoints):
 
 
 @pytest.mark.parametrize("name", ["raw-topk", "norm-topk"])
-@pytest.mark.parametrize("ep", [1, 2])
-def test_qwen2_moe_logits_and_buckets_equal_hf(runs, checkpoints, name, ep):
+@pytest.mark.parametrize("tp,ep", LAYOUTS, ids=["dp2", "ep2", "tp2"])
+def test_qwen2_moe_logits_and_buckets_equal_hf(runs, checkpoints, name, tp, ep):
     ref = hf_forward_reference({name: checkpoints[name]}, _ids)[name]
     assert any(".mlp.shared_expert_gate.weight" in k for k in ref["state"])
+    # one bucket holder per data-parallel replica (TP rank 0)
+    assert sum(r[(name, tp, ep)]["state"] is not None for r in runs) == 2 // tp
     for r in runs:
-        got = r[(name, ep)]
+        got = r[(name, tp, ep)]
         assert (got["logits"] - ref["logits"]).abs().max() <= 1e-5
+        if got["state"] is None:
+            continue
         assert got["state"].keys() == ref["state"].keys()
         for k, w in ref["state"].items():
             assert torch.equal(got["state"][k], w), k
