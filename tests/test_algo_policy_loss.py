@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dapo.algo import agg_loss, policy_loss
+from megatron_dapo.algo import LOSS_AGG_MODES, agg_loss, policy_loss, sequence_weights
 
 # Hand example. Ratios per token r; row 0 has A=+1, row 1 A=-1, row 2 is fully masked.
 #   A=+1: r=1 -> -1; r=1.5 -> max(-1.5, -1.28) = -1.28 (clipped high); r=0.5 -> -0.5; r=4 masked
@@ -211,3 +211,26 @@ def test_agg_loss_explicit_normalisers():
     assert agg_loss(loss_mat, mask, "token-mean", num_tokens=torch.tensor(4)).item() == pytest.approx(2.0)
     with pytest.raises(ValueError, match="num_tokens must be >= 0"):
         agg_loss(loss_mat, mask, "token-mean", num_tokens=-1)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_sequence_weights_aggregate_a_per_sequence_value_like_agg_loss(mode):
+    """A per-sequence value (the MoE load-balancing loss) weighted by ``sequence_weights`` sums to
+    what ``agg_loss`` gives with that value on every masked token of its row, with the same global
+    normalisers; and hand values for the hand batch (rows of 3, 4 and 0 loss tokens)."""
+    _, _, _, mask = hand_batch()
+    x = torch.tensor([0.7, -1.3, 5.0], dtype=torch.float64)
+    mat = x[:, None].expand(mask.shape)
+    for kwargs in ({}, dict(num_tokens=11, num_seqs=5, norm_len=9)):
+        w = sequence_weights(mask, mode, **kwargs)
+        want = agg_loss(
+            mat, mask, mode, kwargs.get("num_tokens"), kwargs.get("num_seqs"), norm_len=kwargs.get("norm_len")
+        )
+        assert (w * x).sum().item() == pytest.approx(want.item(), rel=1e-12)
+    hand = {
+        "token-mean": [3 / 7, 4 / 7, 0],
+        "seq-mean-token-sum": [3 / 2, 4 / 2, 0],
+        "seq-mean-token-mean": [1 / 2, 1 / 2, 0],
+        "seq-mean-token-sum-norm": [3 / 4, 4 / 4, 0],
+    }[mode]
+    assert sequence_weights(mask, mode).tolist() == pytest.approx(hand, rel=1e-12)

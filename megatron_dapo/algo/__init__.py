@@ -1,12 +1,12 @@
 """The DAPO algorithm core, pure torch (no torch.distributed, no Megatron).
 
 Public API: :func:`group_advantages`, :func:`policy_loss`, :func:`agg_loss`,
-:func:`overlong_penalty`, :func:`mixed_group_mask`,
+:func:`sequence_weights`, :func:`overlong_penalty`, :func:`mixed_group_mask`,
 :class:`RolloutCorrection`, :func:`correction_terms`.
 """
 
 from megatron_dapo.algo.advantages import group_advantages
-from megatron_dapo.algo.aggregation import LOSS_AGG_MODES, agg_loss
+from megatron_dapo.algo.aggregation import LOSS_AGG_MODES, agg_loss, sequence_weights
 from megatron_dapo.algo.group_filter import mixed_group_mask
 from megatron_dapo.algo.overlong import overlong_penalty
 from megatron_dapo.algo.policy_loss import policy_loss
@@ -21,4 +21,5 @@ __all__ = [
     "mixed_group_mask",
     "overlong_penalty",
     "policy_loss",
+    "sequence_weights",
 ]

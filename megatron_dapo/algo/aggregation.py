@@ -88,6 +88,45 @@ def agg_loss(
     )
 
 
+def sequence_weights(
+    mask: torch.Tensor,
+    mode: str,
+    num_tokens: int | float | torch.Tensor | None = None,
+    num_seqs: int | float | torch.Tensor | None = None,
+    *,
+    norm_len: int | float | None = None,
+    row_sum: RowSum | None = None,
+) -> torch.Tensor:
+    """Per-row weights ``w`` [B] such that ``sum(w * x)`` is what :func:`agg_loss` gives for a
+    per-sequence quantity ``x`` [B] placed on every masked token of its row: the same mode and the
+    same global normalisers as the policy loss. For sequence-level terms added to the loss (the
+    MoE load-balancing loss) so they are aggregated exactly like it.
+
+    token-mean: tokens / num_tokens; seq-mean-token-mean: 1 / num_seqs for each non-empty row;
+    seq-mean-token-sum: tokens / num_seqs; seq-mean-token-sum-norm: tokens / norm_len. Token
+    counts are whole rows' (``row_sum`` over context-parallel pieces).
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got {tuple(mask.shape)}")
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    counts = mask.bool().sum(dim=-1)
+    if row_sum is not None:
+        counts = row_sum(counts)
+    counts = counts.to(torch.float64)
+    if mode == "token-mean":
+        return counts / _positive(counts.sum() if num_tokens is None else num_tokens, "num_tokens", counts)
+    if mode == "seq-mean-token-sum-norm":
+        divisor = mask.shape[-1] if norm_len is None else norm_len
+        if divisor <= 0:
+            raise ValueError(f"norm_len must be > 0, got {divisor}")
+        return counts / divisor
+    nonempty = counts > 0
+    denom = _positive(nonempty.sum() if num_seqs is None else num_seqs, "num_seqs", counts)
+    per_row = nonempty.to(torch.float64) if mode == "seq-mean-token-mean" else counts
+    return per_row / denom
+
+
 def _positive(denom, name: str, like: torch.Tensor) -> torch.Tensor:
     """The normaliser as a tensor, at least 1: a zero count only occurs with a zero numerator.
 
