@@ -1,8 +1,11 @@
 """One DAPO train step on a tiny Qwen3-MoE (8 experts, top-2, 2 layers) on CPU, through megatron's
 alltoall token dispatcher (the one the train step's variable_seq_lengths needs), against an
 independent reference: transformers' Qwen3MoeForCausalLM, the same DAPO loss (``algo.policy_loss``
-on its log-probs, float64) backpropagated, clipped to norm 1.0 and stepped with torch's AdamW
-(weight decay off for 1-D parameters, as megatron's optimizer does).
+on its log-probs, float64) plus 0.1 x the routers' load-balancing loss (transformers'
+``load_balancing_loss_func`` per layer and sequence, weighted like the token-mean loss)
+backpropagated, clipped to norm 1.0 and stepped with torch's AdamW (weight decay off for 1-D
+parameters, as megatron's optimizer does). The same step at EP2, PP2, TP2, EP2 x TP2 and with
+other micro-batching equals it; with coefficient 0 the step is the policy loss's alone.
 
 Before the CPU stand-in in ``actor/compat.py`` (patch 7) the actor could not be built on CPU:
 megatron-core 0.16's alltoall dispatcher creates a ``torch.cuda.Stream()``.
@@ -25,6 +28,8 @@ OPTIM = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0, lr_warmup_steps=0, adam_e
 P_LENS = [3, 5, 4, 6, 2, 5, 3, 4]
 R_LENS = [6, 2, 8, 3, 5, 7, 1, 4]
 LOSS_MASK = [True, True, True, False, True, True, True, True]
+# The routers' load-balancing loss in the objective, large enough to move the router visibly.
+AUX_COEF = 0.1
 
 
 def _checkpoint(path):
@@ -36,14 +41,27 @@ def _checkpoint(path):
     return str(path)
 
 
-def _token_logprobs(model, prompts, responses):
-    out = []
+def _token_logprobs(model, prompts, responses, with_aux=False):
+    """Per-sequence forwards: response log-probs, and with ``with_aux`` each sequence's
+    load-balancing loss: transformers' ``load_balancing_loss_func`` on one layer's router logits
+    of the sequence, averaged over the layers (actor/moe_aux_loss.py's definition)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    out, aux = [], []
     for p, r in zip(prompts, responses):
-        logits = model(torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + len(r)].double()
+        result = model(torch.tensor([p + r]), output_router_logits=with_aux)
+        logits = result.logits[0, len(p) - 1 : len(p) - 1 + len(r)].double()
         out.append(
             torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         )
-    return out
+        if with_aux:
+            cfg = model.config
+            layers = [
+                load_balancing_loss_func((g,), cfg.num_experts, cfg.num_experts_per_tok)
+                for g in result.router_logits
+            ]
+            aux.append(sum(layers) / len(layers))
+    return (out, aux) if with_aux else out
 
 
 def _padded(rows, width):
@@ -99,7 +117,7 @@ def _rank_run(rank, world, hf_dir, inputs, layouts):
     out = {}
     for layout in layouts:
         budget = layout.get("budget", 10_000)
-        init_parallel(**{k: v for k, v in layout.items() if k != "budget"})
+        init_parallel(**{k: v for k, v in layout.items() if k not in ("budget", "aux")})
         cfg = ActorConfig(
             ppo_mini_batch_size=4,
             micro_batch_max_tokens=budget,
@@ -107,6 +125,7 @@ def _rank_run(rank, world, hf_dir, inputs, layouts):
             temperature=TEMPERATURE,
             tis_cap=TIS_CAP,
             shuffle=False,
+            moe_aux_loss_coeff=layout.get("aux", AUX_COEF),
             **CLIP,
         )
         actor = build_actor(hf_dir, cfg, OptimizerSettings(**OPTIM), total_updates=8)
@@ -138,7 +157,18 @@ def inputs(hf_dir):
 
 @pytest.fixture(scope="module")
 def reference(hf_dir, inputs, tmp_path_factory):
-    """The step done by hand on transformers' model: loss, grad norm before clipping, new weights."""
+    return _reference(hf_dir, inputs, tmp_path_factory, AUX_COEF)
+
+
+@pytest.fixture(scope="module")
+def reference_no_aux(hf_dir, inputs, tmp_path_factory):
+    return _reference(hf_dir, inputs, tmp_path_factory, 0.0)
+
+
+def _reference(hf_dir, inputs, tmp_path_factory, aux_coef):
+    """The step done by hand on transformers' model: loss, grad norm before clipping, new weights.
+    The objective is the DAPO loss plus ``aux_coef`` times the load-balancing loss: each
+    sequence's, weighted like the token-mean policy loss (its loss tokens / all loss tokens)."""
     from helpers import hf_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -153,7 +183,8 @@ def reference(hf_dir, inputs, tmp_path_factory):
         group_index=[0, 0, 1, 1, 2, 2, 3, 3],
         loss_mask=LOSS_MASK,
     ).response_mask
-    logprobs = _padded(_token_logprobs(model, inputs["prompts"], inputs["responses"]), max(R_LENS))
+    token_lps, seq_aux = _token_logprobs(model, inputs["prompts"], inputs["responses"], with_aux=True)
+    logprobs = _padded(token_lps, max(R_LENS))
     loss, _ = policy_loss(
         logprobs,
         inputs["old"].double(),
@@ -164,7 +195,9 @@ def reference(hf_dir, inputs, tmp_path_factory):
         rollout_logprobs=inputs["rollout"].double(),
         tis_cap=TIS_CAP,
     )
-    loss.backward()
+    n = mask.sum(dim=1).double()
+    aux = sum(w * a for w, a in zip(n / n.sum(), seq_aux))
+    (loss + aux_coef * aux).backward()
     params = dict(model.named_parameters())
     grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), OPTIM["clip_grad"])
     decay = [p for p in params.values() if p.dim() > 1]
@@ -179,12 +212,20 @@ def reference(hf_dir, inputs, tmp_path_factory):
     # Saved and read back: the checkpoint's names are the per-expert ones the sync buckets carry.
     updated = tmp_path_factory.mktemp("qwen3_moe_reference")
     model.save_pretrained(str(updated))
-    return dict(loss=float(loss.detach()), grad_norm=float(grad_norm), state=hf_state_dict(updated))
+    return dict(
+        loss=float(loss.detach()), aux=float(aux), grad_norm=float(grad_norm), state=hf_state_dict(updated)
+    )
 
 
 @pytest.fixture(scope="module")
-def ep1(hf_dir, inputs):
-    return _results(hf_dir, inputs, 1, [dict(tp=1, pp=1)])[0][(("pp", 1), ("tp", 1))]
+def ep1_runs(hf_dir, inputs):
+    """One rank, with the load-balancing loss in the objective and with coefficient 0."""
+    return _results(hf_dir, inputs, 1, [dict(tp=1, pp=1), dict(tp=1, pp=1, aux=0.0)])[0]
+
+
+@pytest.fixture(scope="module")
+def ep1(ep1_runs):
+    return ep1_runs[(("pp", 1), ("tp", 1))]
 
 
 EP2, PP2 = (("ep", 2), ("pp", 1), ("tp", 1)), (("ep", 1), ("pp", 2), ("tp", 1))
@@ -217,7 +258,10 @@ def four_ranks(hf_dir, inputs):
 def _check_against_reference(got, reference):
     update = got["metrics"]["updates"][0]
     assert update["updated"]
+    # the policy loss and the load-balancing loss are reported apart
     assert abs(update["loss"] - reference["loss"]) <= 1e-5 * max(1.0, abs(reference["loss"]))
+    assert abs(update["moe_aux_loss"] - reference["aux"]) <= 1e-6 * reference["aux"]
+    assert got["metrics"]["moe_aux_loss"] == update["moe_aux_loss"]
     assert abs(update["grad_norm"] - reference["grad_norm"]) <= 1e-5 * reference["grad_norm"]
     assert update["grad_norm"] > OPTIM["clip_grad"]  # clipping acts, so its scale is checked too
     assert got["state"].keys() == reference["state"].keys()
@@ -235,6 +279,19 @@ def test_moe_train_step_ep1_equals_hf_reference(ep1, reference, hf_dir):
     moved = [k for k in initial if not torch.equal(initial[k], ep1["state"][k])]
     assert any(".mlp.gate.weight" in k for k in moved)
     assert sum(".mlp.experts." in k for k in moved) >= 8
+
+
+def test_moe_aux_loss_coefficient_zero_is_measured_not_trained(ep1_runs, reference, reference_no_aux):
+    """With coefficient 0 the step equals the policy-loss-only HF step (no load-balancing gradient)
+    and still reports the load-balancing loss; the two references differ in the routers, so the
+    coefficient-0.1 step (checked above) got the loss's gradient into the router weights."""
+    no_aux = ep1_runs[(("aux", 0.0), ("pp", 1), ("tp", 1))]
+    _check_against_reference(no_aux, reference_no_aux)
+    assert reference_no_aux["aux"] == reference["aux"]
+    router = "model.layers.0.mlp.gate.weight"
+    gap = (reference["state"][router] - reference_no_aux["state"][router]).abs().max()
+    assert gap > 1e-3  # 100x the tolerance of _check_against_reference
+    assert (no_aux["state"][router] - reference["state"][router]).abs().max() > 0.5 * gap
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.actor import compat, routing_replay
+from megatron_dapo.actor import compat, moe_aux_loss, routing_replay
 from megatron_dapo.actor.batch import ActorBatch, BatchError
 from megatron_dapo.actor.context_parallel import cp_pad_multiple
 from megatron_dapo.actor.micro_batches import (
@@ -91,6 +91,9 @@ class ActorConfig:
     pad_token_id: int = 0
     # MoE: "rollout" replays the experts the rollout engine chose (actor/routing_replay.py).
     routing_replay: str = "none"
+    # MoE load-balancing loss coefficient (actor/moe_aux_loss.py); None: the HF config's
+    # router_aux_loss_coef when its output_router_logits is true, else 0 (measured, not trained).
+    moe_aux_loss_coeff: float | None = None
 
     def __post_init__(self) -> None:
         if self.ppo_mini_batch_size < 1:
@@ -105,6 +108,8 @@ class ActorConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         if self.routing_replay not in ROUTING_REPLAY_MODES:
             raise ValueError(
                 f"routing_replay={self.routing_replay!r}; choose one of {', '.join(ROUTING_REPLAY_MODES)}"
@@ -150,6 +155,9 @@ class Actor:
         self.state = ActorState()
         last = unwrap(model_chunks[-1])
         self.vocab_size = int(getattr(last, "hf_vocab_size", None) or last.vocab_size)
+        self._aux_coeff = _moe_aux_loss_coeff(
+            cfg.moe_aux_loss_coeff, config, getattr(last, "hf_config", None)
+        )
         # Sequence parallelism splits the sequence over TP; FP8 GEMMs need 16-aligned shards
         # (32 for MXFP8); CP cuts rows into 2 * CP chunks, each with that alignment.
         self._pad_multiple = cp_pad_multiple(
@@ -320,10 +328,17 @@ class Actor:
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             norm_len=norm_len,
+            moe_aux_loss_coeff=self._aux_coeff,
         )
         micros = self._my_micro_batches(batch, indices)
         zero_grads(self.model, self.optimizer)
+        moe_aux_loss.reset_total()
         sums = self._world_stats(backward_micro_batches(self.model, micros, settings))
+        if self._aux_coeff is not None:
+            # every rank holds its share (its layers, its tokens, its sequences): sum them all
+            aux = moe_aux_loss.take_total().to(compat.device())
+            dist.all_reduce(aux)
+            self._last_aux = float(aux)
         if self.layout.cp_size > 1:
             # Every CP rank counted the rows it holds a loss token of; the normaliser counted
             # whole sequences once.
@@ -366,6 +381,8 @@ class Actor:
                     sums[mismatch] = 0.0  # each sample's mismatch counts once per step
                 step_sums = combine_stats(step_sums, sums)
                 record = finish_stats(sums)
+                if self._aux_coeff is not None:
+                    record["moe_aux_loss"] = self._last_aux
                 record.update(
                     updated=bool(outcome and outcome.updated),
                     grad_norm=outcome.grad_norm if outcome else 0.0,
@@ -421,6 +438,9 @@ class Actor:
         out["seqs"] = out["seqs"] / epochs
         done = [u for u in updates if u["updated"]]
         out["loss"] = sum(u["loss"] for u in updates) / len(updates)
+        if self._aux_coeff is not None:
+            # reported apart from the policy loss; its coefficient times it is in the objective
+            out["moe_aux_loss"] = sum(u["moe_aux_loss"] for u in updates) / len(updates)
         norms = [u["grad_norm"] for u in done]
         out["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
         out["grad_norm_max"] = max(norms) if norms else float("nan")
@@ -429,6 +449,22 @@ class Actor:
         out["skipped_updates"] = len(updates) - len(done)
         out["updates"] = updates
         return out
+
+
+def _moe_aux_loss_coeff(asked: float | None, config: Any, hf_config: Any) -> float | None:
+    """The load-balancing loss coefficient the actor trains with: None for a dense model (nothing
+    computed), ``asked`` or, when unset, the HF config's (``ArchSpec.router_aux_loss_coef``)."""
+    if not getattr(config, "num_moe_experts", None):
+        if asked:
+            raise ValueError(
+                f"actor.moe_aux_loss_coeff={asked} is for MoE models; this model has no router (set it to null)"
+            )
+        return None
+    if asked is not None:
+        return float(asked)
+    from megatron_dapo.actor.model import arch_spec
+
+    return arch_spec(hf_config).router_aux_loss_coef if hf_config is not None else 0.0
 
 
 def build_actor(

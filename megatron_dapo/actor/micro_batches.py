@@ -157,6 +157,8 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor | None  # [b, L]
     # [b, L, layers, k] experts the rollout engine chose (actor/routing_replay.py), or None
     routed_experts: torch.Tensor | None = None
+    # [b] tokens of each row (0 for a dummy row): the real positions are position_ids < seq_lens
+    seq_lens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -223,6 +225,7 @@ def collate(
         old_logprobs=old,
         rollout_logprobs=rollout,
         routed_experts=routed,
+        seq_lens=torch.tensor(lens + [0] * (b - len(lens)), dtype=torch.long),
     )
 
 

@@ -56,6 +56,9 @@ class ArchSpec:
     # Qwen2-MoE: one shared expert of this FFN size in every MoE layer, its output scaled by
     # sigmoid(shared_expert_gate(x)); 0: none
     shared_expert_ffn_hidden_size: int = 0
+    # The load-balancing loss coefficient HF trains with: router_aux_loss_coef, but only when
+    # output_router_logits is true (HF's forward adds the loss only then); 0 otherwise.
+    router_aux_loss_coef: float = 0.0
 
 
 def load_hf_config(hf_dir_or_config: Any) -> Any:
@@ -183,6 +186,9 @@ def _moe_fields(hf_config: Any, arch: str) -> dict[str, Any]:
         moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
         norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
         shared_expert_ffn_hidden_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
+        router_aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+        if getattr(hf_config, "output_router_logits", False)
+        else 0.0,
     )
 
 
@@ -335,8 +341,9 @@ def transformer_config_from_hf(
 def _moe_kwargs(spec: ArchSpec) -> dict[str, Any]:
     """megatron's MoE settings equal to Qwen3-MoE's router: softmax over all experts then top-k
     (``pre_softmax``), or with ``norm_topk_prob`` top-k logits then a softmax over those k, which is
-    the renormalised top-k of the full softmax. No load-balancing loss: the trainer's objective is
-    the policy loss alone (HF applies its aux loss only when asked for router logits)."""
+    the renormalised top-k of the full softmax. megatron's own load-balancing loss stays off: the
+    actor adds HF's, per sequence and aggregated like the policy loss (actor/moe_aux_loss.py,
+    ``actor.moe_aux_loss_coeff``)."""
     return dict(
         num_moe_experts=spec.num_experts,
         moe_router_topk=spec.moe_topk,

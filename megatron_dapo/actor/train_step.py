@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.actor import compat, routing_replay
+from megatron_dapo.actor import compat, moe_aux_loss, routing_replay
 from megatron_dapo.actor.context_parallel import cp_gather, cp_row_sum, cp_split_micro
 from megatron_dapo.actor.logprobs import vocab_parallel_logprobs
 from megatron_dapo.actor.micro_batches import MicroBatch
-from megatron_dapo.algo import RolloutCorrection, policy_loss
+from megatron_dapo.algo import RolloutCorrection, policy_loss, sequence_weights
 
 # Per-mini-batch metric sums; the token-weighted ones are divided by "tokens" after reduction.
 STAT_NAMES = (
@@ -63,6 +63,8 @@ class LossSettings:
     num_seqs: float
     norm_len: float
     rollout_correction: RolloutCorrection | None = None  # None / mode none: today's loss
+    # MoE load-balancing loss (actor/moe_aux_loss.py): None off (dense); 0 measured, not trained
+    moe_aux_loss_coeff: float | None = None
 
 
 def _cp_group():
@@ -249,6 +251,17 @@ def backward_micro_batches(
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
         routing_replay.apply(model, micro.routed_experts, micro.score_mask)
+        if settings.moe_aux_loss_coeff is not None:
+            weights = sequence_weights(
+                micro.loss_mask,
+                settings.loss_agg_mode,
+                settings.num_tokens,
+                settings.num_seqs,
+                norm_len=settings.norm_len,
+                row_sum=row_sum,
+            )
+            real = micro.position_ids < micro.seq_lens[:, None]
+            moe_aux_loss.prepare(model, real, weights, settings.moe_aux_loss_coeff)
         output = model(micro.tokens, micro.position_ids, None)
 
         def loss_func(logits):
@@ -270,6 +283,8 @@ def backward_micro_batches(
     for chunk in model_chunks:
         chunk.train()
     _run_schedule(model_chunks, micros, forward_step, forward_only=False)
+    for chunk in model_chunks:
+        moe_aux_loss.clear(chunk)
     return totals
 
 
