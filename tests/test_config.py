@@ -71,6 +71,23 @@ def test_model_shape_checks_read_the_hf_config(tmp_path):
         load_config(None, [*base, "parallel.pipeline_model_parallel_size=5", "parallel.actor_world_size=5"])
     ok = load_config(None, [*base, "parallel.tensor_model_parallel_size=2", "parallel.actor_world_size=2"])
     assert ok.parallel.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError, match="moe_aux_loss_coeff=0.01 is for MoE models"):
+        load_config(None, [*base, "actor.moe_aux_loss_coeff=0.01"])
+
+
+def test_moe_checks_read_the_hf_config(tmp_path):
+    """MoE with TP splits the experts over TP (their FFN size must divide); the load-balancing
+    coefficient must be >= 0."""
+    moe = {"num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2, "num_experts": 8}
+    (tmp_path / "config.json").write_text(json.dumps({**moe, "moe_intermediate_size": 6}))
+    base = [f"model.path={tmp_path}"]
+    with pytest.raises(ConfigError, match="does not divide moe_intermediate_size=6"):
+        load_config(None, [*base, "parallel.tensor_model_parallel_size=4", "parallel.actor_world_size=4"])
+    with pytest.raises(ConfigError, match="actor.moe_aux_loss_coeff=-0.1 must be >= 0"):
+        load_config(None, [*base, "actor.moe_aux_loss_coeff=-0.1"])
+    ok = load_config(None, [*base, "parallel.tensor_model_parallel_size=2", "parallel.actor_world_size=2"])
+    assert ok.actor.moe_aux_loss_coeff is None
+    assert load_config(None, [*base, "actor.moe_aux_loss_coeff=0.001"]).actor.moe_aux_loss_coeff == 0.001
 
 
 def test_yaml_base_chain_and_unknown_yaml_key(tmp_path):

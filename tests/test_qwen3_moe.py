@@ -134,6 +134,27 @@ def test_moe_config_fields_and_refusals():
         arch_spec(hf)
 
 
+def test_moe_aux_loss_coefficient_defaults_to_hfs_only_when_hf_trains_with_it():
+    """HF's Qwen3-MoE adds router_aux_loss_coef x its load-balancing loss only when
+    output_router_logits is true; the actor's default follows it. A dense model refuses one."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.actor.actor import _moe_aux_loss_coeff
+
+    hf = tiny_hf_config("qwen3_moe")
+    hf.router_aux_loss_coef = 0.001
+    moe = SimpleNamespace(num_moe_experts=8)
+    hf.output_router_logits = False
+    assert arch_spec(hf).router_aux_loss_coef == 0.0 and _moe_aux_loss_coeff(None, moe, hf) == 0.0
+    hf.output_router_logits = True
+    assert arch_spec(hf).router_aux_loss_coef == 0.001 and _moe_aux_loss_coeff(None, moe, hf) == 0.001
+    assert _moe_aux_loss_coeff(0.02, moe, hf) == 0.02  # the actor's knob wins
+    dense = SimpleNamespace(num_moe_experts=None)
+    assert _moe_aux_loss_coeff(None, dense, tiny_hf_config("qwen3")) is None  # nothing computed
+    with pytest.raises(ValueError, match="moe_aux_loss_coeff=0.1 is for MoE models"):
+        _moe_aux_loss_coeff(0.1, dense, tiny_hf_config("qwen3"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,ep", [(1, 2, 1), (2, 1, 2)], ids=["pp2", "ep2xtp2"])
 def test_moe_converts_hf_to_megatron_to_hf_bit_exact_and_verify_model(

@@ -4,7 +4,7 @@ independent reference: transformers' Qwen3MoeForCausalLM, the same DAPO loss (``
 on its log-probs, float64) plus 0.1 x the routers' load-balancing loss (transformers'
 ``load_balancing_loss_func`` per layer and sequence, weighted like the token-mean loss)
 backpropagated, clipped to norm 1.0 and stepped with torch's AdamW (weight decay off for 1-D
-parameters, as megatron's optimizer does). The same step at EP2, PP2, TP2, EP2 x TP2 and with
+parameters, as megatron's optimizer does). The same step at EP2, PP2, TP2, CP2, EP2 x TP2 and with
 other micro-batching equals it; with coefficient 0 the step is the policy loss's alone.
 
 Before the CPU stand-in in ``actor/compat.py`` (patch 7) the actor could not be built on CPU:
@@ -230,6 +230,7 @@ def ep1(ep1_runs):
 
 EP2, PP2 = (("ep", 2), ("pp", 1), ("tp", 1)), (("ep", 1), ("pp", 2), ("tp", 1))
 TP2 = (("ep", 1), ("pp", 1), ("tp", 2))
+CP2 = (("cp", 2), ("pp", 1), ("tp", 1))
 EP2_TP2 = (("ep", 2), ("pp", 1), ("tp", 2))
 # A budget of 14 tokens packs the two data-parallel halves into 4 and 3 micro-batches.
 EP2_UNEVEN = (("budget", 14), ("ep", 2), ("pp", 1), ("tp", 1))
@@ -244,6 +245,7 @@ def two_ranks(hf_dir, inputs):
         dict(tp=1, pp=2, ep=1),
         dict(tp=1, pp=1, ep=2, budget=14),
         dict(tp=2, pp=1, ep=1),
+        dict(tp=1, pp=1, cp=2),
     ]
     return _results(hf_dir, inputs, 2, layouts)
 
@@ -295,7 +297,7 @@ def test_moe_aux_loss_coefficient_zero_is_measured_not_trained(ep1_runs, referen
 
 
 @pytest.mark.parametrize(
-    "layout", [EP2, PP2, EP2_UNEVEN, TP2], ids=["ep2", "pp2", "ep2-uneven-micro-batches", "tp2"]
+    "layout", [EP2, PP2, EP2_UNEVEN, TP2, CP2], ids=["ep2", "pp2", "ep2-uneven-micro-batches", "tp2", "cp2"]
 )
 def test_moe_train_step_is_layout_invariant(two_ranks, ep1, reference, layout):
     ranks = [r[layout] for r in two_ranks]

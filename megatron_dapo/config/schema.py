@@ -214,6 +214,10 @@ class ActorConfig:
     # MoE: none | rollout. rollout replays the experts the engines chose (the engines record them)
     # in the actor's log-prob and training forwards (actor/routing_replay.py).
     routing_replay: str = "none"
+    # MoE: the routers' load-balancing loss coefficient (megatron's/verl's moe_aux_loss_coeff).
+    # null: the HF config's router_aux_loss_coef when its output_router_logits is true, else 0.
+    # The loss is reported as actor/moe_aux_loss either way (actor/moe_aux_loss.py).
+    moe_aux_loss_coeff: float | None = None
 
 
 @dataclass

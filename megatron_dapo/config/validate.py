@@ -247,9 +247,16 @@ def validate(cfg: DictConfig) -> None:
     if cfg.optim.clip_grad < 0 or cfg.optim.lr_warmup_steps < 0:
         raise ConfigError("optim.clip_grad and optim.lr_warmup_steps must be >= 0")
 
+    aux = cfg.actor.moe_aux_loss_coeff
+    if aux is not None and not aux >= 0:
+        raise ConfigError(f"actor.moe_aux_loss_coeff={aux} must be >= 0 (or null: the HF config's)")
     hf = _hf_config(cfg)
     if hf:
         _check_model_shape(hf, tp, pp, vpp, cfg.model.path)
+        if aux and not hf.get("num_experts"):
+            raise ConfigError(
+                f"actor.moe_aux_loss_coeff={aux} is for MoE models; {cfg.model.path} has no experts (set it to null)"
+            )
 
 
 def _check_mode(trainer) -> None:
@@ -300,6 +307,14 @@ def _check_model_shape(hf: dict, tp: int, pp: int, vpp: int | None, path: str) -
             f"parallel.tensor_model_parallel_size={tp} does not divide the {kv} key/value heads of {path}; "
             f"use one of {_divisors(kv)}"
         )
+    # MoE experts (and Qwen2-MoE's shared expert) are split over TP (expert TP = TP).
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = hf.get(key) if hf.get("num_experts") else None
+        if size and size % tp:
+            raise ConfigError(
+                f"parallel.tensor_model_parallel_size={tp} does not divide {key}={size} of {path} (experts are "
+                f"split over TP); use one of {_divisors(size)}"
+            )
     stages = pp * (vpp or 1)
     if layers and layers % stages:
         raise ConfigError(

@@ -34,6 +34,7 @@ def actor_config_from(cfg: dict) -> Any:
         rollout_correction=RolloutCorrection(**alg["rollout_correction"]),
         max_consecutive_skips=act["max_consecutive_skips"],
         routing_replay=act["routing_replay"],
+        moe_aux_loss_coeff=act.get("moe_aux_loss_coeff"),
         seed=cfg["trainer"]["seed"],
         temperature=cfg["rollout"]["temperature"],
     )

@@ -49,6 +49,7 @@ ACTOR_KEYS = {
     "grad_norm": "actor/grad_norm",
     "grad_norm_max": "actor/grad_norm_max",
     "routing_mismatch": "actor/routing_mismatch",
+    "moe_aux_loss": "actor/moe_aux_loss",
     "lr": "actor/lr",
     "tokens": "actor/tokens",
     "mismatch_abs": "actor/rollout_logprob_abs_diff",
