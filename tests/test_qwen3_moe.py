@@ -2,8 +2,8 @@
 HF config on CPU: logits equal transformers' Qwen3MoeForCausalLM (1e-5, fp32) and the weight-sync
 buckets equal HF's state dict bit for bit (per-expert names), at DP2, PP2, EP2 and TP2 (experts
 split over TP as megatron's expert tensor parallel = TP, sequence parallel on), with and without
-renormalised top-k probabilities; HF -> Megatron dist checkpoint -> HF bit-exact at PP2 and at
-EP2 x TP2 (4 ranks), whose logits verify-model checks at that layout."""
+renormalised top-k probabilities; HF -> Megatron dist checkpoint -> HF bit-exact at PP2, TP2 and
+EP2 x TP2 (4 ranks), whose logits verify-model checks at the checkpoint's layout."""
 
 from __future__ import annotations
 
@@ -156,9 +156,12 @@ def test_moe_aux_loss_coefficient_defaults_to_hfs_only_when_hf_trains_with_it():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,ep", [(1, 2, 1), (2, 1, 2)], ids=["pp2", "ep2xtp2"])
+# TP2's logits are checked by test_moe_logits_match_hf (same loader): no verify-model launch there.
+@pytest.mark.parametrize(
+    "tp,pp,ep,verify", [(1, 2, 1, True), (2, 1, 1, False), (2, 1, 2, True)], ids=["pp2", "tp2", "ep2xtp2"]
+)
 def test_moe_converts_hf_to_megatron_to_hf_bit_exact_and_verify_model(
-    tiny_hf_checkpoint, tmp_path, capsys, tp, pp, ep
+    tiny_hf_checkpoint, tmp_path, capsys, tp, pp, ep, verify
 ):
     from megatron_dapo.cli import main as cli
     from megatron_dapo.weights.convert import hf_to_megatron, megatron_to_hf
@@ -174,6 +177,8 @@ def test_moe_converts_hf_to_megatron_to_hf_bit_exact_and_verify_model(
     assert sorted(a) == sorted(b)
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    if not verify:
+        return
     # Logits of the dist checkpoint loaded at its own layout (EP2 x TP2: 4 ranks, all-to-all).
     layout_args = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
     assert (
