@@ -11,6 +11,7 @@ def add_hf_to_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to write (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to write (default 1)")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank")
+    p.add_argument("--ep", type=int, default=1, help="MoE expert parallel size to write (default 1)")
     p.add_argument("--dtype", default="auto", help="auto (the HF config's), float32, bfloat16, float16")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -65,6 +66,7 @@ def _hf_to_megatron(args: argparse.Namespace):
         tp=args.tp,
         pp=args.pp,
         vpp=args.vpp,
+        ep=args.ep,
         dtype=args.dtype,
         overwrite=args.overwrite,
         progress=not args.no_progress,
