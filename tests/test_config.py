@@ -88,6 +88,13 @@ def test_moe_checks_read_the_hf_config(tmp_path):
     ok = load_config(None, [*base, "parallel.tensor_model_parallel_size=2", "parallel.actor_world_size=2"])
     assert ok.actor.moe_aux_loss_coeff is None
     assert load_config(None, [*base, "actor.moe_aux_loss_coeff=0.001"]).actor.moe_aux_loss_coeff == 0.001
+    # HF trains with its coefficient when output_router_logits: then recompute is refused
+    (tmp_path / "config.json").write_text(
+        json.dumps({**moe, "output_router_logits": True, "router_aux_loss_coef": 0.001})
+    )
+    with pytest.raises(ConfigError, match="set model.recompute=false or actor.moe_aux_loss_coeff=0"):
+        load_config(None, [*base, "model.recompute=true"])
+    assert load_config(None, [*base, "model.recompute=true", "actor.moe_aux_loss_coeff=0"]).model.recompute
 
 
 def test_yaml_base_chain_and_unknown_yaml_key(tmp_path):

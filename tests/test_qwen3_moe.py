@@ -153,6 +153,11 @@ def test_moe_aux_loss_coefficient_defaults_to_hfs_only_when_hf_trains_with_it():
     assert _moe_aux_loss_coeff(None, dense, tiny_hf_config("qwen3")) is None  # nothing computed
     with pytest.raises(ValueError, match="moe_aux_loss_coeff=0.1 is for MoE models"):
         _moe_aux_loss_coeff(0.1, dense, tiny_hf_config("qwen3"))
+    # activation recomputation: refused with a coefficient, not measured without one
+    recompute = SimpleNamespace(num_moe_experts=8, recompute_granularity="full")
+    with pytest.raises(ValueError, match="set model.recompute=false or actor.moe_aux_loss_coeff=0"):
+        _moe_aux_loss_coeff(0.02, recompute, hf)
+    assert _moe_aux_loss_coeff(0.0, recompute, hf) is None
 
 
 @pytest.mark.slow

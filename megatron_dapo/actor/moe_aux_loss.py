@@ -24,17 +24,20 @@ parallelism (MoE with TP > 1) and context parallelism a sequence's tokens are sp
 TP x CP ranks: the expert counts and token counts (no gradient) are summed over that group and
 each rank keeps the probability sums of its own tokens, so the ranks' losses add up to the
 sequence's loss and their gradients to its gradient. Every rank's share of the value is
-accumulated here; the actor sums them over the world.
+accumulated here; the actor sums them over the world. With activation recomputation the actor
+neither trains nor measures it (``actor._moe_aux_loss_coeff`` refuses a coefficient > 0).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# This rank's share of the load-balancing loss (coefficient not applied) since the last take_total().
+# This rank's share of the load-balancing loss (coefficient not applied) since the last
+# take_total(); on the loss's device, so a GPU run does not synchronise per layer.
 _TOTAL = torch.zeros((), dtype=torch.float64)
 
 
@@ -60,7 +63,11 @@ def prepare(chunk: Any, real: torch.Tensor, weights: torch.Tensor, coeff: float)
         return
     ctx = _Context(real, weights.to(real.device), float(coeff), int(routers[0].config.num_layers))
     for router in routers:
-        router._aux_ctx = ctx
+        # One context per prepared forward, taken in order by the router's forwards.
+        queue = getattr(router, "_aux_queue", None)
+        if queue is None:
+            queue = router._aux_queue = deque()
+        queue.append(ctx)
         if not getattr(router, "_aux_hooked", False):
             router.register_forward_hook(_hook)
             router._aux_hooked = True
@@ -68,7 +75,7 @@ def prepare(chunk: Any, real: torch.Tensor, weights: torch.Tensor, coeff: float)
 
 def clear(chunk: Any) -> None:
     for router in _routers(chunk):
-        router._aux_ctx = None
+        router._aux_queue = deque()
 
 
 def reset_total() -> None:
@@ -76,8 +83,8 @@ def reset_total() -> None:
 
 
 def take_total() -> torch.Tensor:
-    """This rank's share of the loss since :func:`reset_total` (float64 scalar)."""
-    out = _TOTAL.clone()
+    """This rank's share of the loss since :func:`reset_total` (float64 scalar, on the CPU)."""
+    out = _TOTAL.detach().cpu().clone()
     _TOTAL.zero_()
     return out
 
@@ -109,9 +116,12 @@ def _router_rows(real: torch.Tensor, s_local: int, config: Any) -> torch.Tensor:
 
 
 def _hook(router: Any, args: tuple, out: tuple):
-    ctx = getattr(router, "_aux_ctx", None)
-    if ctx is None or not router.training or not torch.is_grad_enabled():
+    global _TOTAL
+    queue = getattr(router, "_aux_queue", None)
+    # Scoring forwards (no autograd) prepare nothing and take nothing.
+    if not queue or not router.training or not torch.is_grad_enabled():
         return None
+    ctx = queue.popleft()
     probs, routing_map = out
     hidden = args[0]
     s_local, b = hidden.shape[0], hidden.shape[1]
@@ -137,7 +147,9 @@ def _hook(router: Any, args: tuple, out: tuple):
     with torch.set_grad_enabled(attach):
         per_seq = (scale * prob_sums).sum(-1)
         loss = (ctx.weights.to(per_seq.dtype) * per_seq).sum() / ctx.num_layers
-    _TOTAL.add_(loss.detach().double().cpu())
+    if _TOTAL.device != loss.device:
+        _TOTAL = _TOTAL.to(loss.device)
+    _TOTAL += loss.detach().double()
     if not attach:
         return None
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler

@@ -257,6 +257,13 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"actor.moe_aux_loss_coeff={aux} is for MoE models; {cfg.model.path} has no experts (set it to null)"
             )
+        if aux is None and hf.get("num_experts") and hf.get("output_router_logits"):
+            aux = hf.get("router_aux_loss_coef") or 0.0  # the actor's default (HF trains with it)
+        if aux and cfg.model.recompute:
+            raise ConfigError(
+                f"actor.moe_aux_loss_coeff={aux} (null: the HF config's) does not support activation "
+                "recomputation (model.recompute); set model.recompute=false or actor.moe_aux_loss_coeff=0"
+            )
 
 
 def _check_mode(trainer) -> None:
