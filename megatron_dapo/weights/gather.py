@@ -15,9 +15,11 @@ ties embeddings).
 How: one all-gather of small metadata over the PP group (and, for MoE with expert parallelism,
 first over the EP group) fixes the global order (HF order) and owner stage (and owner EP rank) of
 every tensor; then, per tensor, the owner stage's TP ranks gather their shards to TP rank 0
-and the owner's TP rank 0 merges them into HF layout; an expert's tensors are then broadcast
-from the EP rank that holds the expert to the other EP ranks of that stage (each DP replica has a
-holder, and each needs every expert); if it is not the holder's stage, the owner stage sends
+and the owner's TP rank 0 merges them into HF layout (an expert's shards over the expert-TP
+group, which is the TP group: expert_tensor_parallel_size = TP); an expert's tensors are then
+broadcast from the EP rank that holds the expert to the other EP ranks of that stage, between
+expert-TP rank 0s (each DP replica has a holder, and each needs every expert); if it is not the
+holder's stage, the owner stage sends
 them to the holder (point-to-point). A bucket is yielded when its bytes reach ``bucket_bytes``,
 so the holder keeps at most one bucket plus one tensor, and other ranks one tensor.
 """
