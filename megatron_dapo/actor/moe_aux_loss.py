@@ -50,9 +50,14 @@ class _Context:
 
 
 def _routers(chunk: Any) -> list[Any]:
-    from megatron.core.transformer.moe.router import TopKRouter
+    """The chunk's routers, found once (a module walk per micro-batch adds up on large models)."""
+    found = getattr(chunk, "_aux_routers", None)
+    if found is None:
+        from megatron.core.transformer.moe.router import TopKRouter
 
-    return [m for m in chunk.modules() if isinstance(m, TopKRouter)]
+        found = [m for m in chunk.modules() if isinstance(m, TopKRouter)]
+        chunk._aux_routers = found
+    return found
 
 
 def prepare(chunk: Any, real: torch.Tensor, weights: torch.Tensor, coeff: float) -> None:
