@@ -68,7 +68,10 @@ class ScriptedEngine:
     A prompt is 3 tokens; anything after them is a partial response being continued, and the
     answer is the rest of the full response. ``keep_on_abort``: tokens an aborted slow call had
     generated (returned with the abort, as SGLang does); ``version``: the weight version reported;
-    ``slow_once``: a slow prompt blocks until the engine's first abort, then answers at once."""
+    ``slow_once``: a slow prompt blocks until the engine's first abort, then answers at once;
+    ``abort_calls``: calls the engine itself aborts at once, returning ``keep_on_abort`` tokens
+    (SGLang aborting its running requests as it shuts down); ``dies_with``: the exception a dead
+    engine raises; ``hold``: an event every call waits for before answering."""
 
     def __init__(
         self,
@@ -80,6 +83,9 @@ class ScriptedEngine:
         hang_calls=(),
         keep_on_abort=0,
         slow_once=False,
+        abort_calls=(),
+        dies_with=ConnectionError,
+        hold=None,
     ):
         self.name = name
         self.length = length
@@ -93,6 +99,10 @@ class ScriptedEngine:
         self.fail_calls = set(fail_calls)
         self.die_at_call = die_at_call
         self.hang_calls = set(hang_calls)
+        self.abort_calls = set(abort_calls)
+        self.dies_with = dies_with
+        self.hold = hold
+        self.dead = threading.Event()
         self.calls = 0
         self.aborts = 0
         self.unaborted_slow = 0  # slow calls that ended by their deadline, not by an abort
@@ -108,10 +118,25 @@ class ScriptedEngine:
             self.calls += 1
             call = self.calls
         if not self._alive:
-            raise ConnectionError(f"{self.name} is gone")
+            raise self.dies_with(f"{self.name} is gone")
         if self.die_at_call is not None and call >= self.die_at_call:
             self._alive = False
-            raise ConnectionError(f"{self.name} died")
+            self.dead.set()
+            raise self.dies_with(f"{self.name} died")
+        if self.hold is not None:
+            assert self.hold.wait(60), f"{self.name}: nothing released the held call"
+        if call in self.abort_calls:
+            k = self.keep_on_abort
+            return [
+                GenerationResult(
+                    r.request_id,
+                    self._full(r)[len(r.prompt_ids) - 3 :][:k],
+                    [-0.5] * k,
+                    "abort",
+                    self.version,
+                )
+                for r in requests
+            ]
         if call in self.fail_calls:
             raise RuntimeError(f"{self.name}: transient failure on call {call}")
         if call in self.hang_calls:

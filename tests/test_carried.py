@@ -16,6 +16,7 @@ import torch
 
 from megatron_dapo.data.types import PromptSample
 from megatron_dapo.driver.carried import read_carried, register_carried_type, write_carried
+from megatron_dapo.rollout.partial import CarriedGroup, PartialSample, carry_from_items, carry_to_items
 from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 from megatron_dapo.weights.hf_io import CheckpointError
 
@@ -115,7 +116,31 @@ def _items():
         PartialStandIn(f"r{i}", _prompt(i), [3, 4, i], [-0.5, -0.0, -1e-9], [0, 0, 1]) for i in range(3)
     ]
     empty_text = RolloutBatch([_sample(6, 0)], {})  # a column of empty strings only
-    return [batch, partials[0], partials[1], RolloutBatch([], {}), mixed, partials[2], empty_text]
+    tail, _ = carry_to_items(_tail())  # rollout.partial's tail goes after the batches
+    return [batch, partials[0], partials[1], RolloutBatch([], {}), mixed, partials[2], empty_text, *tail]
+
+
+def _tail() -> list[CarriedGroup]:
+    """rollout.partial's carried groups: responses unfinished (tokens of two versions), finished
+    (with routed experts), unstarted (aborted before a token), and with versions unknown."""
+    special = [-0.0, float("nan"), float("-inf"), -5e-324, -(0.1 + 0.2)]
+    experts = torch.randint(0, 8, (6, 2, 3), generator=torch.Generator().manual_seed(9), dtype=torch.int16)
+    return [
+        CarriedGroup(
+            _prompt(10),
+            [
+                PartialSample([5, 2**31 + 1, 0], special[:3], [3, 3, 4], None, 4, None, 1),
+                PartialSample([9, 8], special[3:], [4, 4], "stop", 4, experts, 0),
+            ],
+        ),
+        CarriedGroup(
+            _prompt(11),
+            [
+                PartialSample([], [], [], None, None, None, 2),
+                PartialSample([1, 2, 3], [-1.5] * 3, None, None, 3),
+            ],
+        ),
+    ]
 
 
 def test_carried_items_round_trip_bit_for_bit_in_order(tmp_path):
@@ -131,6 +156,25 @@ def test_carried_items_round_trip_bit_for_bit_in_order(tmp_path):
         write_carried(tmp_path / "none.safetensors", []) > 0
         and read_carried(tmp_path / "none.safetensors") == []
     )
+
+
+def test_the_partial_tail_round_trips_bit_for_bit_behind_the_batches(tmp_path):
+    # the trainer writes the carried batches, then the tail's items, and reads the tail back as
+    # the items past the batches with the index the trainer state keeps
+    batches = [RolloutBatch([_sample(0, 3)], {}), RolloutBatch([_sample(1, 2)], {})]
+    tail = _tail()
+    items, index = carry_to_items(tail)
+    assert index == {"groups": 2, "samples": [2, 2]}
+    write_carried(tmp_path / "c", batches + items)
+    back = read_carried(tmp_path / "c")
+    assert_same(batches, back[:2])
+    groups = carry_from_items(back[2:], index)
+    assert_same(tail, groups)
+    assert groups[0].samples[0].token_versions == [3, 3, 4] and groups[1].samples[1].token_versions is None
+    assert groups[0].samples[1].routed_experts.dtype == torch.int16
+    assert carry_to_items([]) == ([], {})
+    with pytest.raises(ValueError, match="index says 2 groups of 5 responses"):
+        carry_from_items(back[2:], {"samples": [2, 3]})
 
 
 def test_an_int_beyond_int64_still_round_trips():

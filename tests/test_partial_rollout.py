@@ -7,15 +7,18 @@ tokens and per-token versions as SGLang's source defines them."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from helpers import tiny_hf_config
 from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, accounted, manager_config
 
+from megatron_dapo.actor.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
+from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.manager import RolloutManager
-from megatron_dapo.rollout.partial import continuation, from_result, join
+from megatron_dapo.rollout.partial import carry_from_items, carry_to_state, continuation, from_result, join
 from megatron_dapo.rollout.sglang_client import parse_generate_reply, payload_generate
 from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
 
@@ -172,6 +175,42 @@ def test_carried_tail_travels_in_the_checkpoint():
     assert rows(a) == rows(b) and rows(a)[0][3] == [3, 3, 4]
 
 
+def test_an_engine_dying_mid_round_hands_its_partial_samples_to_another_engine():
+    """e0 aborts its call itself after 2 of 3 tokens (as SGLang does with its running requests
+    when it shuts down), and is dead for the next call (EngineError); meanwhile e1 is busy (one
+    call per engine), so the retry first lands on e0 again. The group then runs on e1 from the
+    2 tokens kept: the responses equal an uninterrupted rollout's, tokens [e0, e0, e1] by
+    version, and no token is generated or counted twice."""
+    from megatron_dapo.rollout.engine import EngineError
+
+    def rollout(engines):
+        # one group per call and one call per engine at a time: u0 -> e0, u1 -> e1
+        cfg = manager_config(train_batch_size=2, gen_batch_size=2, partial=True, max_concurrency_per_engine=4)
+        return RolloutManager(engines, Scorer(), cfg, Tokenizer()).collect(Dataset([MIXED]), weight_version=3)
+
+    reference = rollout([ScriptedEngine("solo")])
+
+    e0 = ScriptedEngine("e0", abort_calls={1}, keep_on_abort=2, die_at_call=2, dies_with=EngineError)
+    e1 = ScriptedEngine("e1", hold=e0.dead)  # e1's first call ends only once e0 is dead
+    e1.version = 4  # (an engine a version ahead, only to tell whose tokens are whose)
+    batch = rollout([e0, e1])
+    m = batch.metrics
+    assert e0.calls == 2 and m["rollout/engines_down"] == 1
+    assert [s.prompt.index for s in batch.samples] == [s.prompt.index for s in reference.samples]
+    for s, ref in zip(batch.samples, reference.samples):
+        assert s.response_ids == ref.response_ids and s.rollout_logprobs == ref.rollout_logprobs
+        assert s.finish_reason == ref.finish_reason == "stop" and s.acc == ref.acc
+    group0 = [s for s in batch.samples if s.prompt.index == 0]
+    assert [s.token_versions for s in group0] == [[3, 3, 4]] * 4 and {s.interrupted for s in group0} == {1}
+    assert {tuple(s.token_versions) for s in batch.samples if s.prompt.index == 1} == {(4, 4, 4)}
+    # e1 continued prompt 0 after its 2 kept tokens, with the rest of the budget (8 - 2)
+    cont = [r for r in e1.requests if r.prompt_ids[2] == 0]
+    assert len(cont) == 4 and all(len(r.prompt_ids) == 5 and r.sampling.max_new_tokens == 6 for r in cont)
+    # generated once each: 4 x 2 on e0 + 4 x 1 continued on e1 + 4 x 3 for prompt 1 = 2 x 4 x 3
+    assert m["rollout/tokens_generated"] == 24 == reference.metrics["rollout/tokens_generated"]
+    assert m["rollout/retries"] == 1 and accounted(m) == m["rollout/prompts_drawn"] == 2
+
+
 def test_partial_off_keeps_discarding_the_tail():
     engine = ScriptedEngine("e0", slow_prompts=range(2, 6), keep_on_abort=2, slow_once=True)
     cfg = manager_config(train_batch_size=2, gen_batch_size=6)
@@ -311,12 +350,78 @@ def test_a_resume_continues_the_tail_the_checkpoint_carried(tmp_path):
     assert metrics[2]["rollout/partial_sample_fraction"] == 1.0
 
     _train(tmp_path, "cut", stop_after=1)
-    state = json.loads((tmp_path / "cut" / "checkpoints" / "step_00000001" / "state.json").read_text())
-    carried = state["partial_rollouts"]["groups"]
-    assert [g["prompt"]["index"] for g in carried] == [2, 3, 4, 5]
-    assert all(s["output_ids"] and s["token_versions"] == [0, 0] for g in carried for s in g["samples"])
+    ckpt = tmp_path / "cut" / "checkpoints" / "step_00000001"
+    state = json.loads((ckpt / "state.json").read_text())
+    # the tail is in the checkpoint's carried file (covered by its manifest); the trainer state
+    # holds only its index
+    assert state["partial_rollouts"] == {"file": CARRIED_FILE, "groups": 4, "samples": [4, 4, 4, 4]}
+    assert state["carried"] == {} and CARRIED_FILE in json.loads((ckpt / MANIFEST).read_text())["files"]
+    carried = carry_from_items(read_carried(ckpt / CARRIED_FILE), state["partial_rollouts"])
+    assert [g.prompt.index for g in carried] == [2, 3, 4, 5]
+    for g in carried:  # the scripted engine's first 2 tokens of each response, at version 0
+        for j, s in enumerate(g.samples):
+            assert (s.output_ids, s.logprobs, s.token_versions) == (
+                [1 if j % 2 == 0 else 2, 5],
+                [-0.5] * 2,
+                [0, 0],
+            )
+            assert s.finish_reason is None and s.interrupted == 1
+    # the form before the carried file: the groups as JSON in the trainer state, no file
+    old = tmp_path / "old"
+    shutil.copytree(tmp_path / "cut", old)
+    state["partial_rollouts"] = carry_to_state(carried)
+    (old / ckpt.relative_to(tmp_path / "cut") / "state.json").write_text(json.dumps(state))
+    (old / ckpt.relative_to(tmp_path / "cut") / CARRIED_FILE).unlink()
+    write_manifest(old / ckpt.relative_to(tmp_path / "cut"))
+
     resumed, _ = _train(tmp_path, "cut", resume="auto")
     assert sorted(resumed) == [2] and resumed[2] == whole[2]
+    resumed_old, _ = _train(tmp_path, "old", resume="auto")
+    assert sorted(resumed_old) == [2] and resumed_old[2] == whole[2]
+
+
+def test_one_step_off_carries_batch_and_tail_in_one_file_and_drop_on_resume_drops_both(tmp_path):
+    """one_step_off: step 1's checkpoint holds step 2's finished batch (prompts 2, 3, continued
+    from step 1's tail) and the tail past its cut (prompts 4..7), both in carried.safetensors. A
+    resume continues both exactly; trainer.drop_carried_on_resume drops both: the cursor goes
+    back to before step 2's new prompts (6), whose groups are generated anew with version 1 and
+    nothing carried is continued."""
+    over = {"trainer.mode": "one_step_off", "trainer.placement": "disaggregated", "trainer.total_steps": 3}
+    whole, _ = _train(tmp_path, "whole", **over)
+    assert [row[0] for row in whole[2][::4]] == [2, 3] and [row[0] for row in whole[3][::4]] == [4, 5]
+    _train(tmp_path, "cut", stop_after=1, **over)
+    ckpt = tmp_path / "cut" / "checkpoints" / "step_00000001"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["carried"]["items"] == 1 and state["carried"]["starts"][0]["data_cursor"] == {"cursor": 6}
+    assert state["partial_rollouts"] == {"file": CARRIED_FILE, "groups": 4, "samples": [4, 4, 4, 4]}
+    items = read_carried(ckpt / CARRIED_FILE)
+    assert [s.prompt.index for s in items[0].samples[::4]] == [2, 3]
+    assert [g.prompt.index for g in carry_from_items(items[1:], state["partial_rollouts"])] == [4, 5, 6, 7]
+
+    shutil.copytree(tmp_path / "cut", tmp_path / "drop")
+    resumed, _ = _train(tmp_path, "cut", resume="auto", **over)
+    assert resumed == {2: whole[2], 3: whole[3]}
+    dropped, metrics = _train(
+        tmp_path, "drop", resume="auto", **over, **{"trainer.drop_carried_on_resume": "true"}
+    )
+    assert [row[0] for row in dropped[2][::4]] == [6, 7] and {tuple(row[2]) for row in dropped[2]} == {
+        (1, 1, 1)
+    }
+    assert metrics[2]["rollout/partial_groups_resumed"] == 0
+
+
+def test_a_torn_partial_tail_rejects_its_checkpoint_naming_it(tmp_path):
+    _train(tmp_path, "cut", stop_after=1)
+    ckpt = tmp_path / "cut" / "checkpoints" / "step_00000001"
+    victim = ckpt / CARRIED_FILE
+    victim.write_bytes(victim.read_bytes()[:-10])
+    with pytest.raises(CheckpointError) as e:
+        verify_checkpoint(ckpt)
+    assert f"{victim} is truncated" in str(e.value) and "\n" not in str(e.value)
+    write_manifest(ckpt)  # a torn file the manifest does not catch: the reader names it
+    with pytest.raises(CheckpointError) as e:
+        _train(tmp_path, "cut", resume=str(ckpt))
+    assert str(victim) in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_weight_sync_pauses_the_running_rollout_which_continues_with_the_new_weights(tmp_path):

@@ -23,7 +23,9 @@ Layout of the file (one safetensors file: tensors plus a string header):
 Items are :class:`RolloutBatch` (kind ``rollout_batch``: its samples are the rows) or instances
 of a dataclass registered with :func:`register_carried_type` (consecutive items of one type form
 one segment, one row each); :func:`write_carried` / :func:`read_carried` take and give back the
-list of items, in order.
+list of items, in order. ``rollout.partial``'s tail (groups past a rollout's cut, partly
+generated) travels here too, as kinds ``partial_prompt`` and ``partial_sample``
+(rollout/partial.py carry_to_items), after the batches.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.data.types import PromptSample
+from megatron_dapo.rollout.partial import PartialSample
 from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 from megatron_dapo.weights.hf_io import CheckpointError
 
@@ -60,6 +64,11 @@ def register_carried_type(name: str, cls: type) -> None:
     if name == _BATCH or _TYPES.get(name, cls) is not cls:
         raise ValueError(f"carried kind {name!r} is already taken")
     _TYPES[name] = cls
+
+
+# rollout.partial's carried tail: a prompt per group, then each group's responses so far
+register_carried_type("partial_prompt", PromptSample)
+register_carried_type("partial_sample", PartialSample)
 
 
 def _kind_of(item: Any) -> str:

@@ -33,7 +33,10 @@ from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.test_hold import hold_after_step
 from megatron_dapo.driver.timing import PhaseTimer
 from megatron_dapo.rollout.manager import RolloutAbandoned
+from megatron_dapo.rollout.partial import carry_from_items, carry_to_items
 from megatron_dapo.rollout.staleness import drop_stale_groups, staleness_metrics
+from megatron_dapo.rollout.types import RolloutBatch
+from megatron_dapo.weights.hf_io import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,10 @@ class TrainerState:
     # ({} when nothing is carried. Checkpoints written before held them here as `prefetched`.)
     carried: dict = field(default_factory=dict)
     # rollout.partial: the groups the last rollout left past its cut (partly generated
-    # responses with their tokens, log-probs and per-token versions), continued by the next one
+    # responses with their tokens, log-probs and per-token versions), continued by the next one.
+    # They are in carried.safetensors too, after the batches; this is their small index:
+    # {"file", "groups", "samples": responses per group}. (Checkpoints written before held the
+    # groups themselves here as {"groups": [...]}; they still load.)
     partial_rollouts: dict = field(default_factory=dict)
 
 
@@ -154,10 +160,18 @@ class DAPOTrainer:
         if self.state.manager_state and hasattr(self.manager, "load_state_dict"):
             self.manager.load_state_dict(self.state.manager_state)
         self._load_carried(Path(path), legacy)
-        if hasattr(self.manager, "load_partial_state_dict"):
-            self.manager.load_partial_state_dict(self.state.partial_rollouts)
         self._saved_step = self.state.step
         return True
+
+    def _load_partial(self, groups) -> None:
+        """rollout.partial's tail into the manager: read from the carried file (``groups``), or
+        from the trainer-state JSON of an older checkpoint, or none (dropped / not carried)."""
+        if groups is not None:
+            if hasattr(self.manager, "load_partial_groups"):
+                self.manager.load_partial_groups(groups)
+        elif hasattr(self.manager, "load_partial_state_dict"):
+            old = self.state.partial_rollouts
+            self.manager.load_partial_state_dict({} if "file" in old else old)
 
     def _load_carried(self, path: Path, legacy: dict) -> None:
         """The checkpoint's carried batches into the queue, or, with
@@ -186,31 +200,51 @@ class DAPOTrainer:
             # rollout.partial's tail was drawn after the oldest carried batch: its prompts are
             # drawn again too, so continuing it as well would train them twice
             self.state.partial_rollouts = {}
+            self._load_partial(None)
             return
-        batches = read_carried(path / index["file"]) if index else queue_from_state(legacy)
+        partial = self.state.partial_rollouts
+        # one file holds both: the carried batches first, then the partial tail's items
+        name = index.get("file") if index else partial.get("file")
+        items = read_carried(path / name) if name else []
+        batches = [b for b in items if isinstance(b, RolloutBatch)] if index else queue_from_state(legacy)
+        groups = None
+        if partial.get("file"):
+            try:
+                groups = carry_from_items(items[int(index.get("items", 0)) if index else 0 :], partial)
+            except ValueError as e:
+                raise CheckpointError(
+                    f"carried batches file {path / name} does not match its index in state.json ({e}); the "
+                    "checkpoint is corrupt: resume from an earlier one with trainer.resume=PATH"
+                ) from e
+        self._load_partial(groups)
         self._queue = deque(batches)
         self._starts = deque(starts + [None] * (len(batches) - len(starts)))
 
     def save(self) -> str:
         self.state.data_cursor = self.dataset.state_dict()
-        if hasattr(self.manager, "partial_state_dict"):
+        partial_items, partial_index = [], {}
+        if hasattr(self.manager, "partial_groups"):
+            partial_items, partial_index = carry_to_items(self.manager.partial_groups())
+        elif hasattr(self.manager, "partial_state_dict"):
             self.state.partial_rollouts = self.manager.partial_state_dict()
         extra_files = None
         # absolute: rank 0 (maybe another process, another cwd) moves it into the checkpoint
         staged = (self.run.checkpoints / ".carried.staging").absolute()
-        if self._queue:
-            # its own file, not JSON in the trainer state: at real sizes the batches are hundreds
-            # of MB; rank 0 moves it into the checkpoint before the manifest (actor/checkpoint.py).
-            # Other kinds of carried items (carried.register_carried_type) join this list.
-            write_carried(staged, list(self._queue))
-            self.state.carried = {
-                "file": CARRIED_FILE,
-                "items": len(self._queue),
-                "starts": list(self._starts),
-            }
+        self.state.carried = (
+            {"file": CARRIED_FILE, "items": len(self._queue), "starts": list(self._starts)}
+            if self._queue
+            else {}
+        )
+        if partial_index:
+            self.state.partial_rollouts = {"file": CARRIED_FILE, **partial_index}
+        elif hasattr(self.manager, "partial_groups"):
+            self.state.partial_rollouts = {}
+        if self._queue or partial_items:
+            # its own file, not JSON in the trainer state: at real sizes the batches (and the
+            # partial tail: ~1000 groups x 16 responses x thousands of tokens) are hundreds of MB;
+            # rank 0 moves it into the checkpoint before the manifest (actor/checkpoint.py)
+            write_carried(staged, list(self._queue) + partial_items)
             extra_files = {CARRIED_FILE: str(staged)}
-        else:
-            self.state.carried = {}
         if hasattr(self.manager, "state_dict"):
             self.state.manager_state = self.manager.state_dict()
         try:

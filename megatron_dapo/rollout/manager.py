@@ -79,6 +79,7 @@ TIMING_DEPENDENT_METRICS = (
     "rollout/wait_time_s",
     "rollout/engine_busy_fraction",
     "rollout/tokens_per_s",
+    "rollout/tokens_generated",
 )
 _POLL_S = 0.5
 
@@ -372,6 +373,14 @@ class RolloutManager:
 
     def load_partial_state_dict(self, state: dict[str, Any]) -> None:
         self._carry = carry_from_state(state)
+
+    def partial_groups(self) -> list[CarriedGroup]:
+        """rollout.partial: the carried groups themselves (a checkpoint stores them in its carried
+        file, driver/carried.py); not copies, so the caller must not change them."""
+        return list(self._carry)
+
+    def load_partial_groups(self, groups: list[CarriedGroup]) -> None:
+        self._carry = list(groups)
 
     def pause(self, timeout_s: float) -> bool:
         """rollout.partial, from another thread: stop the rollout in flight for a weight sync.
@@ -722,13 +731,13 @@ class RolloutManager:
             )
             if complete:
                 ledger.generated.update(g.serial for g in call.unit.groups)
-            if (
-                self.cfg.partial
-                and fut in done
-                and fut.exception() is None
-                and isinstance(fut.result(), list)
-            ):
-                call.unit.fold([r for r in fut.result() if isinstance(r, GenerationResult)])
+            if fut in done and fut.exception() is None and isinstance(fut.result(), list):
+                results = [r for r in fut.result() if isinstance(r, GenerationResult)]
+                # generated (and, with rollout.partial, kept for the next rollout, which then
+                # counts only what it adds)
+                ledger.tokens += (
+                    call.unit.fold(results) if self.cfg.partial else sum(len(r.output_ids) for r in results)
+                )
         if any(f in not_done for f in calls):
             logger.warning("rollout: %d engine calls did not return within abort_timeout_s", len(not_done))
         calls.clear()
@@ -869,6 +878,9 @@ class RolloutManager:
             "rollout/wait_time_s": max(wall - gen_time, 0.0),
             "rollout/engine_busy_fraction": sum(busy) / len(busy),
             "rollout/tokens_per_s": ledger.tokens / gen_time if gen_time > 0 else 0.0,
+            # every token an engine returned, once (a retried or continued request adds only
+            # what it generated after the tokens kept from before)
+            "rollout/tokens_generated": ledger.tokens,
         }
         if cfg.partial:
             m.update(_partial_metrics(samples, ledger, version))

@@ -149,6 +149,8 @@ def carry_to_state(groups: list[CarriedGroup]) -> dict[str, Any]:
 
 
 def carry_from_state(state: dict[str, Any]) -> list[CarriedGroup]:
+    """The groups :func:`carry_to_state` stored (the JSON form checkpoints held before the carried
+    file; also what :meth:`RolloutManager.partial_state_dict` gives)."""
     groups = []
     for g in (state or {}).get("groups", []):
         samples = []
@@ -158,4 +160,39 @@ def carry_from_state(state: dict[str, Any]) -> list[CarriedGroup]:
                 row["routed_experts"] = torch.tensor(row["routed_experts"], dtype=torch.int16)
             samples.append(PartialSample(**row))
         groups.append(CarriedGroup(PromptSample(**g["prompt"]), samples))
+    return groups
+
+
+# ---------------------------------------------------------------- the carried file's form
+def carry_to_items(groups: list[CarriedGroup]) -> tuple[list[Any], dict[str, Any]]:
+    """The groups as flat items for the checkpoint's carried file (driver/carried.py: one
+    PromptSample per group, then every group's PartialSample rows, so token ids, log-probs and
+    versions become flat tensors, not JSON) and the small index the trainer state keeps:
+    ``{"groups": G, "samples": [responses per group]}``; ({}, []) when none."""
+    if not groups:
+        return [], {}
+    items: list[Any] = [g.prompt for g in groups]
+    for g in groups:
+        items.extend(g.samples)
+    return items, {"groups": len(groups), "samples": [len(g.samples) for g in groups]}
+
+
+def carry_from_items(items: list[Any], index: dict[str, Any]) -> list[CarriedGroup]:
+    """The groups :func:`carry_to_items` flattened, from the items read back and its index."""
+    sizes = [int(n) for n in index.get("samples", [])]
+    prompts, rows = items[: len(sizes)], items[len(sizes) :]
+    if (
+        len(prompts) != len(sizes)
+        or len(rows) != sum(sizes)
+        or not all(isinstance(p, PromptSample) for p in prompts)
+        or not all(isinstance(r, PartialSample) for r in rows)
+    ):
+        raise ValueError(
+            f"the carried file holds {len(prompts)} prompts and {len(rows)} partial responses where its "
+            f"index says {len(sizes)} groups of {sum(sizes)} responses"
+        )
+    groups, at = [], 0
+    for prompt, n in zip(prompts, sizes):
+        groups.append(CarriedGroup(prompt, rows[at : at + n]))
+        at += n
     return groups
