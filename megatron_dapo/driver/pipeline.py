@@ -65,9 +65,9 @@ class Prefetch:
         self._cursor = copy.deepcopy(dataset.state_dict())
         self._manager_state = copy.deepcopy(manager.state_dict()) if hasattr(manager, "state_dict") else None
         # rollout.partial: the carried tail, which a finished batch of this prefetch replaced
-        self._partial_state = (
-            copy.deepcopy(manager.partial_state_dict()) if hasattr(manager, "partial_state_dict") else None
-        )
+        # (the groups themselves, not a JSON copy: at real sizes the tail is hundreds of MB, and
+        # the manager replaces carried samples rather than changing them)
+        self._partial_groups = manager.partial_groups() if hasattr(manager, "partial_groups") else None
         self._batches: list[RolloutBatch] = []
         # per batch: the data cursor and manager state before it was drawn (checkpointed with it)
         self.starts: list[dict[str, Any]] = []
@@ -98,8 +98,8 @@ class Prefetch:
             self.dataset.load_state_dict(self._cursor)
             if self._manager_state is not None:
                 self.manager.load_state_dict(self._manager_state)
-            if self._partial_state is not None:
-                self.manager.load_partial_state_dict(self._partial_state)
+            if self._partial_groups is not None:
+                self.manager.load_partial_groups(self._partial_groups)
             return None
         if self._error is not None:
             raise self._error
