@@ -432,15 +432,15 @@ def test_sglang_reply_routed_experts_are_parsed_per_forwarded_token():
         parse_generate_reply({"meta_info": meta}, req, "sglang-0", routed_experts_shape=(3, 2))
 
 
-def test_routing_replay_with_sglang_engines_is_refused_until_the_driver_wires_it():
+def test_routing_replay_is_accepted_with_sglang_engines():
+    """The driver wires SGLang's routed experts (tests/test_sglang_routing_replay.py), so the
+    engine choice no longer depends on routing replay."""
     from omegaconf import OmegaConf
 
-    from megatron_dapo.config import ConfigError
     from megatron_dapo.driver.launch import resolve_engine
 
     cfg = OmegaConf.create({"rollout": {"engine": "auto"}, "actor": {"routing_replay": "rollout"}})
     assert resolve_engine(cfg, "cpu") == "hf"
-    with pytest.raises(ConfigError, match="actor.routing_replay=rollout needs rollout.engine=hf"):
-        resolve_engine(cfg, "cuda")
-    cfg.actor.routing_replay = "none"
     assert resolve_engine(cfg, "cuda") == "sglang"
+    cfg.rollout.engine = "sglang"
+    assert resolve_engine(cfg, "cpu") == "sglang"

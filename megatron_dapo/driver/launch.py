@@ -44,14 +44,6 @@ def resolve_engine(cfg: DictConfig, device: str) -> str:
     kind = cfg.rollout.engine
     if kind == "auto":
         kind = "sglang" if device == "cuda" else "hf"
-    if kind == "sglang" and cfg.actor.routing_replay == "rollout":
-        # The client asks for and parses the routed experts (SGLangClient(routed_experts_shape=)),
-        # the server flag exists (SGLangServerConfig.return_routed_experts); the driver does not
-        # pass them to its engines yet.
-        raise ConfigError(
-            "actor.routing_replay=rollout needs rollout.engine=hf for now (the driver does not yet start "
-            "SGLang engines with --enable-return-routed-experts); set actor.routing_replay=none or rollout.engine=hf"
-        )
     return kind
 
 

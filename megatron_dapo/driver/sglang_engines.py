@@ -10,6 +10,8 @@
   torchrun's `megatron_dapo.train` instead starts every node's servers (`sglang_torchrun`).
 - under Ray, `launch_on_nodes` starts every node's servers from an `SGLangNodeHost` actor pinned to
   that node, as `sglang_placement.plan_engines` planned them.
+With `actor.routing_replay: rollout` every server launched here gets SGLang's routed-experts flag
+and every engine's client asks for and parses the experts, shaped by `routed_experts_shape(cfg)`.
 Launched servers stay attached to their engines (`engine.server`: `stop()`, `alive()`,
 `restart()`); `stop_sglang_engines` ends them. Weight transports are in `sglang_transports`.
 
@@ -63,6 +65,36 @@ def cpu_server_env() -> dict[str, str]:
     return env
 
 
+def routed_experts_shape(cfg) -> tuple[int, int] | None:
+    """``(layers, top-k)`` of the experts SGLang returns per token for ``model.path``, or None when
+    ``actor.routing_replay`` is not ``rollout`` (then servers and clients leave them out).
+
+    SGLang's reply has a row per decoder layer (``num_hidden_layers``) of ``num_experts_per_tok``
+    experts (``RoutedExpertsCapturer``); the trainer's MoE layers are those same layers, since it
+    takes only models whose every layer is MoE. The one place that shape is read: every server and
+    client the driver makes (Ray, torchrun nodes, servers given by URL) gets it from here."""
+    if cfg.actor.routing_replay != "rollout":
+        return None
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(cfg.model.path))
+    hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    k = getattr(hf, "num_experts_per_tok", None)
+    if not k:
+        raise ConfigError(
+            f"actor.routing_replay=rollout needs a mixture-of-experts model; model.path={cfg.model.path} "
+            f"({type(hf).__name__}) has no num_experts_per_tok; set actor.routing_replay=none"
+        )
+    step = getattr(hf, "decoder_sparse_step", 1)
+    dense = list(getattr(hf, "mlp_only_layers", None) or [])
+    if step != 1 or dense:
+        raise ConfigError(
+            f"actor.routing_replay=rollout: model.path={cfg.model.path} has dense layers "
+            f"(decoder_sparse_step={step}, mlp_only_layers={dense}); every layer must be MoE"
+        )
+    return int(hf.num_hidden_layers), int(k)
+
+
 def server_config(
     cfg,
     i: int,
@@ -75,6 +107,7 @@ def server_config(
     """The `SGLangServerConfig` of engine i: model, TP, address, base GPU, memory settings.
 
     `cpu`: a server without GPUs (CPU flags and environment above, memory fraction kept small).
+    With `actor.routing_replay: rollout` it returns the routed experts (`routed_experts_shape`).
     """
     from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 
@@ -99,6 +132,7 @@ def server_config(
         max_total_tokens=kv_pool_tokens(cfg),
         # the CPU flags choose torch_native attention, for which SGLang refuses determinism
         deterministic=seeds_apply(s) and not cpu,
+        return_routed_experts=routed_experts_shape(cfg) is not None,
     )
 
 
@@ -166,9 +200,12 @@ def connect_sglang_engines(
     health_timeout_s: float,
     request_timeout_s: float = 1800.0,
     answer_timeout_s: float = 120.0,
+    routed_experts_shape: tuple[int, int] | None = None,
 ) -> list:
     """`SGLangEngine`s for running servers, after each answered `/health` (within `health_timeout_s`
-    in all); TP size from the server. Later health checks wait `answer_timeout_s` for an answer."""
+    in all); TP size from the server. Later health checks wait `answer_timeout_s` for an answer.
+    `routed_experts_shape`: ask every reply for the routed experts (the servers must have been
+    started with `sglang_server.ROUTED_EXPERTS_FLAG`; a reply without them is an error naming it)."""
     from megatron_dapo.rollout.sglang_client import SGLangEngine
 
     checked = [_check_url(i, u) for i, u in enumerate(urls)]
@@ -185,6 +222,7 @@ def connect_sglang_engines(
                 api_key=api_key,
                 timeout_s=request_timeout_s,
                 health_timeout_s=answer_timeout_s,
+                routed_experts_shape=routed_experts_shape,
             )
             engines.append(engine)
             # refuses an unsupported SGLang; resumes a server a crashed trainer left paused
@@ -227,6 +265,7 @@ def launch_sglang_engines(cfg, configs: Sequence[Any]) -> list:
 
     servers = []
     engines = []
+    shape = routed_experts_shape(cfg)
     try:
         for c in configs:
             where = (
@@ -248,6 +287,7 @@ def launch_sglang_engines(cfg, configs: Sequence[Any]) -> list:
                     api_key=srv.cfg.api_key,
                     timeout_s=float(cfg.rollout.request_timeout_s),
                     health_timeout_s=float(cfg.rollout.sglang.health_timeout_s),
+                    routed_experts_shape=shape,
                 )
             )
     except BaseException:
@@ -275,6 +315,7 @@ def start_sglang_engines(cfg) -> list:
             health_timeout_s=float(s.startup_timeout_s),
             request_timeout_s=float(cfg.rollout.request_timeout_s),
             answer_timeout_s=float(s.health_timeout_s),
+            routed_experts_shape=routed_experts_shape(cfg),
         )
     log_dir = Path(cfg.trainer.runs_dir).resolve() / cfg.trainer.run_name / "sglang"
     total = torch.cuda.device_count()
@@ -314,6 +355,7 @@ def launch_planned_engines(
     _, servers = launch_on_nodes(
         plans, configs, startup_timeout_s=float(cfg.rollout.sglang.startup_timeout_s), commands=commands
     )
+    shape = routed_experts_shape(cfg)
     engines = []
     for p, c, srv in zip(plans, configs, servers):
         engine = SGLangEngine(
@@ -324,6 +366,7 @@ def launch_planned_engines(
             api_key=c.api_key,
             timeout_s=float(cfg.rollout.request_timeout_s),
             health_timeout_s=float(cfg.rollout.sglang.health_timeout_s),
+            routed_experts_shape=shape,
         )
         engine.plan = p
         engines.append(engine)

@@ -272,8 +272,9 @@ class PeerServer:
 def rank0_engines(cfg, servers: NodeServers, ranks: Any = None) -> list:
     """Rank 0's engines in plan order: its own node's launched ones, the others connected by URL
     (with a `PeerServer` through which their node restarts them, when `ranks` is given)."""
-    from megatron_dapo.driver.sglang_engines import connect_sglang_engines
+    from megatron_dapo.driver.sglang_engines import connect_sglang_engines, routed_experts_shape
 
+    shape = routed_experts_shape(cfg)
     engines: list[Any] = []
     try:
         for p, url in zip(servers.plans, servers.urls):
@@ -288,6 +289,7 @@ def rank0_engines(cfg, servers: NodeServers, ranks: Any = None) -> list:
                     health_timeout_s=float(s.startup_timeout_s),
                     request_timeout_s=float(cfg.rollout.request_timeout_s),
                     answer_timeout_s=float(s.health_timeout_s),
+                    routed_experts_shape=shape,
                 )
                 engine.name = f"sglang-{p.index}@{url.split('//', 1)[-1]}"
                 client = getattr(engine, "client", None)

@@ -76,7 +76,7 @@ class SGLangError(EngineError):
 def payload_generate(req: GenerationRequest, routed_experts: bool = False) -> dict:
     """``GenerateReqInput`` for one tokenised prompt, asking for the sampled tokens' log-probs
     (and with ``routed_experts`` each MoE layer's experts per token, from position 0: the server
-    needs ``--enable-return-routed-experts``)."""
+    needs ``sglang_server.ROUTED_EXPERTS_FLAG``)."""
     s = req.sampling
     sampling = {
         "temperature": s.temperature,
@@ -104,17 +104,27 @@ def payload_generate(req: GenerationRequest, routed_experts: bool = False) -> di
 
 
 def parse_routed_experts(meta: dict, shape: tuple[int, int], tokens: int, where: str) -> torch.Tensor:
-    """SGLang 0.5.23's ``meta_info.routed_experts``: base64 of int32 ``[tokens, layers, k]`` for
-    positions ``[routed_experts_start_len, seq_len - 1)`` (the last sampled token is never
-    forwarded) -> an int16 tensor of that shape."""
+    """SGLang 0.5.23's ``meta_info.routed_experts`` -> an int16 ``[tokens, layers, k]`` tensor.
+
+    What its source defines: the detokenizer base64-encodes the int32 rows that
+    ``RoutedExpertsCapturer.get_topk`` reads from its host cache, one per token position in
+    ``[routed_experts_start_len, seq_len - 1)`` (the last sampled token is never forwarded), each
+    ``[num_hidden_layers, num_experts_per_tok]`` of the text config: a row for every decoder
+    layer, indexed by layer id, fused shared-expert columns dropped. ``shape`` is that
+    ``(layers, k)`` (``driver.sglang_engines.routed_experts_shape``)."""
     import base64
 
     import numpy as np
 
+    from megatron_dapo.rollout.sglang_server import ROUTED_EXPERTS_FLAG
+
     raw = meta.get("routed_experts")
     if raw is None:
         raise SGLangError(
-            f"{where} has no meta_info.routed_experts; start the server with --enable-return-routed-experts"
+            f"{where} has no meta_info.routed_experts, which actor.routing_replay=rollout needs: the "
+            f"server must be started with {ROUTED_EXPERTS_FLAG} (the driver passes it to the servers it "
+            "starts; add it to servers given by rollout.sglang.urls, e.g. SGLANG_EXTRA_ARGS for "
+            "launch/start_sglang_servers.sh)"
         )
     flat = np.frombuffer(base64.b64decode(raw), dtype=np.int32)
     layers, k = shape

@@ -22,6 +22,10 @@ from pathlib import Path
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.health import poll_health
 
+# SGLang 0.5.23's server flag (ServerArgs.enable_return_routed_experts, arg_groups/fields/exec_.py)
+# without which it allocates no RoutedExpertsCapturer and no reply carries meta_info.routed_experts.
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+
 
 class SGLangStartupError(EngineError):
     """The server exited or did not become healthy in time; the message carries its log tail."""
@@ -64,7 +68,7 @@ class SGLangServerConfig:
     env: dict[str, str] = field(default_factory=dict)
     python: str | None = None
     max_total_tokens: int | None = None
-    # ``--enable-return-routed-experts``: replies can carry each MoE layer's experts per token.
+    # ROUTED_EXPERTS_FLAG: replies can carry each MoE layer's experts per token (routing replay).
     return_routed_experts: bool = False
     deterministic: bool = False
 
@@ -138,7 +142,7 @@ def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> 
     if cfg.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(int(cfg.max_total_tokens))]
     if cfg.return_routed_experts:
-        cmd.append("--enable-return-routed-experts")
+        cmd.append(ROUTED_EXPERTS_FLAG)
     return cmd + list(cfg.extra_args)
 
 
