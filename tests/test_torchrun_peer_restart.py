@@ -90,11 +90,12 @@ def _rank_main(tmp: Path) -> None:
     # (its real health check, a short health timeout) without the connect-time SGLang handshake
     stub = SGLangEngine(url, health_timeout_s=3)
     cfg = SimpleNamespace(
+        actor=SimpleNamespace(routing_replay="none"),  # rank0_engines asks whether to request routed experts
         rollout=SimpleNamespace(
             sglang=SimpleNamespace(api_key=None, startup_timeout_s=60, health_timeout_s=3),
             tensor_parallel_size=1,
             request_timeout_s=30,
-        )
+        ),
     )
     with mock.patch("megatron_dapo.driver.sglang_engines.connect_sglang_engines", return_value=[stub]):
         (engine,) = sglang_torchrun.rank0_engines(cfg, servers, ranks)
