@@ -22,13 +22,14 @@ def save_hf_checkpoint(
     max_shard_bytes: int = 5 << 30,
     bucket_bytes: int = 512 << 20,
     progress: bool = False,
+    write: bool = True,
 ) -> list[str] | None:
     """Write the model as HF safetensors into ``out_dir`` (on the bucket holder; call on every
     model-parallel rank). Copies config.json/tokenizer from ``hf_metadata_dir`` (or writes the
     chunks' HF config) and records the parameter dtype in config.json. Returns the weight files
-    on the holder, None elsewhere."""
+    on the holder, None elsewhere. With ``write=False`` the rank only takes part in the gather."""
     hf_config = hf_config_of(model_chunks)
-    holder = is_bucket_holder()
+    holder = is_bucket_holder() and write
     writer = ShardedSafetensorsWriter(out_dir, max_shard_bytes) if holder else None
     with progress_bar(progress and holder, len(expected_hf_names(hf_config)), "writing HF tensors") as step:
         for bucket in iter_hf_buckets(model_chunks, bucket_bytes=bucket_bytes):
@@ -62,7 +63,9 @@ def export_hf_checkpoint(
     """Collective over every actor rank: write the model as an HF checkpoint at ``out_dir``
     (atomically). Only the first data-parallel replica gathers; global rank 0, its bucket holder,
     writes. Other replicas hold the same weights, so gathering there would only repeat the whole
-    transfer (once per DP replica). Returns ``out_dir`` on global rank 0, None elsewhere."""
+    transfer (once per DP replica). With expert parallelism every rank gathers: the experts come
+    over the EP group, which spans data-parallel replicas. Returns ``out_dir`` on global rank 0,
+    None elsewhere."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -73,8 +76,12 @@ def export_hf_checkpoint(
         with atomic_directory(out_dir, overwrite=True) as tmp:
             save_hf_checkpoint(model_chunks, tmp, hf_metadata_dir=hf_metadata_dir)
         result = str(out_dir)
-    elif ps.get_data_parallel_rank(with_context_parallel=True) == 0:
-        # TP/PP peers of rank 0: they take part in the gather; only the holder writes files.
-        save_hf_checkpoint(model_chunks, out_dir, hf_metadata_dir=hf_metadata_dir)
+    elif (
+        ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        or ps.get_expert_model_parallel_world_size() > 1
+    ):
+        # TP/PP peers of rank 0 (and at EP > 1 its EP peers in other replicas) take part in the
+        # gather; only rank 0 writes files.
+        save_hf_checkpoint(model_chunks, out_dir, hf_metadata_dir=hf_metadata_dir, write=False)
     dist.barrier()
     return result
