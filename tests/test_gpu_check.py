@@ -20,6 +20,7 @@ CUDA_ONLY = {
     "mfu_bf16_1.5B",
     "sglang_colocated_ipc_sync",
     "dapo_2_steps_colocated",
+    "sglang_routed_experts",
 }
 
 

@@ -12,6 +12,8 @@
 #   fp8_step_odd_lengths         an FP8 update with odd sequence lengths (delayed; MXFP8 on Blackwell)
 #   offload_roundtrip            offload/onload of params + optimizer: bytes freed, weights restored
 #   mfu_bf16_1.5B                MFU of a Qwen2.5-1.5B-shaped bf16 forward+backward, formula printed
+#   sglang_routed_experts        the real SGLang server's routed experts of a tiny Qwen3-MoE equal
+#                                transformers' router top-k (routing replay; CPU SGLang cannot)
 #   stack_plumbing               (CPU too) the run's overrides pass the config loader, colocation on
 #                                GPUs resolves to CUDA IPC, the SGLang server command
 #   sglang_colocated_ipc_sync    the real SGLang server on the same GPU, the actor's weights after one

@@ -83,7 +83,7 @@ def _vocab(ctx: Context) -> int:
     return QWEN25[ctx.small]["vocab_size"]
 
 
-@check("environment", needs_cuda=False, budget_s=20)
+@check("environment", needs_cuda=False, budget_s=15)
 def environment(ctx: Context) -> Figure:
     torch = _torch()
     import megatron.core
@@ -269,4 +269,4 @@ def mfu(ctx: Context) -> Figure:
 
 
 # Registered last: they start servers and a whole run, after the cheaper checks have passed.
-from tools.gpu_checks import stack  # noqa: E402, F401
+from tools.gpu_checks import routing, stack  # noqa: E402, F401
