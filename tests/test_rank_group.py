@@ -139,3 +139,42 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
         time.sleep(0.1)
     with pytest.raises(EngineError, match="engine hf-7 died during generate"):
         RemoteEngine("hf-7", handle, timeout_s=10).generate([])
+
+
+GLOO_RESET = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:56495: "
+    "Connection reset by peer"
+)
+
+
+def test_a_reset_read_before_the_killed_peer_shows_as_dead_still_names_it():
+    """The race behind a flaky one-line check: rank 1 is SIGKILLed, rank 0's collective reads the
+    reset while rank 1 still shows as running; the failure must still name the dead rank."""
+    import socket
+    import subprocess
+    import sys
+
+    from megatron_dapo.driver.rank_group import dead_peers, dead_peers_after_failure
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    peers = [(socket.gethostname(), os.getpid()), (socket.gethostname(), child.pid)]
+    polls = []
+
+    def poll(p):
+        polls.append(1)
+        if len(polls) == 1:  # the reset arrives first; the kill lands only after this look
+            found = dead_peers(p)
+            child.kill()
+            return found
+        return dead_peers(p)
+
+    try:
+        assert dead_peers_after_failure(peers, RuntimeError(GLOO_RESET), poll=poll) == [(1, child.pid)]
+        assert len(polls) >= 2
+        # rank 0's own error (not a dropped connection) is raised at once, without waiting
+        polls.clear()
+        assert dead_peers_after_failure(peers[:1], ValueError("bad batch"), poll=poll) == []
+        assert len(polls) == 1
+    finally:
+        child.kill()
+        child.wait()

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import socket
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from megatron_dapo.actor.spawn import free_port
@@ -253,7 +257,7 @@ class SPMDRankGroup:
         except Exception as e:
             # A peer that died surfaces here only as a broken collective ("Connection reset by
             # peer"); name the dead process instead, as the Ray path does.
-            dead = dead_peers(self.peers)
+            dead = dead_peers_after_failure(self.peers, e)
             if not dead:
                 raise
             causes: list[BaseException] = [rank_died(rank, pid, method) for rank, pid in dead]
@@ -301,6 +305,31 @@ def _exchange_peers(group, world_size: int) -> list[tuple[str, int]]:
     peers: list[Any] = [None] * world_size
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=group)
     return [tuple(p) for p in peers]
+
+
+# What a collective raises when a peer's connection drops (gloo's tcp transport).
+_TRANSPORT_ERROR = re.compile(r"gloo/transport|Connection (reset|closed) by peer|Broken pipe")
+
+
+def dead_peers_after_failure(
+    peers: list[tuple[str, int]],
+    error: BaseException,
+    wait_s: float = 10.0,
+    poll: Callable[[list[tuple[str, int]]], list[tuple[int, int]]] | None = None,
+) -> list[tuple[int, int]]:
+    """The dead peers behind a failed call. A SIGKILLed peer's sockets are reset while the kernel
+    tears it down, so rank 0 can read the reset before the peer shows as exited (seen under load:
+    the line then named the reset, not the dead rank). After a transport error, wait up to
+    ``wait_s`` for the peer to show; any other error is rank 0's own and returns at once."""
+    poll = poll or dead_peers
+    dead = poll(peers)
+    if dead or not _TRANSPORT_ERROR.search(str(error)):
+        return dead
+    deadline, tick = time.monotonic() + wait_s, threading.Event()
+    while not dead and time.monotonic() < deadline:
+        tick.wait(0.05)
+        dead = poll(peers)
+    return dead
 
 
 def dead_peers(peers: list[tuple[str, int]]) -> list[tuple[int, int]]:
