@@ -63,8 +63,10 @@ def export_hf_checkpoint(
     """Collective over every actor rank: write the model as an HF checkpoint at ``out_dir``
     (atomically). Only the first data-parallel replica gathers; global rank 0, its bucket holder,
     writes. Other replicas hold the same weights, so gathering there would only repeat the whole
-    transfer (once per DP replica). With expert parallelism every rank gathers: the experts come
-    over the EP group, which spans data-parallel replicas. Returns ``out_dir`` on global rank 0,
+    transfer (once per DP replica). With expert parallelism one copy of the experts is spread over
+    the first expert-data-parallel replica, which spans EP data-parallel replicas: those ranks
+    gather too (rank 0's expert gather waits for them otherwise), but only rank 0 writes (another
+    replica's model-parallel rank 0 is a bucket holder too). Returns ``out_dir`` on global rank 0,
     None elsewhere."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -76,9 +78,8 @@ def export_hf_checkpoint(
         with atomic_directory(out_dir, overwrite=True) as tmp:
             save_hf_checkpoint(model_chunks, tmp, hf_metadata_dir=hf_metadata_dir)
         result = str(out_dir)
-    elif (
-        ps.get_data_parallel_rank(with_context_parallel=True) == 0
-        or ps.get_expert_model_parallel_world_size() > 1
+    elif ps.get_data_parallel_rank(with_context_parallel=True) == 0 or (
+        ps.get_expert_model_parallel_world_size() > 1 and ps.get_expert_data_parallel_rank() == 0
     ):
         # TP/PP peers of rank 0 (and at EP > 1 its EP peers in other replicas) take part in the
         # gather; only rank 0 writes files.
