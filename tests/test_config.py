@@ -53,6 +53,21 @@ def test_bad_values_name_the_key_and_fix(override, expected):
     assert expected in str(e.value)
 
 
+def test_virtual_pipeline_is_refused_on_cpu():
+    """Training under VPP is wrong on gloo (megatron-core's interleaved 1F1B schedule); MoE or not."""
+    layout = ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"]
+    with pytest.raises(
+        ConfigError, match="parallel.virtual_pipeline_model_parallel_size=2 trains only on GPU"
+    ):
+        _load(*layout, "parallel.actor_world_size=4", "trainer.device=cpu")
+    assert (
+        _load(
+            *layout, "parallel.actor_world_size=4", "trainer.device=cuda"
+        ).parallel.pipeline_model_parallel_size
+        == 2
+    )
+
+
 def test_missing_model_path_is_explained():
     with pytest.raises(ConfigError, match="model.path"):
         load_config(None, [])

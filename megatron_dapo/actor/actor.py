@@ -169,15 +169,6 @@ class Actor:
         )
         self._micro_multiple = layout.pp_size if len(model_chunks) > 1 else 1
         if len(model_chunks) > 1:
-            if compat.on_cpu():
-                # Seen with megatron-core 0.16 on gloo: the interleaved 1F1B schedule (forward and
-                # backward) feeds stages activations of the wrong micro-batch (losses differ from
-                # PP without VPP; variable shapes fail with gradient shape mismatches), while the
-                # forward-only interleaved schedule is right.
-                raise ValueError(
-                    "training with virtual pipeline stages (vpp) is not supported on the CPU/gloo path; "
-                    "use vpp=None on CPU (pp alone works)"
-                )
             # Every micro-batch of a call is padded to one shape (see _my_micro_batches), the
             # interleaved schedule's assumption, so shapes need not be communicated.
             for chunk in model_chunks:
@@ -212,6 +203,9 @@ class Actor:
             groups, rows, length = pack_fixed_shape(
                 lengths, mine, budget, self._micro_multiple, self._pad_multiple
             )
+            if self.layout.ep_size > 1:
+                # Each rank's count is a multiple of PP, so the largest is too.
+                groups = split_to_count(groups, self._max_over_data_parallel(len(groups)))
             return [
                 collate(batch, g, self.cfg.pad_token_id, self._pad_multiple, rows=rows, length=length)
                 for g in groups
@@ -368,6 +362,15 @@ class Actor:
         Raises TrainingDivergedError after ``max_consecutive_skips`` non-finite steps in a row.
         """
         cfg = self.cfg
+        if len(self.model) > 1 and compat.on_cpu():
+            # Seen with megatron-core 0.16 on gloo: the interleaved 1F1B schedule (forward and
+            # backward) feeds stages activations of the wrong micro-batch (losses differ from PP
+            # without VPP; variable shapes fail with gradient shape mismatches), while the
+            # forward-only interleaved schedule (compute_logprobs) is right.
+            raise ValueError(
+                "training with virtual pipeline stages (vpp) is not supported on the CPU/gloo path; "
+                "use vpp=None on CPU (pp alone works)"
+            )
         routing_replay.reset_counts()
         n_mini = len(self.mini_batches(batch, 0))
         if batch.old_logprobs is None and (n_mini > 1 or cfg.ppo_epochs > 1):

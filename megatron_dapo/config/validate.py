@@ -184,6 +184,13 @@ def validate(cfg: DictConfig) -> None:
             f"parallel.virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size > 1 "
             "and a value >= 1; set it to null otherwise"
         )
+    if vpp and vpp > 1 and cfg.trainer.device == "cpu":
+        # megatron-core 0.16's interleaved 1F1B schedule feeds stages the wrong micro-batch's
+        # activations on gloo (actor.Actor.update refuses it too, for trainer.device=auto).
+        raise ConfigError(
+            f"parallel.virtual_pipeline_model_parallel_size={vpp} trains only on GPU (megatron-core's "
+            "interleaved schedule is wrong on CPU/gloo); set it to null with trainer.device=cpu"
+        )
 
     tb, mb = cfg.trainer.train_batch_size, cfg.actor.ppo_mini_batch_size
     if tb % mb:
