@@ -157,6 +157,26 @@ def test_bucket_loading_equals_load_state_dict(tie):
         engine.load_weights(_buckets(state), version=8)
 
 
+def test_moe_buckets_with_per_expert_names_load_into_fused_experts(tmp_path):
+    """The weight sync sends a MoE checkpoint's per-expert names (experts.{e}.gate_proj.weight);
+    transformers 5's Qwen3-MoE holds the experts fused. Loaded from the saved checkpoint's
+    tensors, the engine's model equals transformers' own load of that checkpoint."""
+    from helpers import hf_state_dict, random_hf_model
+    from transformers import AutoModelForCausalLM
+
+    random_hf_model(tiny_hf_config("qwen3_moe"), 1).save_pretrained(str(tmp_path))
+    state = hf_state_dict(tmp_path)
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in state
+    engine = HFEngine(model=random_hf_model(tiny_hf_config("qwen3_moe"), 2).eval())
+    engine.load_weights(_buckets(state), version=3)
+    want = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).state_dict()
+    got = engine.model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    state.pop("model.layers.1.mlp.experts.5.down_proj.weight")
+    with pytest.raises(WeightLoadError, match=r"lacks 1 tensors.*experts.5.down_proj.weight"):
+        engine.load_weights([state], 4)
+
+
 def test_bucket_loading_is_strict_and_names_the_tensor():
     engine = HFEngine(model=tiny_model())
     state = {k: v.clone() for k, v in tiny_model(seed=1).state_dict().items()}

@@ -291,6 +291,11 @@ class HFEngine:
         canonical: dict[str, str] = {}
         first_name: dict[int, str] = {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
+            experts = _per_expert_views(name, p.data)
+            if experts:
+                targets.update(experts)
+                canonical.update({k: k for k in experts})
+                continue
             targets[name] = p.data
             canonical[name] = first_name.setdefault(id(p), name)
         persistent = set(self.model.state_dict(keep_vars=True))
@@ -317,6 +322,26 @@ class HFEngine:
 
     def health(self) -> bool:
         return self._healthy
+
+
+def _per_expert_views(name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-expert HF names -> views of transformers' fused expert tensors (empty for any other
+    parameter). transformers 5 keeps a MoE layer's experts as ``experts.gate_up_proj``
+    ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and ``experts.down_proj``
+    ``[E, H, I]``, and converts checkpoints' ``experts.{e}.gate_proj.weight`` names on load and
+    save; the weight sync sends those checkpoint names."""
+    prefix, _, leaf = name.rpartition(".experts.")
+    if not prefix or param.dim() != 3 or leaf not in ("gate_up_proj", "down_proj"):
+        return {}
+    base = f"{prefix}.experts"
+    if leaf == "down_proj":
+        return {f"{base}.{e}.down_proj.weight": param[e] for e in range(param.shape[0])}
+    half = param.shape[1] // 2
+    out = {}
+    for e in range(param.shape[0]):
+        out[f"{base}.{e}.gate_proj.weight"] = param[e, :half]
+        out[f"{base}.{e}.up_proj.weight"] = param[e, half:]
+    return out
 
 
 class _RoutingRecorder:
