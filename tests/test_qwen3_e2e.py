@@ -79,6 +79,8 @@ def _qwen3_demo_assets(root: Path) -> dict:
 
 @pytest.mark.slow
 def test_two_dapo_steps_on_qwen3_moe_at_ep2_with_routing_replay_match_the_engine(tmp_path):
+    from transformers import AutoConfig
+
     assets = _qwen3_demo_assets(tmp_path / "assets")
     files = SimpleNamespace(hf_dir=assets["hf"], train_file=assets["train"], val_file=assets["val"])
     over = {"data.val_max_samples": 4, "algorithm.overlong_buffer.enable": "true", "trainer.test_freq": 0}
@@ -102,4 +104,6 @@ def test_two_dapo_steps_on_qwen3_moe_at_ep2_with_routing_replay_match_the_engine
         assert r["actor/routing_mismatch"] == 0.0, (r["step"], r["actor/routing_mismatch"])
     exported = json.loads((Path(summary["hf_export"]) / "config.json").read_text())
     assert exported["architectures"] == ["Qwen3MoeForCausalLM"] and exported["head_dim"] == 24
-    assert (exported["num_experts"], exported["num_experts_per_tok"]) == (4, 2)
+    # transformers 5 writes num_experts as num_local_experts; read it back through its config
+    moe = AutoConfig.from_pretrained(summary["hf_export"])
+    assert (moe.num_experts, moe.num_experts_per_tok) == (4, 2)
