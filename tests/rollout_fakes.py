@@ -188,8 +188,62 @@ class ScriptedEngine:
         self.aborts += 1
         self._epoch += 1
 
-    def health(self):
+    def health(self, check_process=True):
         return self._alive
+
+
+class HungEngine(ScriptedEngine):
+    """Takes calls and never answers them (a wedged server): ``entered`` is set once a call is
+    in, ``health()`` fails (and is counted). An abort makes the stuck calls return after all,
+    complete, like a server that answers late; ``returned`` is then set."""
+
+    def __init__(self, name, **kw):
+        super().__init__(name, **kw)
+        self.entered, self.returned, self._release = threading.Event(), threading.Event(), threading.Event()
+        self.health_calls = 0
+
+    def generate(self, requests):
+        self.entered.set()
+        assert self._release.wait(120), "a hung engine's call was never released"
+        out = super().generate(requests)
+        self.returned.set()
+        return out
+
+    def abort(self):
+        self.aborts += 1
+        self._release.set()
+
+    def health(self, check_process=True):
+        self.health_calls += 1
+        return False
+
+
+class GatedEngine(ScriptedEngine):
+    """Answers only once ``gate`` is set (``entered`` tells a call is in); healthy, counted."""
+
+    def __init__(self, name, gate, **kw):
+        super().__init__(name, **kw)
+        self.gate, self.entered = gate, threading.Event()
+        self.health_calls = 0
+
+    def generate(self, requests):
+        self.entered.set()
+        assert self.gate.wait(120), "gate never opened"
+        return super().generate(requests)
+
+    def health(self, check_process=True):
+        self.health_calls += 1
+        return True
+
+
+class StepClock:
+    """A clock the test moves: the manager's hang probe reads it instead of the wall clock."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
 
 
 def manager_config(**kw):

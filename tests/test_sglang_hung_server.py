@@ -129,3 +129,36 @@ def test_health_timeout_must_be_positive():
 
     with pytest.raises(ConfigError, match=r"rollout\.sglang\.health_timeout_s=0\.0 must be > 0"):
         load_config(None, ["model.path=/m", "rollout.sglang.health_timeout_s=0"])
+
+
+def test_health_probe_interval_must_be_positive():
+    from megatron_dapo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.health_probe_interval_s=-1\.0 must be > 0"):
+        load_config(None, ["model.path=/m", "rollout.health_probe_interval_s=-1"])
+    from megatron_dapo.rollout.manager import RolloutManagerConfig
+
+    cfg = load_config(None, ["model.path=/m", "rollout.health_probe_interval_s=5"])
+    assert RolloutManagerConfig.from_config(cfg).health_probe_interval_s == 5.0
+
+
+def test_the_check_before_a_sync_asks_only_engines_not_heard_from_since_the_last_one():
+    class Engine:
+        """A launched engine that counts the health checks it gets and how they were asked."""
+
+        def __init__(self, name):
+            self.name, self.server, self.asked = name, self, []
+
+        def alive(self):
+            raise AssertionError("a server that answers /health is not asked whether it lives")
+
+        def health(self, check_process=True):
+            self.asked.append(check_process)
+            return True
+
+    a, b = Engine("a"), Engine("b")
+    manager = SimpleNamespace(engines=[a, b], down={}, heard={"a"})  # a answered a call this step
+    assert restart_down_engines(manager) == [] and manager.down == {}
+    assert a.asked == [] and b.asked == [False]  # only the silent one, and only its /health
+    assert manager.heard == set()  # the sync starts a new period
+    assert restart_down_engines(manager) == [] and a.asked == [False] and b.asked == [False, False]

@@ -120,6 +120,10 @@ class RolloutConfig:
     # engine batches only within a call, so give it several groups.
     groups_per_call: int = 1
     request_timeout_s: float = 1800.0
+    # An engine holding requests that returned nothing for this long is asked for its health
+    # once (SGLang: GET /health, up to sglang.health_timeout_s); when that fails it is taken as
+    # hung and its requests go to the other engines, without waiting for request_timeout_s.
+    health_probe_interval_s: float = 60.0
     max_retries: int = 2
     # Partial rollouts: the responses dynamic sampling aborts once the batch is full are kept
     # (tokens, log-probs, per-token weight versions) and continued by the next rollout.

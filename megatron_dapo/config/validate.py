@@ -233,6 +233,11 @@ def validate(cfg: DictConfig) -> None:
             f"rollout.sglang.health_timeout_s={cfg.rollout.sglang.health_timeout_s} must be > 0 "
             "(seconds a running SGLang server may take to answer GET /health before it is restarted)"
         )
+    if cfg.rollout.health_probe_interval_s <= 0:
+        raise ConfigError(
+            f"rollout.health_probe_interval_s={cfg.rollout.health_probe_interval_s} must be > 0 "
+            "(seconds an engine holding requests may stay silent before its health is checked)"
+        )
     if cfg.trainer.stop_timeout_s <= 0:
         raise ConfigError(
             f"trainer.stop_timeout_s={cfg.trainer.stop_timeout_s} must be > 0 (seconds a SIGTERM stop may take)"

@@ -59,7 +59,7 @@ class EngineHost:
     def load_from_disk(self, path: str, version: int) -> bool:
         return self.engine.load_from_disk(path, version)
 
-    def health(self) -> bool:
+    def health(self, check_process: bool = True) -> bool:
         return self.engine.health()
 
     def stats(self) -> dict[str, Any]:
@@ -116,7 +116,8 @@ class RemoteEngine:
     def resume_memory(self) -> None:
         self._get(self.handle.resume_memory.remote(), "resume_memory")
 
-    def health(self) -> bool:
+    def health(self, check_process: bool = True) -> bool:
+        """The engine's actor answers and serves (the actor is its process: one question)."""
         try:
             return bool(self._get(self.handle.health.remote(), "health"))
         except EngineError:

@@ -29,10 +29,17 @@ def restart_down_engines(manager: Any) -> list[str]:
 
     A server that died or hung while no request was on it (during the actor update, or an engine
     the rollout gave no work) is not in `manager.down`; it is checked here so that it is restarted
-    too, instead of failing (or hanging) the weight sync that follows."""
+    too, instead of failing (or hanging) the weight sync that follows. An engine that answered a
+    call since the last sync (`manager.heard`) is not asked again: every step would otherwise send
+    every server a GET /health, which in SGLang 0.5.x may run a generation. This is the sync, so
+    `manager.heard` starts over."""
+    heard = getattr(manager, "heard", set())
     unchecked = [
-        e for e in manager.engines if e.name not in manager.down and getattr(e, "server", None) is not None
+        e
+        for e in manager.engines
+        if e.name not in manager.down and e.name not in heard and getattr(e, "server", None) is not None
     ]
+    heard.clear()
     if unchecked:  # in parallel: a hung server costs health_timeout_s once, not once per engine
         with ThreadPoolExecutor(len(unchecked), thread_name_prefix="engine-check") as pool:
             found = list(pool.map(_why_down, unchecked))
@@ -65,34 +72,18 @@ def return_to_service(manager: Any, names: list[str]) -> None:
 def _why_down(engine: Any) -> str | None:
     """Why a launched server that no request failed on is down anyway; None when it serves.
 
-    A server that answers GET /health is not asked whether its process lives: on the Ray path
-    that question is a call to its node's host actor, which every step would pay for nothing."""
+    A server that answers GET /health is not asked whether its process lives
+    (`health(check_process=False)`): on the Ray path that question is a call to its node's host
+    actor, which every step would pay for nothing."""
     if getattr(engine, "memory_released", False):  # colocated, its memory given to the actor
         return None if _alive(engine.server) else "its server is gone"
-    answers = _answers(engine)
-    if answers:
+    if _healthy(engine, check_process=False):
         return None
     if not _alive(engine.server):
         return "its server is gone"
-    if answers is None:  # an engine that cannot be asked: its live process is all we know
-        return None
     timeout = getattr(getattr(engine, "client", None), "health_timeout_s", None)
     within = f" within {timeout:g}s" if timeout is not None else ""
     return f"its server does not answer GET /health{within} (hung? rollout.sglang.health_timeout_s)"
-
-
-def _answers(engine: Any) -> bool | None:
-    """Whether its server answers GET /health (an SGLang engine's HTTP client alone, else the
-    engine's own `health()`); None when the engine has neither."""
-    client = getattr(engine, "client", None)
-    if client is not None and hasattr(client, "health") and hasattr(engine, "run"):
-        try:
-            return bool(engine.run(client.health(), timeout=client.health_timeout_s + 30))
-        except Exception:  # noqa: BLE001 - no answer
-            return False
-    if hasattr(engine, "health"):
-        return _healthy(engine)
-    return None
 
 
 def _alive(server: Any) -> bool:
@@ -102,8 +93,8 @@ def _alive(server: Any) -> bool:
         return True
 
 
-def _healthy(engine: Any) -> bool:
+def _healthy(engine: Any, check_process: bool = True) -> bool:
     try:
-        return bool(engine.health())
+        return bool(engine.health(check_process=check_process))
     except Exception:  # noqa: BLE001 - an engine that cannot answer is not healthy
         return False

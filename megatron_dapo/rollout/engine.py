@@ -58,6 +58,8 @@ class RolloutEngine(Protocol):
         """Take device memory again after :meth:`release_memory`."""
         ...
 
-    def health(self) -> bool:
-        """True when the engine can serve requests."""
+    def health(self, check_process: bool = True) -> bool:
+        """True when the engine can serve requests. ``check_process=False``: only ask the engine
+        itself (its server's answer), not whether a supervised process lives, which may cost a
+        call to another node."""
         ...

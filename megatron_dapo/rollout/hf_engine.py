@@ -320,7 +320,8 @@ class HFEngine:
             with self._lock:
                 self.model.to(self.device)
 
-    def health(self) -> bool:
+    def health(self, check_process: bool = True) -> bool:
+        """Whether it serves (in process: there is no separate process to check)."""
         return self._healthy
 
 

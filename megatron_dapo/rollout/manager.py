@@ -15,7 +15,10 @@ One ``collect`` call is one rollout step:
 
 Failures: a call that raises or exceeds ``request_timeout_s`` is retried (up to ``max_retries``
 times) on another engine when one exists; an engine whose ``health()`` turns False is marked down
-and its work re-issued elsewhere; with no engine left the step fails with a clear error. Every
+and its work re-issued elsewhere; with no engine left the step fails with a clear error. An engine
+that holds calls and returns nothing for ``health_probe_interval_s`` is asked ``health()`` once
+(``engine_probe.InFlightProbe``); when that fails it is taken as hung: marked down, its calls
+dropped (a late answer is ignored) and re-queued on the others, long before ``request_timeout_s``. Every
 prompt drawn ends in exactly one bucket (batch, filtered by reason, surplus, aborted), and the
 sum is asserted.
 
@@ -57,6 +60,7 @@ from megatron_dapo.rollout.partial import (
     from_result,
     join,
 )
+from megatron_dapo.rollout.engine_probe import InFlightProbe
 from megatron_dapo.rollout.types import (
     GenerationRequest,
     GenerationResult,
@@ -136,6 +140,8 @@ class RolloutManagerConfig:
     abort_timeout_s: float = 60.0
     partial: bool = False
     partial_max_lag: int | None = None
+    # an engine with calls in flight that returned nothing for this long is asked health() once
+    health_probe_interval_s: float = 60.0
 
     def __post_init__(self):
         for name in ("n", "gen_batch_size", "train_batch_size", "max_response_length", "groups_per_call"):
@@ -151,6 +157,11 @@ class RolloutManagerConfig:
             raise ValueError(f"max_over_sample_factor must be >= 1, got {self.max_over_sample_factor}")
         if self.max_retries < 0 or self.request_timeout_s <= 0:
             raise ValueError("max_retries must be >= 0 and request_timeout_s > 0")
+        if self.health_probe_interval_s <= 0:
+            raise ValueError(
+                f"rollout.health_probe_interval_s={self.health_probe_interval_s} must be > 0 "
+                "(seconds an engine holding requests may stay silent before its health is checked)"
+            )
         if self.overlong_buffer_enable and not 0 < self.overlong_buffer_len <= self.max_response_length:
             raise ValueError(
                 f"overlong_buffer_len={self.overlong_buffer_len} must be in (0, max_response_length="
@@ -185,6 +196,7 @@ class RolloutManagerConfig:
             max_retries=ro.max_retries,
             partial=bool(ro.partial),
             partial_max_lag=None if cfg.trainer.mode == "sync" else 0,
+            health_probe_interval_s=ro.health_probe_interval_s,
         )
 
 
@@ -285,6 +297,7 @@ class _Ledger:
         self.retries = 0
         self.tokens = 0
         self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in engine_names}
+        self.hung: list[str] = []  # engines found hung with calls in flight this step
 
     def record(self, group: _Group, outcome: str) -> None:
         self.outcome[group.serial] = outcome
@@ -356,6 +369,11 @@ class RolloutManager:
         self._pausing = False
         self._quiet = False  # paused with no engine call in flight
         self._collecting = False
+        # engines that answered a call since the last weight sync (the check before the sync
+        # skips them); the driver clears it at each sync (driver/engine_restart.py)
+        self.heard: set[str] = set()
+        self.clock = time.monotonic  # of the hang probe; tests step a fake one
+        self._probe: InFlightProbe | None = None
 
     # -- public ---------------------------------------------------------------------------
 
@@ -549,6 +567,7 @@ class RolloutManager:
         for unit in queue:
             ledger.units.update((g.serial, unit) for g in unit.groups)
         paused_calls: set[Future] = set()  # calls aborted for a pause (their aborts are kept)
+        self._probe = InFlightProbe(self.cfg.health_probe_interval_s, self.clock)
         try:
             for unit in [u for u in queue if not u.send]:  # carried groups already finished
                 queue.remove(unit)
@@ -565,7 +584,7 @@ class RolloutManager:
                     self._dispatch(queue, calls, gen_pool)
                     if queue and all(e.name in self.down for e in self.engines):
                         raise NoEngineAliveError(self._down_message())
-                pending = list(calls) + list(scoring) + list(self._zombies)
+                pending = list(calls) + list(scoring) + list(self._zombies) + self._probe.futures()
                 if paused and not pending:  # nothing to collect: sleep until resumed
                     with self._cond:
                         self._cond.wait_for(lambda: not self._pausing, _POLL_S)
@@ -576,6 +595,7 @@ class RolloutManager:
                         self._classify(scoring.pop(fut), fut.result(), ledger)
                     elif fut in calls:
                         call = calls.pop(fut)
+                        self._probe.heard(call.engine.name)
                         self._record_interval(call, ledger)
                         if fut in paused_calls:
                             paused_calls.discard(fut)
@@ -585,7 +605,9 @@ class RolloutManager:
                     elif fut in self._zombies:  # a timed-out call came back late: its result is dropped
                         self._record_interval(self._zombies.pop(fut), ledger)
                 self._expire(calls, queue, ledger)
+                self._find_hung(calls, queue, ledger)
         finally:
+            self._probe.close()
             gen_pool.shutdown(wait=False, cancel_futures=True)
             score_pool.shutdown(wait=True)
 
@@ -653,6 +675,8 @@ class RolloutManager:
             # a retried unit avoids the engine that failed it when another one has room
             free.sort(key=lambda e: (e.name == unit.avoid, load[e.name]))
             engine = free[0]
+            if self._probe is not None:  # before the call starts: its silence counts from here
+                self._probe.busy(engine.name)
             calls[pool.submit(engine.generate, unit.send)] = _Call(unit, engine, time.perf_counter())
 
     def _finish_call(self, call: _Call, fut: Future, queue, scoring, score_pool, ledger: _Ledger) -> None:
@@ -663,6 +687,7 @@ class RolloutManager:
         if error is None:
             error = _check_results(unit, results)
         if error is None:
+            self.heard.add(engine.name)
             ledger.tokens += sum(len(r.output_ids) for r in results)
             self._to_scoring(unit, results, scoring, score_pool)
             return
@@ -711,6 +736,63 @@ class RolloutManager:
                     queue,
                     ledger,
                 )
+
+    def _find_hung(self, calls: dict[Future, _Call], queue: deque[_Unit], ledger: _Ledger) -> None:
+        """Probe the engines that hold calls and went silent; a failed probe takes one as hung."""
+        busy = {c.engine.name: c.engine for c in calls.values()}
+        for engine in self.engines:
+            if engine.name not in busy:
+                self._probe.idle(engine.name)
+        for engine, silent_s in self._probe.poll(busy):
+            self._drop_hung(engine, silent_s, calls, queue, ledger)
+
+    def _drop_hung(self, engine: Any, silent_s: float, calls, queue: deque[_Unit], ledger: _Ledger) -> None:
+        """Mark a hung engine down and put its calls back in the queue, first in line.
+
+        Its calls become zombies: their threads return when the server is killed (or answers after
+        all), and the results are dropped, so no group is counted twice. The engine is not sent an
+        abort from here (that would wait on the hung server); a background thread tries."""
+        stuck = sorted(
+            (f for f, c in calls.items() if c.engine is engine), key=lambda f: calls[f].unit.groups[0].serial
+        )
+        for fut in reversed(stuck):
+            call = calls.pop(fut)
+            self._zombies[fut] = call
+            call.unit.avoid = engine.name
+            queue.appendleft(call.unit)
+        client = getattr(engine, "client", None)
+        url = getattr(client, "base_url", None)
+        timeout = getattr(client, "health_timeout_s", None)
+        failed = f"GET {url}/health unanswered within {timeout:g}s" if url and timeout else "its health check failed"
+        what = f"no reply for {silent_s:.0f}s to {len(stuck)} calls in flight and {failed}"
+        self.down[engine.name] = f"hung ({what})"
+        ledger.hung.append(engine.name)
+        alive = [e.name for e in self.engines if e.name not in self.down]
+        knobs = "rollout.health_probe_interval_s, rollout.sglang.health_timeout_s"
+        restartable = getattr(engine, "server", None) is not None
+        if not alive and not restartable:
+            where = f"the server at {url} (engine {engine.name})" if url else f"engine {engine.name}"
+            given = "it was given by rollout.sglang.urls, so" if url else "it was not started by this run, so"
+            raise NoEngineAliveError(
+                f"rollout: {where} hung: {what}; {given} this run cannot restart it and no other "
+                f"engine is left: restart it and resume the run (a slow server, not a hung one: raise {knobs})"
+            )
+        later = (
+            "it is restarted before the next weight sync"
+            if restartable
+            else "it was not started by this run, which continues without it"
+        )
+        groups = [g.serial for f in stuck for g in self._zombies[f].unit.groups]
+        logger.error(
+            "rollout: engine %s hung: %s; groups %s re-queued on %s; %s (%s)",
+            engine.name,
+            what,
+            groups,
+            ", ".join(alive) or "it once restarted",
+            later,
+            knobs,
+        )
+        threading.Thread(target=_abort_quietly, args=(engine,), name="abort-hung", daemon=True).start()
 
     def _stop(self, queue: deque[_Unit], calls: dict[Future, _Call], scoring, ledger: _Ledger) -> None:
         """The batch is decided: abort the tail (all of it past the cut) and let it settle, so no
@@ -872,6 +954,12 @@ class RolloutManager:
             "rollout/aborted": ledger.aborted,
             "rollout/retries": ledger.retries,
             "rollout/engines_down": len(self.down),
+            # found hung this step with calls in flight; and the down engines this run cannot
+            # restart (given by URL), which it goes on without
+            "rollout/engines_hung": len(ledger.hung),
+            "rollout/engines_lost": sum(
+                getattr(e, "server", None) is None for e in self.engines if e.name in self.down
+            ),
             "rollout/partial_batch": float(len(samples) < cfg.train_batch_size * cfg.n),
             "rollout/time_s": wall,
             "rollout/gen_time_s": gen_time,
@@ -980,6 +1068,13 @@ def _check_results(unit: _Unit, results: Any) -> str | None:
     if aborted:
         return f"engine aborted {len(aborted)} requests (e.g. {aborted[0]}) although the batch was not full"
     return None
+
+
+def _abort_quietly(engine: Any) -> None:
+    try:
+        engine.abort()
+    except Exception as e:  # noqa: BLE001 - a hung engine may not answer; it is down anyway
+        logger.info("rollout: abort on hung engine %s: %s", engine.name, e)
 
 
 def _healthy(engine: Any) -> bool:

@@ -20,6 +20,7 @@ decides what to do with a failed ``/generate``. ``/flush_cache`` answers 400 whi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -564,6 +565,18 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        """Cancel what still runs (a call to a hung server would otherwise leave its caller's
+        thread waiting forever on a stopped loop, and the process's exit with it), then stop."""
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self.thread.is_alive():
+            with contextlib.suppress(Exception):  # stopping anyway
+                asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
 
@@ -652,10 +665,17 @@ class SGLangEngine:
         self._loop.run(self.client.resume_memory_occupation(tags))
         self.memory_released = False
 
-    def health(self) -> bool:
-        if self.server is not None and not self.server.alive():
+    def health(self, check_process: bool = True) -> bool:
+        """The server answers ``GET /health`` within ``health_timeout_s``; with ``check_process``
+        (and a server this side launched) its process is asked first whether it lives, which on
+        the Ray path is a call to its node's host actor: the check before a sync skips that for a
+        server that answers."""
+        if check_process and self.server is not None and not self.server.alive():
             return False
-        return bool(self._loop.run(self.client.health(), timeout=self.client.health_timeout_s + 30))
+        try:
+            return bool(self._loop.run(self.client.health(), timeout=self.client.health_timeout_s + 30))
+        except Exception:  # noqa: BLE001 - no answer in time (or a loop gone): not healthy
+            return False
 
     def close(self) -> None:
         self._loop.run(self.client.close())
