@@ -7,6 +7,8 @@ test_rollout_manager with a supervised "server" that can be restarted; the actor
 
 from __future__ import annotations
 
+import threading
+
 from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, accounted, manager_config
 from trainer_fakes import LoggingRanks
 
@@ -122,3 +124,111 @@ def test_dead_engine_is_restarted_and_synced_before_it_gets_work(tmp_path):
     assert down2 == set() and m2["rollout/engines_down"] == 0
     assert dying.served_versions[-1] == 1 and len(dying.served) > len(served1)
     assert all(v == 1 for v in dying.served_versions[len(served1) :])
+
+
+class HangingEngine(VersionedEngine):
+    """Its call `hang_at_call` never answers and its health fails (a hung server) until the
+    server is restarted, which ends the stuck call like a killed process's connection does."""
+
+    def __init__(self, name, hang_at_call, **kw):
+        super().__init__(name, **kw)
+        self.hang_at_call, self.hung, self.killed = hang_at_call, False, threading.Event()
+
+    def generate(self, requests):
+        with self._lock:
+            hang = self.calls + 1 == self.hang_at_call
+            if hang:
+                self.calls += 1
+                self.hung = True
+        if hang:
+            assert self.killed.wait(120), "the hung server was never restarted"
+            raise ConnectionError(f"{self.name}: connection reset")
+        return super().generate(requests)
+
+    def health(self, check_process=True):
+        return self._alive and not self.hung
+
+
+class HungServer(Server):
+    def restart(self):
+        super().restart()
+        self.engine.hung = False
+        self.engine.killed.set()
+
+
+class TickingClock:
+    """Each reading a second later: the hang probe's interval passes in a few loop turns."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_the_only_engine_hung_mid_rollout_is_restarted_synced_and_the_step_drawn_again(tmp_path):
+    log = []
+    solo = HangingEngine("solo", hang_at_call=2)
+    solo.server = HungServer(solo, log)
+    cfg = manager_config(
+        gen_batch_size=8,
+        train_batch_size=8,
+        max_concurrency_per_engine=8,
+        request_timeout_s=3600.0,  # the run must not wait for it
+        health_probe_interval_s=2.0,
+    )
+    manager = RolloutManager([solo], Scorer(), cfg, Tokenizer())
+    manager.clock = TickingClock()
+    batches = []
+    collect = manager.collect
+
+    def collect_and_keep(dataset, version):
+        batch = collect(dataset, version)
+        batches.append(batch)
+        return batch
+
+    manager.collect = collect_and_keep
+
+    def sync(version):
+        solo.version = version
+        log.append(f"sync{version} down={sorted(manager.down)}")
+        return {}
+
+    conf = load_config(
+        None,
+        [
+            "model.path=/m",
+            f"trainer.runs_dir={tmp_path}",
+            "trainer.total_steps=2",
+            "trainer.train_batch_size=8",
+            "actor.ppo_mini_batch_size=1",
+            "rollout.n=4",
+            "trainer.save_freq=0",
+            "trainer.resume=never",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+        ],
+    )
+    DAPOTrainer(
+        conf,
+        run=RunDir.create(tmp_path, "r"),
+        ranks=LoggingRanks(log),
+        manager=manager,
+        dataset=Data([MIXED]),
+        transport_sync=sync,
+    ).fit()
+
+    # in step 1 the only engine hung: restarted, the transport reset, given version 0 while out
+    # of service; then the step was drawn again from the same prompts
+    i = log.index("restart solo")
+    assert log[i : i + 3] == ["restart solo", "actor.reset_transport", "sync0 down=['solo']"]
+    reference = RolloutManager([VersionedEngine("ref")], Scorer(), cfg, Tokenizer()).collect(Data([MIXED]), 0)
+    step1 = batches[0]
+    assert [(s.prompt.index, s.response_ids) for s in step1.samples] == [
+        (s.prompt.index, s.response_ids) for s in reference.samples
+    ]
+    assert accounted(step1.metrics) == step1.metrics["rollout/prompts_drawn"] == 8
+    assert len(batches) == 2 and manager.down == {}
+    # what it served after the restart ran with the weights it was synced to
+    assert solo.served_versions.count(0) >= 8 and solo.served_versions[-1] == 1

@@ -32,13 +32,15 @@ from megatron_dapo.driver.run_dir import MetricsLogger, RunDir, jsonable_record
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.test_hold import hold_after_step
 from megatron_dapo.driver.timing import PhaseTimer
-from megatron_dapo.rollout.manager import RolloutAbandoned
+from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutAbandoned
 from megatron_dapo.rollout.partial import carry_from_items, carry_to_items
 from megatron_dapo.rollout.staleness import drop_stale_groups, staleness_metrics
 from megatron_dapo.rollout.types import RolloutBatch
 from megatron_dapo.weights.hf_io import CheckpointError
 
 log = logging.getLogger(__name__)
+# a step whose engines all fail again after being restarted twice has a cause a restart won't fix
+_MAX_REVIVES_PER_STEP = 2
 
 # actor metric -> verl-style metrics key
 ACTOR_KEYS = {
@@ -323,15 +325,31 @@ class DAPOTrainer:
         manager_state = (
             copy.deepcopy(self.manager.state_dict()) if hasattr(self.manager, "state_dict") else None
         )
-        try:
-            with timer.phase("gen"), progress.phase(step, "rollout"):
-                rollout = self.manager.collect(self.dataset, self.state.weight_version)
-            if self.ahead:
-                rollout.metrics["rollout/stale_dropped_samples"] = float(dropped)
-        except RolloutAbandoned:
-            with progress.phase(self.state.step, "checkpoint"):
-                self._abandon_step(cursor, manager_state)
-            return None
+        revives = 0
+        while True:
+            try:
+                with timer.phase("gen"), progress.phase(step, "rollout"):
+                    rollout = self.manager.collect(self.dataset, self.state.weight_version)
+                if self.ahead:
+                    rollout.metrics["rollout/stale_dropped_samples"] = float(dropped)
+                break
+            except RolloutAbandoned:
+                with progress.phase(self.state.step, "checkpoint"):
+                    self._abandon_step(cursor, manager_state)
+                return None
+            except NoEngineAliveError as e:
+                # every engine died or hung in this rollout: restart the ones this run launched
+                # and draw the step again from the same cursor (same prompts, seeds, batch)
+                if revives >= _MAX_REVIVES_PER_STEP:
+                    raise
+                with timer.phase("engine_restart"), progress.phase(step, "engine restart"):
+                    if not self._revive_engines():
+                        raise
+                revives += 1
+                log.warning("step %d: %s; restarted and synced: rollout %d of the step", step, e, revives + 1)
+                self.dataset.load_state_dict(copy.deepcopy(cursor))
+                if manager_state is not None:
+                    self.manager.load_state_dict(copy.deepcopy(manager_state))
         self._rollout_end = time.perf_counter()
         return rollout
 
@@ -350,6 +368,24 @@ class DAPOTrainer:
                 self.manager.resume()
                 return False
         self._rollout_end = time.perf_counter()  # the engines wait for the weights from here
+        return True
+
+    def _revive_engines(self) -> bool:
+        """No engine is left in the middle of a rollout (run in this thread, so the actor is
+        idle): restart the down ones this run launched, give them the current weights (on
+        colocated GPUs through the same memory hand-over as a step), and return them to service.
+        False when none came back (servers given by URL: the caller's error stands)."""
+        if not hasattr(self.manager, "down"):
+            return False
+        revived = restart_down_engines(self.manager)
+        if not revived:
+            return False
+        self._call("reset_transport", limit="other_s")
+        self._to_training()
+        self._to_sync()
+        self.sync(self.state.weight_version)
+        self._to_generation()
+        return_to_service(self.manager, revived)
         return True
 
     def _validation_due(self, step: int) -> bool:
