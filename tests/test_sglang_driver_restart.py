@@ -232,3 +232,84 @@ def test_the_only_engine_hung_mid_rollout_is_restarted_synced_and_the_step_drawn
     assert len(batches) == 2 and manager.down == {}
     # what it served after the restart ran with the weights it was synced to
     assert solo.served_versions.count(0) >= 8 and solo.served_versions[-1] == 1
+
+
+def test_a_hung_server_given_by_url_is_left_behind_and_the_run_goes_on(tmp_path):
+    log = []
+    url = HangingEngine("url", hang_at_call=2)  # given by URL: no `server`, this run cannot restart it
+    healthy = VersionedEngine("healthy")
+    cfg = manager_config(
+        gen_batch_size=8,
+        train_batch_size=8,
+        max_concurrency_per_engine=4,
+        request_timeout_s=3600.0,
+        health_probe_interval_s=2.0,
+    )
+    manager = RolloutManager([url, healthy], Scorer(), cfg, Tokenizer())
+    manager.clock = TickingClock()
+    steps = []
+    collect = manager.collect
+
+    def collect_and_keep(dataset, version):
+        batch = collect(dataset, version)
+        steps.append((batch, [e.name for e in manager.engines]))
+        return batch
+
+    manager.collect = collect_and_keep
+
+    def sync(version):
+        healthy.version = version
+        log.append(f"sync{version}")
+        return {}
+
+    conf = load_config(
+        None,
+        [
+            "model.path=/m",
+            f"trainer.runs_dir={tmp_path}",
+            "trainer.total_steps=2",
+            "trainer.train_batch_size=8",
+            "actor.ppo_mini_batch_size=1",
+            "rollout.n=4",
+            "trainer.save_freq=0",
+            "trainer.resume=never",
+            "logging.progress=false",
+            "logging.tensorboard=false",
+        ],
+    )
+    try:
+        DAPOTrainer(
+            conf,
+            run=RunDir.create(tmp_path, "r"),
+            ranks=LoggingRanks(log),
+            manager=manager,
+            dataset=Data([MIXED]),
+            transport_sync=sync,
+        ).fit()
+    finally:
+        url.killed.set()  # ends its stuck call's thread
+    (b1, engines1), (b2, engines2) = steps
+    # step 1 finished on the other engine; the hung one then left the sync and the rollouts
+    assert b1.metrics["rollout/engines_hung"] == 1 and b1.metrics["rollout/engines_lost"] == 1
+    assert log.index("actor.drop_engines") < log.index("sync1")
+    assert engines2 == ["healthy"] and manager.lost == {"url"} and manager.down == {}
+    assert b2.metrics["rollout/engines_lost"] == 1 and b2.metrics["rollout/engines_hung"] == 0
+    assert url.calls == 2 and b2.num_groups == 8
+
+
+def test_transports_stop_sending_to_dropped_engines(tmp_path):
+    from megatron_dapo.driver.sglang_transports import (
+        EngineEndpoint,
+        SGLangDiskTransport,
+        SGLangNCCLTransport,
+    )
+
+    eps = [EngineEndpoint(n, f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(["a", "b", "c"])]
+    disk = SGLangDiskTransport(eps, tmp_path, 10.0)
+    disk.drop({"b"})
+    # each reloader still addresses its own server after the renumbering
+    assert [(n, r.calls.endpoints[r.index].name) for n, r in disk.engines] == [("a", "a"), ("c", "c")]
+    nccl = SGLangNCCLTransport(eps, 10.0, backend="gloo")
+    group = nccl.group_name
+    nccl.drop({"a"})
+    assert nccl.names == "b,c" and nccl.group_name != group  # a new, smaller group at the next sync

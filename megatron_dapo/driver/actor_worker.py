@@ -187,6 +187,12 @@ class ActorWorker:
         if reset is not None:
             reset()
 
+    def drop_engines(self, names: list[str]) -> None:
+        """Engines the run goes on without (servers given by URL that hung): no more syncs to them."""
+        drop = getattr(getattr(self, "transport", None), "drop", None)
+        if drop is not None:
+            drop(set(names))
+
     def restart_node_server(self, index: int):
         """Under torchrun: restart SGLang engine `index` if this rank's node started it here
         (driver/sglang_torchrun.py, `NodeServers.restart`); None on every other rank."""

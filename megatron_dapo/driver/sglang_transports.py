@@ -112,6 +112,17 @@ class EngineCalls:
         deadline = time.monotonic() + self.timeout_s
         return [self.wait(i, f, what, deadline) for i, f in enumerate(futures)]
 
+    def drop(self, names: set[str]) -> None:
+        """Stop sending to these engines (servers given by URL that hung: the run goes on
+        without them); their clients are closed."""
+        keep = [i for i, ep in enumerate(self.endpoints) if ep.name not in names]
+        if self._engines is not None:
+            for i, e in enumerate(self._engines):
+                if i not in keep:
+                    e.close()
+            self._engines = [self._engines[i] for i in keep]
+        self.endpoints = [self.endpoints[i] for i in keep]
+
     def pause(self) -> None:
         self.each("pause_generation", lambda c: c.pause_generation("abort"))
         self.each("flush_cache", lambda c: c.flush_cache())
@@ -137,6 +148,9 @@ class SGLangIPCTransport:
 
     def __init__(self, endpoints: Sequence[EngineEndpoint], timeout_s: float):
         self.calls = EngineCalls(endpoints, timeout_s)
+
+    def drop(self, names: set[str]) -> None:
+        self.calls.drop(names)
 
     def begin(self, version: int) -> None:
         self.version = version
@@ -294,6 +308,11 @@ class SGLangNCCLTransport:
         self._group = None
         self.group_name = f"megatron_dapo_sync_{uuid.uuid4().hex[:8]}"
 
+    def drop(self, names: set[str]) -> None:
+        """The group's world is every server: without these, a new one forms at the next sync."""
+        self.calls.drop(names)
+        self.reset()
+
     @property
     def names(self) -> str:
         return ",".join(ep.name for ep in self.calls.endpoints)
@@ -427,6 +446,12 @@ class SGLangDiskTransport(DiskTransport):
         reloaders = [(ep.name, SGLangDiskReloader(calls, i)) for i, ep in enumerate(endpoints)]
         super().__init__(reloaders, directory, timeout_s, hf_metadata_dir)
         self.calls = calls
+
+    def drop(self, names: set[str]) -> None:
+        self.calls.drop(names)  # the reloaders address servers by index: renumber them
+        self.engines = [
+            (ep.name, SGLangDiskReloader(self.calls, i)) for i, ep in enumerate(self.calls.endpoints)
+        ]
 
     def finish(self) -> None:
         super().finish()

@@ -388,6 +388,30 @@ class DAPOTrainer:
         return_to_service(self.manager, revived)
         return True
 
+    def _drop_lost_engines(self, revived: list[str]) -> None:
+        """Down engines this run cannot restart (servers given by URL) that did not come back:
+        while others serve, the run goes on without them: out of the weight sync (the ranks'
+        transport), the rollouts and validation (the manager's engine list), for good."""
+        m = self.manager
+        lost = [
+            e
+            for e in m.engines
+            if e.name in m.down and e.name not in revived and getattr(e, "server", None) is None
+        ]
+        if not lost or len(lost) == len(m.engines):  # none left: the sync's error names them
+            return
+        names = [e.name for e in lost]
+        self._call("drop_engines", names, limit="other_s")
+        for e in lost:
+            log.error(
+                "engine %s is down (%s) and this run cannot restart it: going on with %d engines without it",
+                e.name,
+                m.down.pop(e.name),
+                len(m.engines) - len(lost),
+            )
+        m.engines[:] = [e for e in m.engines if e.name not in names]
+        getattr(m, "lost", set()).update(names)
+
     def _validation_due(self, step: int) -> bool:
         t = self.cfg.trainer
         return bool(self.validate) and t.test_freq > 0 and (step % t.test_freq == 0 or step == t.total_steps)
@@ -505,6 +529,7 @@ class DAPOTrainer:
                 try:
                     with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
                         revived = restart_down_engines(self.manager) if hasattr(self.manager, "down") else []
+                        self._drop_lost_engines(revived)
                         if revived:
                             self._call("reset_transport", limit="other_s")
                         self._to_sync()

@@ -67,6 +67,9 @@ class DirectTransport:
         # bucket tensors may be views of gather buffers that the next bucket reuses
         self._pending.append({k: v.detach().clone() for k, v in bucket.items()})
 
+    def drop(self, names: set[str]) -> None:
+        self.engines = [e for e in self.engines if e.name not in names]
+
     def finish(self) -> None:
         for engine in self.engines:
             engine.load_weights(self._pending, self.version)
@@ -79,6 +82,9 @@ class RayObjectTransport:
     def __init__(self, engines: list[tuple[str, Any]], timeout_s: float):
         self.engines = engines
         self.timeout_s = timeout_s
+
+    def drop(self, names: set[str]) -> None:
+        self.engines = [(n, h) for n, h in self.engines if n not in names]
 
     def _wait(self, refs: list, what: str) -> None:
         import ray
@@ -123,6 +129,9 @@ class DiskTransport:
         self.directory = Path(directory)
         self.timeout_s = timeout_s
         self.hf_metadata_dir = hf_metadata_dir
+
+    def drop(self, names: set[str]) -> None:
+        self.engines = [(n, e) for n, e in self.engines if n not in names]
 
     def begin(self, version: int) -> None:
         from safetensors.torch import save_file  # noqa: F401 - fail early if missing

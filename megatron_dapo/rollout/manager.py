@@ -372,6 +372,8 @@ class RolloutManager:
         # engines that answered a call since the last weight sync (the check before the sync
         # skips them); the driver clears it at each sync (driver/engine_restart.py)
         self.heard: set[str] = set()
+        # engines this run goes on without (down, given by URL, out of `engines` since a sync)
+        self.lost: set[str] = set()
         self.clock = time.monotonic  # of the hang probe; tests step a fake one
         self._probe: InFlightProbe | None = None
 
@@ -763,7 +765,11 @@ class RolloutManager:
         client = getattr(engine, "client", None)
         url = getattr(client, "base_url", None)
         timeout = getattr(client, "health_timeout_s", None)
-        failed = f"GET {url}/health unanswered within {timeout:g}s" if url and timeout else "its health check failed"
+        failed = (
+            f"GET {url}/health unanswered within {timeout:g}s"
+            if url and timeout
+            else "its health check failed"
+        )
         what = f"no reply for {silent_s:.0f}s to {len(stuck)} calls in flight and {failed}"
         self.down[engine.name] = f"hung ({what})"
         ledger.hung.append(engine.name)
@@ -957,9 +963,8 @@ class RolloutManager:
             # found hung this step with calls in flight; and the down engines this run cannot
             # restart (given by URL), which it goes on without
             "rollout/engines_hung": len(ledger.hung),
-            "rollout/engines_lost": sum(
-                getattr(e, "server", None) is None for e in self.engines if e.name in self.down
-            ),
+            "rollout/engines_lost": len(self.lost)
+            + sum(getattr(e, "server", None) is None for e in self.engines if e.name in self.down),
             "rollout/partial_batch": float(len(samples) < cfg.train_batch_size * cfg.n),
             "rollout/time_s": wall,
             "rollout/gen_time_s": gen_time,
