@@ -50,6 +50,7 @@ import torch
 
 from megatron_dapo.algo import mixed_group_mask, overlong_penalty
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.engine_probe import InFlightProbe
 from megatron_dapo.rollout.partial import (
     CarriedGroup,
     PartialSample,
@@ -60,7 +61,6 @@ from megatron_dapo.rollout.partial import (
     from_result,
     join,
 )
-from megatron_dapo.rollout.engine_probe import InFlightProbe
 from megatron_dapo.rollout.types import (
     GenerationRequest,
     GenerationResult,
