@@ -35,6 +35,7 @@ from rollout_fakes import (
 )
 
 from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.health import poll_health
 from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutManager
 from megatron_dapo.rollout.sglang_client import SGLangEngine
@@ -214,3 +215,6 @@ def test_closing_an_engine_ends_its_calls_stuck_on_a_hung_server(stopped_server)
         engine.close()  # before: the call's thread waited on a stopped loop, and so did the exit
         with pytest.raises(CancelledError):
             stuck.result(timeout=60)
+        # a call after the close fails at once instead of waiting on the stopped loop
+        with pytest.raises(EngineError, match="the engine is closed"):
+            pool.submit(engine.generate, [request]).result(timeout=60)

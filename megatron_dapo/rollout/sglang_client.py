@@ -559,9 +559,13 @@ class _LoopThread:
     def __init__(self, name: str):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"sglang-loop-{name}", daemon=True)
+        self.stopped = False
         self.thread.start()
 
     def run(self, coro, timeout: float | None = None):
+        if self.stopped:  # a stopped loop never runs it: the caller would wait forever
+            coro.close()
+            raise EngineError(f"{self.thread.name}: the engine is closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
@@ -574,6 +578,7 @@ class _LoopThread:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+        self.stopped = True
         if self.thread.is_alive():
             with contextlib.suppress(Exception):  # stopping anyway
                 asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=5)
