@@ -95,6 +95,9 @@ def _alive(server: Any) -> bool:
 
 def _healthy(engine: Any, check_process: bool = True) -> bool:
     try:
-        return bool(engine.health(check_process=check_process))
+        try:
+            return bool(engine.health(check_process=check_process))
+        except TypeError:  # an engine with the protocol's older health(): its own whole check
+            return bool(engine.health())
     except Exception:  # noqa: BLE001 - an engine that cannot answer is not healthy
         return False
