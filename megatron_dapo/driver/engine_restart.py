@@ -11,8 +11,10 @@ a weight-update group (`ActorWorker.reset_transport`), the sync brings every eng
 restarted ones included, to the new weight version, and only then does the manager give them work
 again. Under multi-node torchrun, another node's server is restarted by the process that started it
 (that node's LOCAL_RANK 0; `sglang_torchrun.PeerServer`). A down engine that this driver cannot
-restart (a server given by URL) stays down; the sync then fails naming it, unless it came back by
-itself and answers `/health`.
+restart (a server given by URL) that does not answer `/health` again is left behind by the trainer
+while other engines serve (`DAPOTrainer._drop_lost_engines`: out of the transport, the rollouts
+and validation); when it is the last, the rollout has already stopped the run naming it.
+Engines that answered a call since the last sync (`manager.heard`) are not asked before it.
 """
 
 from __future__ import annotations
