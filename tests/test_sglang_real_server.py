@@ -211,3 +211,49 @@ def test_hung_server_ends_in_a_named_timeout(sglang_cpu_server):
     finally:
         os.killpg(pgid, signal.SIGCONT)
         hung.close()
+
+
+def test_a_server_that_hangs_mid_rollout_is_left_behind_and_the_step_finishes(sglang_cpu_server):
+    """The real server SIGSTOPped as its first request goes out (a real hang: port open, nothing
+    answered): the manager's probe finds it within the health timeout, its group goes to the other
+    engine, and the step's batch is the one that engine alone draws; continued, the server serves."""
+    import threading
+
+    from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, manager_config
+
+    from megatron_dapo.rollout.manager import RolloutManager
+
+    pgid = sglang_cpu_server.server.proc.pid
+    # given by URL (no `server`): this run cannot restart it, so it goes on without it
+    hung = SGLangEngine(sglang_cpu_server.url, name="hung-real", timeout_s=3600.0, health_timeout_s=2.0)
+    generate, stopped = hung.client.generate, threading.Event()
+
+    async def stop_then_send(r):
+        if not stopped.is_set():
+            stopped.set()
+            os.killpg(pgid, signal.SIGSTOP)
+        return await generate(r)
+
+    hung.client.generate = stop_then_send
+    ticks = iter(range(1, 1_000_000))  # the probe's clock: a second per reading, no sleeps
+    cfg = manager_config(
+        n=2, max_concurrency_per_engine=2, request_timeout_s=3600.0, health_probe_interval_s=2
+    )
+    ok = ScriptedEngine("ok")
+    mgr = RolloutManager([hung, ok], Scorer(), cfg, Tokenizer())
+    mgr.clock = lambda: float(next(ticks))
+    try:
+        batch = mgr.collect(Dataset([MIXED]), 0)
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    ref = RolloutManager([ScriptedEngine("ref")], Scorer(), cfg, Tokenizer()).collect(Dataset([MIXED]), 0)
+    try:
+        assert stopped.is_set() and "GET " in mgr.down["hung-real"] and "within 2s" in mgr.down["hung-real"]
+        assert [(s.prompt.index, s.response_ids) for s in batch.samples] == [
+            (s.prompt.index, s.response_ids) for s in ref.samples
+        ]
+        assert batch.metrics["rollout/engines_hung"] == 1
+        res = hung.generate([req(0, PROMPTS[0])])[0]  # continued, it answers again
+        assert res.finish_reason in ("length", "stop") and res.output_ids
+    finally:
+        hung.close()
