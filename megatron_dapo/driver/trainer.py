@@ -393,6 +393,8 @@ class DAPOTrainer:
         while others serve, the run goes on without them: out of the weight sync (the ranks'
         transport), the rollouts and validation (the manager's engine list), for good."""
         m = self.manager
+        if not hasattr(m, "down") or not hasattr(m, "engines"):
+            return
         lost = [
             e
             for e in m.engines
