@@ -568,20 +568,23 @@ class _LoopThread:
             raise EngineError(f"{self.thread.name}: the engine is closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def stop(self) -> None:
-        """Cancel what still runs (a call to a hung server would otherwise leave its caller's
-        thread waiting forever on a stopped loop, and the process's exit with it), then stop."""
+    def cancel_all(self) -> None:
+        """Cancel what still runs: a call to a hung server would otherwise leave its caller's
+        thread waiting forever once the loop stops (and the process's exit with it)."""
 
-        async def cancel_all() -> None:
+        async def cancel() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        self.stopped = True
         if self.thread.is_alive():
             with contextlib.suppress(Exception):  # stopping anyway
-                asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=5)
+                asyncio.run_coroutine_threadsafe(cancel(), self.loop).result(timeout=5)
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.cancel_all()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
 
@@ -683,5 +686,6 @@ class SGLangEngine:
             return False
 
     def close(self) -> None:
+        self._loop.cancel_all()  # calls in flight end cancelled, not on a closed HTTP client
         self._loop.run(self.client.close())
         self._loop.stop()
