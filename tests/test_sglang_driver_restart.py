@@ -58,34 +58,18 @@ class Data(Dataset):
         self.cursor = d["cursor"]
 
 
-def test_dead_engine_is_restarted_and_synced_before_it_gets_work(tmp_path):
-    log = []
-    dying, healthy = VersionedEngine("dying", die_at_call=2), VersionedEngine("healthy")
-    dying.server = Server(dying, log)
-    manager = RolloutManager(
-        [dying, healthy],
-        Scorer(),
-        manager_config(gen_batch_size=8, train_batch_size=8, max_concurrency_per_engine=4),
-        Tokenizer(),
-    )
-    steps = []
+def _two_steps(tmp_path, manager, sync, log, observe) -> list:
+    """Two trainer steps over ``manager`` with ``sync`` as the weight transport; per step what
+    ``observe(batch)`` records right after that step's rollout."""
+    seen = []
     collect = manager.collect
 
-    def collect_and_check(dataset, version):
+    def collect_and_observe(dataset, version):
         batch = collect(dataset, version)
-        steps.append((dict(batch.metrics), set(manager.down), list(dying.served)))
+        seen.append(observe(batch))
         return batch
 
-    manager.collect = collect_and_check
-
-    def sync(version):
-        for e in (dying, healthy):
-            if not e._alive:  # what a real transport does with a dead server
-                raise ConnectionError(f"weight sync: {e.name} is gone")
-            e.version = version
-        log.append(f"sync{version} down={sorted(manager.down)}")
-        return {}
-
+    manager.collect = collect_and_observe
     conf = load_config(
         None,
         [
@@ -101,15 +85,39 @@ def test_dead_engine_is_restarted_and_synced_before_it_gets_work(tmp_path):
             "logging.tensorboard=false",
         ],
     )
-    ranks = LoggingRanks(log)
     DAPOTrainer(
         conf,
         run=RunDir.create(tmp_path, "r"),
-        ranks=ranks,
+        ranks=LoggingRanks(log),
         manager=manager,
         dataset=Data([MIXED]),
         transport_sync=sync,
     ).fit()
+    return seen
+
+
+def test_dead_engine_is_restarted_and_synced_before_it_gets_work(tmp_path):
+    log = []
+    dying, healthy = VersionedEngine("dying", die_at_call=2), VersionedEngine("healthy")
+    dying.server = Server(dying, log)
+    manager = RolloutManager(
+        [dying, healthy],
+        Scorer(),
+        manager_config(gen_batch_size=8, train_batch_size=8, max_concurrency_per_engine=4),
+        Tokenizer(),
+    )
+
+    def sync(version):
+        for e in (dying, healthy):
+            if not e._alive:  # what a real transport does with a dead server
+                raise ConnectionError(f"weight sync: {e.name} is gone")
+            e.version = version
+        log.append(f"sync{version} down={sorted(manager.down)}")
+        return {}
+
+    steps = _two_steps(
+        tmp_path, manager, sync, log, lambda b: (dict(b.metrics), set(manager.down), list(dying.served))
+    )
 
     # step 1: the engine died, the other finished the step, every prompt is accounted for
     m1, down1, served1 = steps[0]
@@ -180,44 +188,13 @@ def test_the_only_engine_hung_mid_rollout_is_restarted_synced_and_the_step_drawn
     )
     manager = RolloutManager([solo], Scorer(), cfg, Tokenizer())
     manager.clock = TickingClock()
-    batches = []
-    collect = manager.collect
-
-    def collect_and_keep(dataset, version):
-        batch = collect(dataset, version)
-        batches.append(batch)
-        return batch
-
-    manager.collect = collect_and_keep
 
     def sync(version):
         solo.version = version
         log.append(f"sync{version} down={sorted(manager.down)}")
         return {}
 
-    conf = load_config(
-        None,
-        [
-            "model.path=/m",
-            f"trainer.runs_dir={tmp_path}",
-            "trainer.total_steps=2",
-            "trainer.train_batch_size=8",
-            "actor.ppo_mini_batch_size=1",
-            "rollout.n=4",
-            "trainer.save_freq=0",
-            "trainer.resume=never",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-        ],
-    )
-    DAPOTrainer(
-        conf,
-        run=RunDir.create(tmp_path, "r"),
-        ranks=LoggingRanks(log),
-        manager=manager,
-        dataset=Data([MIXED]),
-        transport_sync=sync,
-    ).fit()
+    batches = _two_steps(tmp_path, manager, sync, log, lambda b: b)
 
     # in step 1 the only engine hung: restarted, the transport reset, given version 0 while out
     # of service; then the step was drawn again from the same prompts
@@ -247,45 +224,14 @@ def test_a_hung_server_given_by_url_is_left_behind_and_the_run_goes_on(tmp_path)
     )
     manager = RolloutManager([url, healthy], Scorer(), cfg, Tokenizer())
     manager.clock = TickingClock()
-    steps = []
-    collect = manager.collect
-
-    def collect_and_keep(dataset, version):
-        batch = collect(dataset, version)
-        steps.append((batch, [e.name for e in manager.engines]))
-        return batch
-
-    manager.collect = collect_and_keep
 
     def sync(version):
         healthy.version = version
         log.append(f"sync{version}")
         return {}
 
-    conf = load_config(
-        None,
-        [
-            "model.path=/m",
-            f"trainer.runs_dir={tmp_path}",
-            "trainer.total_steps=2",
-            "trainer.train_batch_size=8",
-            "actor.ppo_mini_batch_size=1",
-            "rollout.n=4",
-            "trainer.save_freq=0",
-            "trainer.resume=never",
-            "logging.progress=false",
-            "logging.tensorboard=false",
-        ],
-    )
     try:
-        DAPOTrainer(
-            conf,
-            run=RunDir.create(tmp_path, "r"),
-            ranks=LoggingRanks(log),
-            manager=manager,
-            dataset=Data([MIXED]),
-            transport_sync=sync,
-        ).fit()
+        steps = _two_steps(tmp_path, manager, sync, log, lambda b: (b, [e.name for e in manager.engines]))
     finally:
         url.killed.set()  # ends its stuck call's thread
     (b1, engines1), (b2, engines2) = steps
