@@ -272,3 +272,15 @@ def accounted(m):
         + m["rollout/surplus"]
         + m["rollout/aborted"]
     )
+
+
+class TickingClock:
+    """A manager clock (``manager.clock``) whose every reading is a second later: the hang probe's
+    interval of silence passes in a few loop turns, without waiting for it."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t

@@ -29,6 +29,7 @@ from rollout_fakes import (
     Scorer,
     ScriptedEngine,
     StepClock,
+    TickingClock,
     Tokenizer,
     accounted,
     manager_config,
@@ -117,17 +118,6 @@ def test_a_silent_engine_that_answers_its_probe_keeps_its_work():
 
 
 # ------------------------------------------------------------------ a real HTTP client, a stopped server
-class TickingClock:
-    """Each reading is a second later: a silence of the probe interval passes in a few loop turns."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        self.t += 1.0
-        return self.t
-
-
 @pytest.fixture
 def stopped_server():
     """A stand-in server that answered /health, then SIGSTOPped: it accepts, never answers."""

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import threading
 
-from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, accounted, manager_config
+from rollout_fakes import (
+    MIXED,
+    Dataset,
+    Scorer,
+    ScriptedEngine,
+    TickingClock,
+    Tokenizer,
+    accounted,
+    manager_config,
+)
 from trainer_fakes import LoggingRanks
 
 from megatron_dapo.config import load_config
@@ -162,17 +171,6 @@ class HungServer(Server):
         super().restart()
         self.engine.hung = False
         self.engine.killed.set()
-
-
-class TickingClock:
-    """Each reading a second later: the hang probe's interval passes in a few loop turns."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        self.t += 1.0
-        return self.t
 
 
 def test_the_only_engine_hung_mid_rollout_is_restarted_synced_and_the_step_drawn_again(tmp_path):
