@@ -159,8 +159,8 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
         routed_experts=experts,
     )
 
-    def actor_for(ep, mode):
-        init_parallel(tp=1, pp=1, ep=ep)
+    def actor_for(ep, mode, tp=1):
+        init_parallel(tp=tp, pp=1, ep=ep)
         cfg = ActorConfig(
             ppo_mini_batch_size=n,
             micro_batch_max_tokens=24,
@@ -186,11 +186,14 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
         return actor, tokens_seen, maps
 
     out = {}
-    for ep, mode in ((1, "none"), (1, "rollout"), (2, "rollout")):
-        if ep > world:
-            continue
-        actor, tokens_seen, maps = actor_for(ep, mode)
+    # TP=2 (sequence parallel, which MoE at TP > 1 forces): each rank's routers replay their
+    # shard of the sequence; its log-probs and mismatch metric are checked below
+    for tp, ep, mode in ((1, 1, "none"), (1, 1, "rollout"), (1, 2, "rollout"), (2, 1, "rollout")):
+        actor, tokens_seen, maps = actor_for(ep, mode, tp)
         lp = actor.compute_logprobs(batch)
+        if tp > 1:
+            out["tp2"] = dict(logprobs=lp, metrics=actor.update(batch))
+            continue
         chosen = _chosen_experts(maps, tokens_seen, samples)
         out[(ep, mode)] = dict(logprobs=lp, chosen=chosen)
         # Replaying the trainer's own choice gives bitwise its unreplayed log-probs. One sample per
@@ -262,7 +265,7 @@ def test_replayed_logprobs_equal_hf_forced_to_the_recorded_experts(models, ranks
         free = _hf_logprobs(trainer, ids, len(prompt))
         n = len(res.output_ids)
         for r in ranks:
-            for key in ((1, "rollout"), (2, "rollout")):
+            for key in ((1, "rollout"), (2, "rollout"), "tp2"):
                 got = r[key]["logprobs"][i, :n].double()
                 assert (got - forced).abs().max() <= 1e-5, (key, i)
             got_free = r[(1, "none")]["logprobs"][i, :n].double()
@@ -294,6 +297,7 @@ def test_routing_mismatch_metric_counts_response_routings_the_trainer_would_chan
     assert differ > 0
     for r in ranks:
         assert r[(1, "rollout")]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12)
+        assert r["tp2"]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12)
         assert 0 < r[(2, "rollout")]["metrics"]["routing_mismatch"] < 1
 
 

@@ -16,7 +16,8 @@ Layout: ``routed_experts`` of a micro-batch is ``[b, L, layers, k]`` in token po
 collated rows). megatron's router sees the hidden states as ``[L, b, h]`` flattened, so a layer's
 indices are handed over transposed to ``[L * b, k]``. A pipeline stage's chunk holds only its
 layers; each router takes the slice of its own global layer number. Context parallelism cuts the
-tensor along the sequence with the other per-position fields.
+tensor along the sequence with the other per-position fields; under sequence parallelism (MoE at
+TP > 1) each TP rank's routers see their shard of the sequence and take those rows.
 """
 
 from __future__ import annotations
@@ -96,12 +97,31 @@ def apply(chunk: Any, routed_experts: torch.Tensor | None, count_mask: torch.Ten
             )
         # Set directly rather than with set_target_indices, which also appends to the list kept
         # for activation recomputation and would grow by one tensor per forward.
-        replay.target_topk_idx = routed_experts[:, :, layer].transpose(0, 1).reshape(length * b, k).long()
+        rows = _sequence_shard(router.config, length * b)
+        replay.target_topk_idx = (
+            routed_experts[:, :, layer].transpose(0, 1).reshape(length * b, k)[rows].long()
+        )
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         if not getattr(router, "_replay_hooked", False):
             router.register_forward_hook(_count_mismatch)
             router._replay_hooked = True
-        router._replay_count_mask = None if count_mask is None else count_mask.transpose(0, 1).reshape(-1)
+        router._replay_count_mask = (
+            None if count_mask is None else count_mask.transpose(0, 1).reshape(-1)[rows]
+        )
+
+
+def _sequence_shard(config: Any, tokens: int) -> slice:
+    """The rows of the flattened ``[L * b]`` positions this rank's routers see. Sequence parallel
+    (forced for MoE at TP > 1) scatters the hidden states along the sequence before the MoE
+    layer: TP rank r holds positions ``[r L / tp, (r + 1) L / tp)`` of every row, which are rows
+    ``r tokens / tp`` on of the sequence-major flattening."""
+    if not getattr(config, "sequence_parallel", False):
+        return slice(None)
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    per_rank = tokens // tp
+    return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
 def keep_only_instances_of(chunks: list) -> None:
