@@ -159,8 +159,8 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
         routed_experts=experts,
     )
 
-    def actor_for(ep, mode, tp=1):
-        init_parallel(tp=tp, pp=1, ep=ep)
+    def actor_for(ep, mode, tp=1, pp=1):
+        init_parallel(tp=tp, pp=pp, ep=ep)
         cfg = ActorConfig(
             ppo_mini_batch_size=n,
             micro_batch_max_tokens=24,
@@ -188,11 +188,19 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
     out = {}
     # TP=2 (sequence parallel, which MoE at TP > 1 forces): each rank's routers replay their
     # shard of the sequence; its log-probs and mismatch metric are checked below
-    for tp, ep, mode in ((1, 1, "none"), (1, 1, "rollout"), (1, 2, "rollout"), (2, 1, "rollout")):
-        actor, tokens_seen, maps = actor_for(ep, mode, tp)
+    # and PP=2: each stage's routers replay their own global layers
+    layouts = (
+        (1, 1, 1, "none"),
+        (1, 1, 1, "rollout"),
+        (1, 1, 2, "rollout"),
+        (1, 2, 1, "rollout"),
+        (2, 1, 1, "rollout"),  # last: the model whose routers megatron's list must hold
+    )
+    for tp, pp, ep, mode in layouts:
+        actor, tokens_seen, maps = actor_for(ep, mode, tp, pp)
         lp = actor.compute_logprobs(batch)
-        if tp > 1:
-            out["tp2"] = dict(logprobs=lp, metrics=actor.update(batch))
+        if tp > 1 or pp > 1:
+            out[f"tp{tp}pp{pp}"] = dict(logprobs=lp, metrics=actor.update(batch))
             continue
         chosen = _chosen_experts(maps, tokens_seen, samples)
         out[(ep, mode)] = dict(logprobs=lp, chosen=chosen)
@@ -265,7 +273,7 @@ def test_replayed_logprobs_equal_hf_forced_to_the_recorded_experts(models, ranks
         free = _hf_logprobs(trainer, ids, len(prompt))
         n = len(res.output_ids)
         for r in ranks:
-            for key in ((1, "rollout"), (2, "rollout"), "tp2"):
+            for key in ((1, "rollout"), (2, "rollout"), "tp2pp1", "tp1pp2"):
                 got = r[key]["logprobs"][i, :n].double()
                 assert (got - forced).abs().max() <= 1e-5, (key, i)
             got_free = r[(1, "none")]["logprobs"][i, :n].double()
@@ -297,7 +305,8 @@ def test_routing_mismatch_metric_counts_response_routings_the_trainer_would_chan
     assert differ > 0
     for r in ranks:
         assert r[(1, "rollout")]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12)
-        assert r["tp2"]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12)
+        for key in ("tp2pp1", "tp1pp2"):
+            assert r[key]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12), key
         assert 0 < r[(2, "rollout")]["metrics"]["routing_mismatch"] < 1
 
 
