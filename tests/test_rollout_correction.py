@@ -212,7 +212,7 @@ def test_config_defaults_and_refusals():
             ["model.path=/nonexistent", "algorithm.tis.enable=true", "algorithm.rollout_correction.mode=tis"],
         )
     with pytest.raises(ConfigError, match="unknown config key"):
-        load_config(None, ["model.path=/nonexistent", "rollout.partial=true"])
+        load_config(None, ["model.path=/nonexistent", "rollout.partial_rollout=true"])
 
 
 def _micro(seed: int, rollout_shift: float | None):
