@@ -217,8 +217,11 @@ def test_a_server_that_died_without_work_is_restarted_before_the_sync():
             self.restarts += 1
             self.up = True
 
-    dead = SimpleNamespace(name="sglang-1", server=Server(False))
-    live = SimpleNamespace(name="sglang-0", server=Server(True))
+    def engine(name, server):  # /health answers while the server is up
+        return SimpleNamespace(name=name, server=server, health=lambda check_process=True: server.up)
+
+    dead = engine("sglang-1", Server(False))
+    live = engine("sglang-0", Server(True))
     manager = SimpleNamespace(engines=[live, dead], down={})
     assert restart_down_engines(manager) == ["sglang-1"]
     assert (dead.server.restarts, live.server.restarts) == (1, 0)
