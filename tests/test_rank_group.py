@@ -178,3 +178,31 @@ def test_a_reset_read_before_the_killed_peer_shows_as_dead_still_names_it():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_stop_with_a_dead_peer_is_reported_as_its_death():
+    """torchrun's agent SIGTERMs rank 0 when rank 1 dies: rank 0 may stop cleanly (a preemption,
+    as it sees it) before any collective shows the death (seen in CI: the run then failed in the
+    export with no resume hint). The driver names the dead rank and where a resume continues."""
+    import socket
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from megatron_dapo.driver.launch import _fail_if_a_rank_died
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    host = socket.gethostname()
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(step=1), last_checkpoint=lambda: "/runs/r/checkpoints/step_00000001"
+    )
+    alive = SimpleNamespace(peers=[(host, os.getpid())])
+    _fail_if_a_rank_died(alive, trainer)  # nobody died: the stop stands
+    _fail_if_a_rank_died(SimpleNamespace(), trainer)  # the Ray path has no peers to look at
+    with pytest.raises(RankCallError) as err:
+        _fail_if_a_rank_died(SimpleNamespace(peers=[(host, os.getpid()), (host, child.pid)]), trainer)
+    assert f"training rank 1 (pid {child.pid}) died during step 2" in str(err.value)
+    assert err.value.megatron_dapo_context == (
+        "after step 1; trainer.resume=auto continues from /runs/r/checkpoints/step_00000001"
+    )

@@ -292,6 +292,8 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
         colocated_engines=_colocated_gpu_engines(cfg, engines),
     )
     summary = trainer.fit()
+    if summary.get("stopped_by"):
+        _fail_if_a_rank_died(ranks, trainer)
     if cfg.trainer.hf_export_at_end:
         summary["hf_export"] = ranks.call("export_hf", str(run.hf / f"step_{trainer.state.step}"))[0]
     if cfg.logging.plots_at_end:
@@ -300,6 +302,25 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
         summary["plots"] = [str(p) for p in plot_run(run.root)]
     summary["run_dir"] = str(run.root)
     return summary
+
+
+def _fail_if_a_rank_died(ranks: Any, trainer: DAPOTrainer) -> None:
+    """Under torchrun a worker's death makes the agent SIGTERM the others: rank 0 may take that for
+    a preemption and stop cleanly before any collective shows the death. Name the dead rank, and
+    where a resume continues, instead of going on to the export with it."""
+    from megatron_dapo.driver.rank_group import RankCallError, dead_peers, rank_died
+
+    peers = getattr(ranks, "peers", None)
+    dead = dead_peers(peers) if peers else []
+    if not dead:
+        return
+    step = trainer.state.step
+    causes: list[BaseException] = [rank_died(rank, pid, f"step {step + 1}") for rank, pid in dead]
+    error = RankCallError("; ".join(map(str, causes)), causes)
+    error.megatron_dapo_context = (
+        f"after step {step}; trainer.resume=auto continues from {trainer.last_checkpoint()}"
+    )
+    raise error
 
 
 def _colocated_gpu_engines(cfg: DictConfig, engines: list[Any]) -> list[Any]:
