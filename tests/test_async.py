@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_fakes import FakeDataset, FakeRanks, trainer_config
+from trainer_fakes import FakeDataset, FakeRanks, fake_sample, trainer_config
 
 from megatron_dapo.actor.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
 from megatron_dapo.algo import RolloutCorrection, policy_loss
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.data.types import PromptSample
 from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag
@@ -59,28 +58,6 @@ def test_algorithm_tis_is_deprecated_for_rollout_correction_tis():
 ASYNC = {"trainer.placement": "disaggregated", "trainer.save_freq": 1}
 
 
-def _sample(group: int, j: int, token_versions: list[int]) -> RolloutSample:
-    prompt = PromptSample(
-        index=group, data_source="d", messages=[], prompt_text="p", prompt_ids=[1], ground_truth="1"
-    )
-    return RolloutSample(
-        group_id=group,
-        prompt=prompt,
-        response_ids=[3] * len(token_versions),
-        rollout_logprobs=[-0.5] * len(token_versions),
-        response_text="r",
-        finish_reason="stop",
-        score=float(j),
-        acc=bool(j),
-        pred="",
-        overlong_penalty=0.0,
-        final_reward=float(j),
-        weight_version=min(token_versions),
-        truncated=False,
-        token_versions=token_versions,
-    )
-
-
 class Engine:
     """The weights the engine really holds, set only by the weight sync: the versions the samples
     carry come from here, not from the version the trainer passes to `collect`."""
@@ -109,7 +86,7 @@ class EngineManager:
             self.calls += 1
             dataset.next_batch(4)
             v = self.engine.version
-            samples = [_sample(g, j, [v, v]) for g in range(4) for j in range(2)]
+            samples = [fake_sample(g, j, [v, v]) for g in range(4) for j in range(2)]
             return RolloutBatch(samples, {"rollout/prompts_drawn": 4})
         finally:
             self.engine.generating = False
@@ -201,7 +178,12 @@ def test_a_resume_with_a_smaller_bound_drops_the_carried_groups_beyond_it(tmp_pa
 
 
 def test_drop_stale_groups_judges_a_sample_by_its_oldest_token_and_drops_whole_groups():
-    samples = [_sample(0, 0, [3, 3]), _sample(0, 1, [1, 3]), _sample(1, 0, [2, 3]), _sample(1, 1, [3])]
+    samples = [
+        fake_sample(0, 0, [3, 3]),
+        fake_sample(0, 1, [1, 3]),
+        fake_sample(1, 0, [2, 3]),
+        fake_sample(1, 1, [3]),
+    ]
     kept, dropped = drop_stale_groups(samples, actor_version=3, max_staleness=1)
     assert [s.group_id for s in kept] == [1, 1] and dropped == 2
     assert drop_stale_groups(samples, actor_version=3, max_staleness=2) == (samples, 0)
@@ -222,9 +204,9 @@ def test_a_one_step_off_checkpoint_of_the_one_batch_form_still_resumes():
     """Checkpoints written before the queue held one batch as {'samples', 'metrics'}."""
     from megatron_dapo.driver.pipeline import queue_from_state
 
-    old = {"samples": [asdict(_sample(0, 1, [4, 4]))], "metrics": {"rollout/prompts_drawn": 1}}
+    old = {"samples": [asdict(fake_sample(0, 1, [4, 4]))], "metrics": {"rollout/prompts_drawn": 1}}
     (batch,) = queue_from_state(old)
-    assert batch.samples == [_sample(0, 1, [4, 4])] and batch.metrics == {"rollout/prompts_drawn": 1}
+    assert batch.samples == [fake_sample(0, 1, [4, 4])] and batch.metrics == {"rollout/prompts_drawn": 1}
     queue = {"batches": [old, old]}  # the form before carried.safetensors
     assert queue_from_state(queue) == [batch, batch] and queue_from_state({}) == []
 

@@ -18,14 +18,13 @@ import signal
 import pytest
 from e2e_harness import DAPO_ON, read_metrics, start_and_wait_for_step, train_overrides, train_to_end
 from safetensors.torch import load_file
-from trainer_fakes import FakeDataset, FakeRanks, make_trainer, trainer_config
+from trainer_fakes import FakeDataset, FakeRanks, fake_sample, make_trainer, trainer_config
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.data.types import PromptSample
 from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.rollout.manager import RolloutAbandoned
-from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
+from megatron_dapo.rollout.types import RolloutBatch
 
 STEPS = 4
 ASYNC_K2 = {
@@ -123,28 +122,6 @@ def test_sigkill_while_two_batches_are_carried_and_resume_equals_the_uninterrupt
 
 
 # ---------------------------------------------------------------- stand-in ranks (no Ray)
-def _sample(group: int, j: int, version: int) -> RolloutSample:
-    prompt = PromptSample(
-        index=group, data_source="d", messages=[], prompt_text="p", prompt_ids=[1, 2], ground_truth="1"
-    )
-    return RolloutSample(
-        group_id=group,
-        prompt=prompt,
-        response_ids=[3, 4],
-        rollout_logprobs=[-0.5, -1.25],
-        response_text="r",
-        finish_reason="stop",
-        score=float(j),
-        acc=bool(j),
-        pred="",
-        overlong_penalty=0.0,
-        final_reward=float(j),
-        weight_version=version,
-        truncated=False,
-        token_versions=[version, version],
-    )
-
-
 class TrainingRanks(FakeRanks):
     def call(self, method, *args, **kwargs):
         out = super().call(method, *args, **kwargs)
@@ -171,7 +148,11 @@ class SigtermInPrefetch:
         self.versions.append(version)
         dataset.next_batch(4)
         if len(self.versions) == 1:
-            samples = [_sample(g, j, version) for g in range(4) for j in range(2)]
+            samples = [
+                fake_sample(g, j, [version, version], prompt_ids=[1, 2], logprobs=[-0.5, -1.25])
+                for g in range(4)
+                for j in range(2)
+            ]
             return RolloutBatch(samples, {"rollout/prompts_drawn": 4})
         self.keep_rate = 0.1  # the abandoned round's observation must not be kept
         self.stop.set("SIGTERM")

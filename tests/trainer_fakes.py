@@ -131,3 +131,41 @@ class EmptyDataState:
 
     def load_state_dict(self, d):
         pass
+
+
+def fake_sample(
+    group: int,
+    j: int,
+    token_versions: list[int],
+    prompt_ids: list[int] | None = None,
+    logprobs: list[float] | None = None,
+):
+    """A scored RolloutSample of prompt ``group``, response ``j`` (score and reward ``j``), one
+    response token per entry of ``token_versions``, its weight version the oldest of them."""
+    from megatron_dapo.data.types import PromptSample
+    from megatron_dapo.rollout.types import RolloutSample
+
+    prompt = PromptSample(
+        index=group,
+        data_source="d",
+        messages=[],
+        prompt_text="p",
+        prompt_ids=prompt_ids or [1],
+        ground_truth="1",
+    )
+    return RolloutSample(
+        group_id=group,
+        prompt=prompt,
+        response_ids=[3] * len(token_versions),
+        rollout_logprobs=logprobs or [-0.5] * len(token_versions),
+        response_text="r",
+        finish_reason="stop",
+        score=float(j),
+        acc=bool(j),
+        pred="",
+        overlong_penalty=0.0,
+        final_reward=float(j),
+        weight_version=min(token_versions),
+        truncated=False,
+        token_versions=token_versions,
+    )
