@@ -94,19 +94,23 @@ def test_step_tokens_with_dynamic_sampling_rounds():
     assert step_tokens(512, 16, 1536, False, 10, 0.5, 200, 5000).generated_prompts == 512
 
 
+# A step of 1e6 decode and 2e5 train tokens on 10 + 10 GPUs, with round numbers.
+STEP = StepTokens(1, 10, 100, decode_tokens=1e6, train_sequences=100, train_tokens=2e5)
+SPLIT_ARGS = dict(
+    fwd_flops_per_token=1e9,
+    ppo_epochs=1,
+    recompute=True,
+    rollout_gpus=10,
+    actor_gpus=10,
+    decode_tok_s_per_gpu=1000,
+    peak_tflops=1000,
+    mfu=0.5,
+)
+
+
 def test_time_split_by_hand():
-    t = StepTokens(1, 10, 100, decode_tokens=1e6, train_sequences=100, train_tokens=2e5)
-    s = time_split(
-        t,
-        fwd_flops_per_token=1e9,
-        ppo_epochs=1,
-        recompute=True,
-        rollout_gpus=10,
-        actor_gpus=10,
-        decode_tok_s_per_gpu=1000,
-        peak_tflops=1000,
-        mfu=0.5,
-    )
+    t = STEP
+    s = time_split(t, **SPLIT_ARGS)
     assert s.rollout_s == 1e6 / (1000 * 10)
     # old log-probs (1 fwd) + fwd/bwd (3) + recompute (1) = 5 forwards.
     assert s.train_flops == 2e5 * 1e9 * 5
@@ -151,17 +155,7 @@ def test_assumption_defaults_scale_with_the_config():
 def test_time_model_overlaps_rollout_and_training_in_the_pipelined_modes():
     """one_step_off/async on their own GPUs: a step takes max(rollout, train), by hand; the same
     config colocated (or sync) adds the two up."""
-    t = StepTokens(1, 10, 100, decode_tokens=1e6, train_sequences=100, train_tokens=2e5)
-    kw = dict(
-        fwd_flops_per_token=1e9,
-        ppo_epochs=1,
-        recompute=True,
-        rollout_gpus=10,
-        actor_gpus=10,
-        decode_tok_s_per_gpu=1000,
-        peak_tflops=1000,
-        mfu=0.5,
-    )
+    t, kw = STEP, SPLIT_ARGS
     s = time_split(t, **kw, overlapped=True)
     assert s.step_s == max(100.0, 0.2) == 100.0
     assert s.rollout_fraction == pytest.approx(100 / 100.2)
