@@ -10,6 +10,7 @@ checkpoint is written once), so treat it as read-only. The same function without
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,22 @@ def sglang_server_factory(tmp_path_factory):
         stop_cpu_server(handle)
 
 
+def _demo_assets_shared_by_workers(tmp_path_factory, name: str, **kwargs):
+    """prepare_demo_assets in a directory every pytest-xdist worker of this run shares: the first
+    worker builds it under a file lock, the others wait and reuse it (prepare_demo_assets reuses
+    a directory whose manifest matches). Without xdist it is the session's own tmp dir."""
+    from filelock import FileLock
+
+    from megatron_dapo.demo.assets import prepare_demo_assets
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # xdist gives each worker its own basetemp under one run directory
+    root = base / name
+    with FileLock(str(root) + ".lock"):
+        return prepare_demo_assets(root, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """The demo's model and data for the driver's end-to-end tests, built once per session.
@@ -72,9 +89,7 @@ def assets(tmp_path_factory):
     The demo's full warm start (~800 steps, ~30 s): the runs with dynamic sampling on need mixed
     groups to fill a batch. After a few SFT steps almost every group is all-wrong, and one step
     drew ~3600 prompts in ~900 generation rounds (minutes per step)."""
-    from megatron_dapo.demo.assets import prepare_demo_assets
-
-    return prepare_demo_assets(tmp_path_factory.mktemp("demo_assets"), eval_problems=8)
+    return _demo_assets_shared_by_workers(tmp_path_factory, "demo_assets", eval_problems=8)
 
 
 @pytest.fixture(scope="session")
@@ -82,15 +97,15 @@ def small_demo_assets(tmp_path_factory):
     """``small_demo_assets(sft_steps=5, eval_problems=4)`` -> the demo's model and data after a few
     warm-start steps, built once per session for each distinct set of arguments (the real-SGLang
     and torchrun modules need a model, not a good one). Read-only: runs write elsewhere."""
-    from megatron_dapo.demo.assets import prepare_demo_assets
-
     cache: dict[tuple, object] = {}
 
     def make(sft_steps: int = 5, eval_problems: int = 4):
         key = (sft_steps, eval_problems)
         if key not in cache:
-            root = tmp_path_factory.mktemp(f"demo_assets_sft{sft_steps}")
-            cache[key] = prepare_demo_assets(root, sft_steps=sft_steps, eval_problems=eval_problems)
+            name = f"demo_assets_sft{sft_steps}_eval{eval_problems}"
+            cache[key] = _demo_assets_shared_by_workers(
+                tmp_path_factory, name, sft_steps=sft_steps, eval_problems=eval_problems
+            )
         return cache[key]
 
     return make
