@@ -144,3 +144,31 @@ def test_aime_rows_through_the_chat_template(byte_tokenizer):
     assert s.prompt_text == f"<|user|>{rows[0]['messages'][0]['content']}\n<|assistant|>"
     assert len(s.prompt_ids) == len(s.prompt_text.encode())
     assert s.ground_truth == "540"
+
+
+def test_position_of_tells_apart_two_train_files_with_the_same_row_indices(byte_tokenizer, tmp_path):
+    """Two jsonl files, each with rows 0..2 (same data_source, same answers): ``index`` clashes,
+    the position does not; a copy (as a checkpoint reads it back) is found too; a row the length
+    filter dropped shifts every later position."""
+    import dataclasses
+    import json
+
+    files = []
+    for name, problems in (("a", ["one", "two" * 200, "three"]), ("b", ["four", "five", "six"])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"problem": p, "answer": "7"}) + "\n" for p in problems))
+        files.append(str(path))
+    rows = [r for f in files for r in load_prompt_rows(f, template="none")]
+    assert [r["index"] for r in rows] == [0, 1, 2, 0, 1, 2]
+    ds = make(rows, byte_tokenizer, max_prompt_length=50)  # "two" * 200 is dropped
+    # by hand: kept rows in file order are a0, a2, b0, b1, b2
+    texts = ["one", "three", "four", "five", "six"]
+    assert [s.prompt_text for s in ds.samples] == texts
+    for sample in ds.next_batch(len(ds)):  # shuffled draw order
+        pos = texts.index(sample.prompt_text)
+        assert ds.position_of(sample) == pos
+        assert ds.position_of(dataclasses.replace(sample, prompt_ids=list(sample.prompt_ids))) == pos
+    assert (ds.position_of(ds[0]), ds.position_of(ds[2])) == (0, 2)  # both row 0 of their file
+    with pytest.raises(DataError) as e:
+        ds.position_of(dataclasses.replace(ds[0], prompt_text="elsewhere"))
+    assert "data.train_files" in str(e.value) and "\n" not in str(e.value)

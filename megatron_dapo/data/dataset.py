@@ -98,12 +98,31 @@ class PromptDataset:
         self._epoch = 0
         self._index = 0
         self._order = self._order_of(0)
+        self._positions: dict[tuple, int] | None = None  # position_of's lookup, built on first use
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> PromptSample:
         return self.samples[i]
+
+    def position_of(self, sample: PromptSample) -> int:
+        """The position of ``sample`` in this dataset (``self[pos]`` is the same prompt), found by
+        content, so a copy read back from a checkpoint is found too. ``sample.index`` alone cannot
+        be the key: it is the row within its source file, so two train files both have a row 0.
+        Identical rows (same file row, source, text and answer) are one prompt: the first wins."""
+        if self._positions is None:
+            positions: dict[tuple, int] = {}
+            for i, s in enumerate(self.samples):
+                positions.setdefault(_identity(s), i)
+            self._positions = positions
+        try:
+            return self._positions[_identity(sample)]
+        except KeyError:
+            raise DataError(
+                f"prompt (row {sample.index} of its file, data_source {sample.data_source!r}) is not in this "
+                "dataset; resume with the same data.train_files, max_prompt_length and tokenizer"
+            ) from None
 
     @property
     def epoch(self) -> int:
@@ -152,6 +171,11 @@ class PromptDataset:
         if not self.shuffle:
             return np.arange(len(self))
         return np.random.RandomState((self.seed + epoch) % 2**32).permutation(len(self))
+
+
+def _identity(sample: PromptSample) -> tuple:
+    """What tells one prompt from another across train files (a PromptSample has no file name)."""
+    return (sample.index, sample.data_source, sample.prompt_text, sample.ground_truth)
 
 
 def _render(messages: list[dict], tokenizer, apply_chat_template: bool) -> str:
