@@ -21,16 +21,18 @@ class Dataset:
         self.cursor = 0
 
     def next_batch(self, n):
-        out = []
-        for _ in range(n):
-            i = self.cursor
-            out.append(
-                PromptSample(
-                    i, "scripted", [], f"prompt {i}", [self.classes[i % len(self.classes)], 7, i], "right", {}
-                )
-            )
-            self.cursor += 1
+        out = [self[i] for i in range(self.cursor, self.cursor + n)]
+        self.cursor += n
         return out
+
+    def __getitem__(self, i):
+        return PromptSample(
+            i, "scripted", [], f"prompt {i}", [self.classes[i % len(self.classes)], 7, i], "right", {}
+        )
+
+    def position_of(self, sample):
+        """Prompt ``i`` is the ``i``-th drawn (an endless dataset in draw order)."""
+        return sample.index
 
 
 class CheckpointedDataset(Dataset):

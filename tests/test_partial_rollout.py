@@ -7,6 +7,7 @@ tokens and per-token versions as SGLang's source defines them."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -273,9 +274,13 @@ def test_sglang_reply_without_matching_spans_takes_the_reply_version(spans):
 # -- the trainer: the carried tail in its checkpoint -------------------------------------------
 
 
-def _train(tmp_path, name, stop_after=None, resume="never", slow=range(2, 6), ranks=None, **over):
+def _train(
+    tmp_path, name, stop_after=None, resume="never", slow=range(2, 6), ranks=None, dataset=None, **over
+):
     """The real manager (rollout.partial, built from the config) on the scripted engine in the
-    trainer loop with checkpointing stand-in ranks; the samples each step trained on."""
+    trainer loop with checkpointing stand-in ranks; the samples each step trained on:
+    (file row, response, per-token versions, interruptions, prompt text) per sample.
+    ``dataset``: the prompts (default: the endless scripted mixed ones)."""
     from rollout_fakes import CheckpointedDataset
     from test_async import CheckpointingRanks
     from trainer_fakes import trainer_config
@@ -316,7 +321,8 @@ def _train(tmp_path, name, stop_after=None, resume="never", slow=range(2, 6), ra
     def dump(rollout, path):
         step = int(path.stem.split("_")[1])
         trained[step] = [
-            (s.prompt.index, s.response_ids, s.token_versions, s.interrupted) for s in rollout.samples
+            (s.prompt.index, s.response_ids, s.token_versions, s.interrupted, s.prompt.prompt_text)
+            for s in rollout.samples
         ]
         if step == stop_after:
             stop.set("SIGTERM")
@@ -331,7 +337,7 @@ def _train(tmp_path, name, stop_after=None, resume="never", slow=range(2, 6), ra
         run=run,
         ranks=ranks(engine) if ranks is not None else CheckpointingRanks(),
         manager=manager,
-        dataset=CheckpointedDataset([MIXED]),
+        dataset=CheckpointedDataset([MIXED]) if dataset is None else dataset,
         transport_sync=sync,
         stop=stop,
         dump_rollouts=dump,
@@ -380,12 +386,14 @@ def test_a_resume_continues_the_tail_the_checkpoint_carried(tmp_path):
     assert sorted(resumed_old) == [2] and resumed_old[2] == whole[2]
 
 
-def test_one_step_off_carries_batch_and_tail_in_one_file_and_drop_on_resume_drops_both(tmp_path):
+def test_one_step_off_carries_batch_and_tail_in_one_file_and_drop_on_resume_drops_both(tmp_path, caplog):
     """one_step_off: step 1's checkpoint holds step 2's finished batch (prompts 2, 3, continued
     from step 1's tail) and the tail past its cut (prompts 4..7), both in carried.safetensors. A
     resume continues both exactly; trainer.drop_carried_on_resume drops both: the cursor goes
-    back to before step 2's new prompts (6), whose groups are generated anew with version 1 and
-    nothing carried is continued."""
+    back to before step 2's new prompts (6) and step 1's tail (prompts 2..5, drawn before that
+    cursor) comes back ahead of them, generated anew with version 1: nothing carried is
+    continued and no prompt is skipped. A checkpoint whose start record predates that (no
+    ``partial_tail``) skips them, as before, and the warning says so."""
     over = {"trainer.mode": "one_step_off", "trainer.placement": "disaggregated", "trainer.total_steps": 3}
     whole, _ = _train(tmp_path, "whole", **over)
     assert [row[0] for row in whole[2][::4]] == [2, 3] and [row[0] for row in whole[3][::4]] == [4, 5]
@@ -393,21 +401,94 @@ def test_one_step_off_carries_batch_and_tail_in_one_file_and_drop_on_resume_drop
     ckpt = tmp_path / "cut" / "checkpoints" / "step_00000001"
     state = json.loads((ckpt / "state.json").read_text())
     assert state["carried"]["items"] == 1 and state["carried"]["starts"][0]["data_cursor"] == {"cursor": 6}
+    assert state["carried"]["starts"][0]["partial_tail"] == [2, 3, 4, 5]  # step 1's tail, by position
     assert state["partial_rollouts"] == {"file": CARRIED_FILE, "groups": 4, "samples": [4, 4, 4, 4]}
     items = read_carried(ckpt / CARRIED_FILE)
     assert [s.prompt.index for s in items[0].samples[::4]] == [2, 3]
     assert [g.prompt.index for g in carry_from_items(items[1:], state["partial_rollouts"])] == [4, 5, 6, 7]
 
     shutil.copytree(tmp_path / "cut", tmp_path / "drop")
+    # a checkpoint written before the start records held the tail: today's behaviour, said
+    old = tmp_path / "old" / "checkpoints" / "step_00000001"
+    shutil.copytree(tmp_path / "cut", tmp_path / "old")
+    del state["carried"]["starts"][0]["partial_tail"]
+    (old / "state.json").write_text(json.dumps(state))
+    write_manifest(old)
     resumed, _ = _train(tmp_path, "cut", resume="auto", **over)
     assert resumed == {2: whole[2], 3: whole[3]}
     dropped, metrics = _train(
         tmp_path, "drop", resume="auto", **over, **{"trainer.drop_carried_on_resume": "true"}
     )
-    assert [row[0] for row in dropped[2][::4]] == [6, 7] and {tuple(row[2]) for row in dropped[2]} == {
+    assert [row[0] for row in dropped[2][::4]] == [2, 3] and {tuple(row[2]) for row in dropped[2]} == {
         (1, 1, 1)
     }
-    assert metrics[2]["rollout/partial_groups_resumed"] == 0
+    assert {row[3] for row in dropped[2]} == {0}  # generated from the prompt, never interrupted
+    assert [row[0] for row in dropped[3][::4]] == [4, 5]
+    assert metrics[2]["rollout/partial_groups_resumed"] == 4
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "megatron_dapo.driver.trainer"):
+        skipped, _ = _train(
+            tmp_path, "old", resume="auto", **over, **{"trainer.drop_carried_on_resume": "true"}
+        )
+    assert [row[0] for row in skipped[2][::4]] == [6, 7]  # prompts 2..5 never trained
+    assert "rollout.partial's tail held when they began, so those are skipped" in caplog.text
+
+
+class _DigitTokenizer:
+    """Text "c 7 u" -> ids [c, 7, u]: the scripted engine's prompt form (class, 7, unique id)."""
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[int(t) for t in text.split()] for text in texts]}
+
+
+def _two_files_dataset():
+    """12 mixed prompts from two "files" whose rows are both numbered 0..5 (as load_prompt_rows
+    numbers them), shuffled: a real PromptDataset, whose draw order is the reference."""
+    from megatron_dapo.data.dataset import PromptDataset
+
+    rows = [
+        {
+            "index": u % 6,
+            "data_source": "scripted",
+            "messages": [{"role": "user", "content": f"{MIXED} 7 {u}"}],
+            "ground_truth": "right",
+            "extra_info": {},
+        }
+        for u in range(12)
+    ]
+    return PromptDataset(rows, _DigitTokenizer(), max_prompt_length=8, apply_chat_template=False, seed=3)
+
+
+def test_drop_carried_on_resume_trains_every_prompt_the_partial_tail_held(tmp_path):
+    """one_step_off + rollout.partial on a real PromptDataset (two files, clashing row numbers):
+    when step 2's batch began, the tail held 4 prompts drawn before its cursor. A resume that
+    drops the carried batch trains them anyway: over the interrupted and resumed runs, each
+    prompt the dataset yielded up to the end cursor is trained once or waits in the final tail,
+    none twice, none skipped; and two resumes of the one checkpoint train identical batches."""
+    over = {"trainer.mode": "one_step_off", "trainer.placement": "disaggregated", "trainer.total_steps": 3}
+    first = [s.prompt_ids[2] for s in _two_files_dataset().next_batch(6)]
+    cut, _ = _train(tmp_path, "cut", stop_after=1, slow=first[2:], dataset=_two_files_dataset(), **over)
+    assert sorted(cut) == [1]
+    ckpt = tmp_path / "cut" / "checkpoints" / "step_00000001"
+    assert json.loads((ckpt / "state.json").read_text())["carried"]["starts"][0]["partial_tail"] == first[2:]
+    shutil.copytree(tmp_path / "cut", tmp_path / "again")
+    drop = {"trainer.drop_carried_on_resume": "true"}
+    resumed, _ = _train(tmp_path, "cut", resume="auto", dataset=_two_files_dataset(), **over, **drop)
+    again, _ = _train(tmp_path, "again", resume="auto", dataset=_two_files_dataset(), **over, **drop)
+    assert sorted(resumed) == [2, 3] and again == resumed
+
+    end = tmp_path / "cut" / "checkpoints" / "step_00000003"
+    state = json.loads((end / "state.json").read_text())
+    assert state["carried"] == {}
+    drawn = state["data_cursor"]["epoch"] * 12 + state["data_cursor"]["index"]
+    tail = [
+        g.prompt.prompt_text
+        for g in carry_from_items(read_carried(end / CARRIED_FILE), state["partial_rollouts"])
+    ]
+    yielded = [s.prompt_text for s in _two_files_dataset().next_batch(drawn)]
+    trained = [row[4] for rows in (cut[1], resumed[2], resumed[3]) for row in rows[::4]]
+    assert sorted(trained + tail) == sorted(yielded)
+    assert len(trained) == len(set(trained)) == 6 and not set(trained) & set(tail)
 
 
 def test_a_torn_partial_tail_rejects_its_checkpoint_naming_it(tmp_path):

@@ -115,11 +115,20 @@ class Prefetch:
 
 
 def batch_start(dataset: Any, manager: Any) -> dict[str, Any]:
-    """Where the data and the manager stood before a batch was drawn (small, JSON-able)."""
-    return {
+    """Where the data and the manager stood before a batch was drawn (small, JSON-able).
+
+    With rollout.partial, ``partial_tail`` lists the dataset positions (`position_of`) of the
+    prompts the manager's carried tail held then: they were drawn before ``data_cursor``, so a
+    rewind to it does not draw them again, and `trainer.drop_carried_on_resume` puts them back
+    from here. Positions, not the prompts: a real tail is ~1000 groups of long prompts, and this
+    record lives in state.json."""
+    start = {
         "data_cursor": copy.deepcopy(dataset.state_dict()),
         "manager_state": copy.deepcopy(manager.state_dict()) if hasattr(manager, "state_dict") else None,
     }
+    if hasattr(manager, "partial_groups"):
+        start["partial_tail"] = [dataset.position_of(g.prompt) for g in manager.partial_groups()]
+    return start
 
 
 # ---------------------------------------------------------------- the old checkpoint form

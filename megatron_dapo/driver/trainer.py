@@ -33,7 +33,7 @@ from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.test_hold import hold_after_step
 from megatron_dapo.driver.timing import PhaseTimer
 from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutAbandoned
-from megatron_dapo.rollout.partial import carry_from_items, carry_to_items
+from megatron_dapo.rollout.partial import CarriedGroup, PartialSample, carry_from_items, carry_to_items
 from megatron_dapo.rollout.staleness import drop_stale_groups, staleness_metrics
 from megatron_dapo.rollout.types import RolloutBatch
 from megatron_dapo.weights.hf_io import CheckpointError
@@ -179,30 +179,45 @@ class DAPOTrainer:
         """The checkpoint's carried batches into the queue, or, with
         `trainer.drop_carried_on_resume`, none of them: the data cursor and the manager go back to
         where they stood before the oldest was drawn, so its prompts are drawn again and generated
-        with the resumed weights (the same for every resume of this checkpoint)."""
+        with the resumed weights (the same for every resume of this checkpoint). With
+        rollout.partial, the tail the manager carried at that point goes back too, as fresh groups
+        (no tokens kept) ahead of the cursor's prompts: they were drawn before that cursor, so
+        nothing else would draw them again."""
         index = self.state.carried
         count = int(index.get("items", 0)) if index else len(queue_from_state(legacy))
         starts = list(index.get("starts") or []) if index else []
         if count and self.cfg.trainer.drop_carried_on_resume:
             start = starts[0] if starts else None
+            tail = None
             if start is not None:
                 self.dataset.load_state_dict(start["data_cursor"])
                 if start["manager_state"] is not None and hasattr(self.manager, "load_state_dict"):
                     self.manager.load_state_dict(start["manager_state"])
+                tail = self._fresh_tail(start.get("partial_tail"), path)
+            if start is None:
+                fate = "this older checkpoint does not record where their prompts began, so they are skipped"
+            elif tail is None and self.cfg.rollout.partial:
+                fate = (
+                    "their prompts are drawn again, but this older checkpoint does not record which prompts "
+                    "rollout.partial's tail held when they began, so those are skipped"
+                )
+            elif tail:
+                fate = f"their prompts are drawn again, after the {len(tail)} prompt(s) rollout.partial's tail then held"
+            else:
+                fate = "their prompts are drawn again"
             log.warning(
                 "trainer.drop_carried_on_resume=true: dropped the %d batch(es) checkpoint %s carried; %s",
                 count,
                 path,
-                "their prompts are drawn again"
-                if start is not None
-                else "this older checkpoint does not record where their prompts began, so they are skipped",
+                fate,
             )
             self._dropped_on_resume = count
             self.state.carried = {}
-            # rollout.partial's tail was drawn after the oldest carried batch: its prompts are
-            # drawn again too, so continuing it as well would train them twice
+            # the tail the checkpoint carried was drawn after the oldest carried batch began: its
+            # prompts are drawn again (from the cursor, or from the start's tail), so continuing
+            # it as well would train them twice
             self.state.partial_rollouts = {}
-            self._load_partial(None)
+            self._load_partial(tail or None)
             return
         partial = self.state.partial_rollouts
         # one file holds both: the carried batches first, then the partial tail's items
@@ -221,6 +236,28 @@ class DAPOTrainer:
         self._load_partial(groups)
         self._queue = deque(batches)
         self._starts = deque(starts + [None] * (len(batches) - len(starts)))
+
+    def _fresh_tail(self, positions: list | None, path: Path) -> list[CarriedGroup] | None:
+        """The prompts at ``positions`` (a start record's ``partial_tail``) as carried groups with
+        nothing generated: the manager sends them whole, from the prompt, like the unstarted
+        groups of its own tail (rollout/partial.py). None when the record has no such field."""
+        if positions is None:
+            return None
+        n = int(self.cfg.rollout.n)
+        groups = []
+        for p in positions:
+            try:
+                if not isinstance(p, int) or p < 0:
+                    raise IndexError(p)
+                prompt = self.dataset[p]
+            except IndexError:
+                raise CheckpointError(
+                    f"checkpoint {path}: state.json's carried.starts[0].partial_tail names prompt {p!r}, which "
+                    "this dataset does not have; resume with the same data.train_files, or without "
+                    "trainer.drop_carried_on_resume"
+                ) from None
+            groups.append(CarriedGroup(prompt, [PartialSample() for _ in range(n)]))
+        return groups
 
     def save(self) -> str:
         self.state.data_cursor = self.dataset.state_dict()
