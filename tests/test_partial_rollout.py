@@ -468,18 +468,23 @@ def _two_files_dataset():
     return PromptDataset(rows, _DigitTokenizer(), max_prompt_length=8, apply_chat_template=False, seed=3)
 
 
-def test_drop_carried_on_resume_trains_every_prompt_the_partial_tail_held(tmp_path):
-    """one_step_off + rollout.partial on a real PromptDataset (two files, clashing row numbers):
-    when step 2's batch began, the tail held 4 prompts drawn before its cursor. A resume that
-    drops the carried batch trains them anyway: over the interrupted and resumed runs, each
+@pytest.mark.parametrize(
+    "mode", [{"trainer.mode": "one_step_off"}, {"trainer.mode": "async", "trainer.max_staleness": 2}]
+)
+def test_drop_carried_on_resume_trains_every_prompt_the_partial_tail_held(tmp_path, mode):
+    """one_step_off or async K=2, rollout.partial, a real PromptDataset (two files, clashing row
+    numbers): when step 2's batch began, the tail held 4 prompts drawn before its cursor. A resume
+    that drops the carried batches (step 2's; with K=2 step 3's too) trains them anyway: over the interrupted and resumed runs, each
     prompt the dataset yielded up to the end cursor is trained once or waits in the final tail,
     none twice, none skipped; and two resumes of the one checkpoint train identical batches."""
-    over = {"trainer.mode": "one_step_off", "trainer.placement": "disaggregated", "trainer.total_steps": 3}
+    over = {**mode, "trainer.placement": "disaggregated", "trainer.total_steps": 3}
     first = [s.prompt_ids[2] for s in _two_files_dataset().next_batch(6)]
     cut, _ = _train(tmp_path, "cut", stop_after=1, slow=first[2:], dataset=_two_files_dataset(), **over)
     assert sorted(cut) == [1]
     ckpt = tmp_path / "cut" / "checkpoints" / "step_00000001"
-    assert json.loads((ckpt / "state.json").read_text())["carried"]["starts"][0]["partial_tail"] == first[2:]
+    carried = json.loads((ckpt / "state.json").read_text())["carried"]
+    assert carried["items"] == (2 if "trainer.max_staleness" in mode else 1)
+    assert carried["starts"][0]["partial_tail"] == first[2:]
     shutil.copytree(tmp_path / "cut", tmp_path / "again")
     drop = {"trainer.drop_carried_on_resume": "true"}
     resumed, _ = _train(tmp_path, "cut", resume="auto", dataset=_two_files_dataset(), **over, **drop)
