@@ -19,6 +19,12 @@ only during a sync). The schedule is fixed by the step numbers, not by timing, s
 resume see the same batches. K=1 is one_step_off. A batch whose oldest token is more than K
 versions behind the actor when its step comes (a checkpoint resumed with a smaller K) loses its
 stale groups (`rollout/stale_dropped_samples`); a batch left empty is generated anew.
+
+Every engine lost during a prefetch (NoEngineAliveError) does not end the run when the down
+engines can be restarted (servers this run launched): the batches of the prefetch that finished
+are kept, the failed one and any after it are rewound (data cursor, manager state, rollout.partial's
+carried tail), the step's sync restarts the engines and gives them the new weights, and the rewound
+prompts are drawn again, in order, by the next steps (`rollout/prefetch_redrawn`).
 """
 
 from __future__ import annotations
@@ -53,36 +59,44 @@ def batches_ahead(cfg: Any) -> int:
 class Prefetch:
     """`manager.collect(dataset, version)` ``count`` times in a row on a daemon thread.
 
-    The data cursor and the manager's state are snapshotted first: a rollout given up for a
-    stop is rewound (the prompts of every batch of this prefetch go back to the cursor), as the
-    synchronous loop does."""
+    The data cursor and the manager's state are snapshotted before each batch: a rollout given
+    up for a stop is rewound (the prompts of every batch of this prefetch go back to the cursor),
+    as the synchronous loop does; one that lost every engine keeps the batches that finished
+    before and rewinds the rest (`keep_finished`), so the trainer can restart the engines at its
+    sync and draw them again."""
 
     def __init__(self, manager: Any, dataset: Any, version: int, count: int = 1):
         self.manager = manager
         self.dataset = dataset
         self.version = version
         self.count = count
-        self._cursor = copy.deepcopy(dataset.state_dict())
-        self._manager_state = copy.deepcopy(manager.state_dict()) if hasattr(manager, "state_dict") else None
-        # rollout.partial: the carried tail, which a finished batch of this prefetch replaced
-        # (the groups themselves, not a JSON copy: at real sizes the tail is hundreds of MB, and
-        # the manager replaces carried samples rather than changing them)
-        self._partial_groups = manager.partial_groups() if hasattr(manager, "partial_groups") else None
         self._batches: list[RolloutBatch] = []
         # per batch: the data cursor and manager state before it was drawn (checkpointed with it)
         self.starts: list[dict[str, Any]] = []
+        # per batch begun: where it started from, to rewind to (_rewind). The first is taken
+        # here, before the thread runs.
+        self._before: list[tuple[dict[str, Any], Any]] = [self._snapshot()]
         self._error: BaseException | None = None
         self.finished_at: float | None = None  # perf_counter when the engines went idle
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"prefetch-v{version}", daemon=True)
         self._thread.start()
 
+    def _snapshot(self) -> tuple[dict[str, Any], Any]:
+        """The data cursor and manager state (pipeline.batch_start) and rollout.partial's carried
+        tail (the groups themselves, not a JSON copy: at real sizes the tail is hundreds of MB,
+        and the manager replaces carried samples rather than changing them)."""
+        partial = self.manager.partial_groups() if hasattr(self.manager, "partial_groups") else None
+        return batch_start(self.dataset, self.manager), partial
+
     def _run(self) -> None:
         try:
-            for _ in range(self.count):
-                start = batch_start(self.dataset, self.manager)
-                self._batches.append(self.manager.collect(self.dataset, self.version))
-                self.starts.append(start)
+            for i in range(self.count):
+                if i:
+                    self._before.append(self._snapshot())
+                batch = self.manager.collect(self.dataset, self.version)
+                self._batches.append(batch)
+                self.starts.append(self._before[i][0])
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread in result()
             self._error = e
         finally:
@@ -92,18 +106,32 @@ class Prefetch:
     def result(self) -> list[RolloutBatch] | None:
         """The batches, in order; None when the rollout was abandoned for a stop (the cursor goes
         back to before all of them). Any other failure of the rollout is raised here, on the
-        trainer's thread."""
+        trainer's thread (a NoEngineAliveError the trainer can recover from: `keep_finished`)."""
         self._done.wait()
         if isinstance(self._error, RolloutAbandoned):
-            self.dataset.load_state_dict(self._cursor)
-            if self._manager_state is not None:
-                self.manager.load_state_dict(self._manager_state)
-            if self._partial_groups is not None:
-                self.manager.load_partial_groups(self._partial_groups)
+            self._rewind(0)
             return None
         if self._error is not None:
             raise self._error
         return self._batches
+
+    def keep_finished(self) -> list[RolloutBatch]:
+        """After a failed rollout (every engine lost): the batches that finished before it, kept
+        (whole, generated with this prefetch's weights: they train as planned); the one that failed
+        and those not begun go back, so they are drawn again. Returns the kept ones, in order."""
+        self._done.wait()
+        self._rewind(len(self._batches))
+        return list(self._batches)
+
+    def _rewind(self, index: int) -> None:
+        """Data cursor, manager state and rollout.partial's carried tail back to where they stood
+        before batch ``index`` of this prefetch was drawn."""
+        start, partial = self._before[index]
+        self.dataset.load_state_dict(copy.deepcopy(start["data_cursor"]))
+        if start["manager_state"] is not None:
+            self.manager.load_state_dict(copy.deepcopy(start["manager_state"]))
+        if partial is not None:
+            self.manager.load_partial_groups(partial)
 
     def done(self) -> bool:
         """The rollouts have finished (or failed)."""

@@ -138,6 +138,7 @@ class DAPOTrainer:
         self._queue: deque = deque()  # the finished rollouts of the next steps, oldest first
         self._starts: deque = deque()  # per queued rollout: pipeline.batch_start before it (or None)
         self._dropped_on_resume = 0  # carried batches trainer.drop_carried_on_resume discarded
+        self._prefetch_redrawn = 0  # this step: prefetched batches rewound after every engine was lost
         self._rollout_end = time.perf_counter()  # when the engines last finished a rollout
 
     # ---------------------------------------------------------------- resume
@@ -329,9 +330,42 @@ class DAPOTrainer:
             return str(self.run.checkpoints / latest.read_text().strip())
         return f"none under {self.run.checkpoints}"
 
-    def _queue_prefetched(self, prefetch: Prefetch) -> None:
-        """The prefetch's finished batches join the queue, each with where its prompts began."""
-        ahead = prefetch.result() or []
+    def _queue_prefetched(self, prefetch: Prefetch, synced: int | None = None) -> None:
+        """The prefetch's finished batches join the queue, each with where its prompts began.
+
+        Every engine lost during the prefetch: the batches finished before are kept, the rest
+        rewound (Prefetch.keep_finished) and drawn again, in data order, by the next steps: the
+        first by the next step that finds the queue empty, with the weights of this step's sync,
+        which restarts the down engines first, so staleness only drops. ``synced``: the version
+        the sync already gave the engines (a rollout.partial prefetch paused for the sync and
+        resumed after it); the down engines are then restarted and given it here, so the next
+        prefetch finds them serving. When no down engine can be restarted (all given by URL) the
+        rollout's error ends the run, as in sync mode."""
+        try:
+            ahead = prefetch.result() or []
+        except NoEngineAliveError as e:
+            m = self.manager
+            down = [en for en in getattr(m, "engines", ()) if en.name in getattr(m, "down", {})]
+            if not any(getattr(en, "server", None) is not None for en in down):
+                raise
+            ahead = prefetch.keep_finished()
+            redrawn = prefetch.count - len(ahead)
+            first = self.state.step + 2 + len(self._queue) + len(ahead)  # the step it was for
+            log.warning(
+                "step %d: every engine was lost while generating the batch of step %d ahead (%s); "
+                "kept the %d batch(es) finished before it; the down engines are restarted and synced, "
+                "and the prompts of the %d batch(es) for steps %d-%d are drawn again",
+                self.state.step + 1,
+                first,
+                e,
+                len(ahead),
+                redrawn,
+                first,
+                first + redrawn - 1,
+            )
+            self._prefetch_redrawn += redrawn
+            if synced is not None:
+                self._revive_engines(synced)
         self._queue.extend(ahead)
         self._starts.extend(prefetch.starts[: len(ahead)])
 
@@ -407,11 +441,12 @@ class DAPOTrainer:
         self._rollout_end = time.perf_counter()  # the engines wait for the weights from here
         return True
 
-    def _revive_engines(self) -> bool:
+    def _revive_engines(self, version: int | None = None) -> bool:
         """No engine is left in the middle of a rollout (run in this thread, so the actor is
         idle): restart the down ones this run launched, give them the current weights (on
         colocated GPUs through the same memory hand-over as a step), and return them to service.
-        False when none came back (servers given by URL: the caller's error stands)."""
+        False when none came back (servers given by URL: the caller's error stands).
+        ``version``: the weights to give them, when not the state's (the step's sync is done)."""
         if not hasattr(self.manager, "down"):
             return False
         revived = restart_down_engines(self.manager)
@@ -420,7 +455,7 @@ class DAPOTrainer:
         self._call("reset_transport", limit="other_s")
         self._to_training()
         self._to_sync()
-        self.sync(self.state.weight_version)
+        self.sync(self.state.weight_version if version is None else version)
         self._to_generation()
         return_to_service(self.manager, revived)
         return True
@@ -583,7 +618,7 @@ class DAPOTrainer:
                 if interrupt:
                     self.manager.resume()
                     with timer.phase("wait_data"), progress.phase(step, "waiting for the next rollout"):
-                        self._queue_prefetched(prefetch)
+                        self._queue_prefetched(prefetch, synced=step)
                 # engines idle from their last rollout until the new weights are in (validation aside)
                 sync_metrics["timing/engine_wait_weights_s"] = time.perf_counter() - self._rollout_end
                 sync_metrics["timing/actor_wait_data_s"] = timer.seconds.get("gen", 0.0) + timer.seconds.get(
@@ -599,6 +634,9 @@ class DAPOTrainer:
                 metrics.update(batch_metrics)
                 metrics.update({ACTOR_KEYS[k]: v for k, v in actor_metrics.items() if k in ACTOR_KEYS})
                 metrics.update(sync_metrics)
+                if self.ahead:
+                    metrics["rollout/prefetch_redrawn"] = float(self._prefetch_redrawn)
+                    self._prefetch_redrawn = 0
                 if self.dump_rollouts is not None:
                     self.dump_rollouts(rollout, self.run.rollouts / f"step_{step}.jsonl")
                 last = step == total or self.stop.requested
