@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.trainer import DAPOTrainer
 from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutManager
+from megatron_dapo.rollout.types import GenerationResult
 
 PROMPTS, SEED, STEPS, BATCH = 40, 7, 5, 4
 ORDER = [int(i) for i in np.random.RandomState(SEED).permutation(PROMPTS)]  # epoch 0's order
@@ -49,12 +51,37 @@ def dataset():
 
 
 class World:
-    """What the engines share: the prompts that kill an engine handed them (until a restart)."""
+    """What the engines share: the prompts that kill an engine handed them (until a restart).
 
-    def __init__(self, doomed):
+    ``when``: "before_sync": the actor's first update ends only once the rollout failed (the
+    step's sync then restarts the engines); "after_sync" (rollout.partial): a doomed call waits
+    for the sync's pause, and the engines die once the paused rollout resumes after the sync."""
+
+    def __init__(self, doomed, when="before_sync"):
         self.doomed = set(doomed)
+        self.when = when
         self.manager = None
         self.carried_at_death = None  # rollout.partial: the manager's tail when the engines died
+        self.failed = threading.Event()  # a rollout raised NoEngineAliveError
+        self.pausing = False
+        self.paused = threading.Event()  # the sync's pause aborted the engines' calls
+
+    def watch(self, manager):
+        self.manager = manager
+        collect, pause = manager.collect, manager.pause
+
+        def watched_collect(dataset, version):
+            try:
+                return collect(dataset, version)
+            except NoEngineAliveError:
+                self.failed.set()
+                raise
+
+        def watched_pause(timeout_s):
+            self.pausing = True
+            return pause(timeout_s)
+
+        manager.collect, manager.pause = watched_collect, watched_pause
 
 
 class Engine(ScriptedEngine):
@@ -69,11 +96,20 @@ class Engine(ScriptedEngine):
         self.server = self if restartable else None
 
     def generate(self, requests):
-        if self.world.doomed & {r.prompt_ids[2] for r in requests}:
-            if self.world.carried_at_death is None and self.world.manager is not None:
-                self.world.carried_at_death = self.world.manager.partial_groups()
+        w = self.world
+        if w.doomed & {r.prompt_ids[2] for r in requests}:
+            if w.when == "after_sync" and not w.paused.is_set():
+                assert w.paused.wait(60), "the sync never paused the rollout"
+                return [GenerationResult(r.request_id, [], [], "abort", self.version) for r in requests]
+            if w.carried_at_death is None and w.manager is not None:
+                w.carried_at_death = w.manager.partial_groups()
             self._alive = False
         return super().generate(requests)
+
+    def abort(self):
+        super().abort()
+        if self.world.pausing:
+            self.world.paused.set()
 
     # the server this run launched (engine_restart.restart_down_engines)
     def alive(self):
@@ -86,12 +122,20 @@ class Engine(ScriptedEngine):
 
 
 class Ranks(FakeRanks):
+    def __init__(self, world):
+        super().__init__()
+        self.world = world
+
     def call(self, method, *args, **kwargs):
         out = super().call(method, *args, **kwargs)
-        return [{}] if method == "train_step" else out
+        if method != "train_step":
+            return out
+        if self.world.when == "before_sync" and self.world.doomed:  # the first update, with the doom armed
+            assert self.world.failed.wait(60), "the prefetch never failed"
+        return [{}]
 
 
-def run(tmp_path, mode, k, doomed, partial=False, restartable=True):
+def run(tmp_path, mode, k, doomed, partial=False, restartable=True, when="before_sync"):
     cfg = trainer_config(
         tmp_path,
         **{
@@ -104,14 +148,14 @@ def run(tmp_path, mode, k, doomed, partial=False, restartable=True):
             "rollout.partial": str(partial).lower(),
         },
     )
-    world = World(doomed)
+    world = World(doomed, when)
     engines = [Engine(f"e{i}", world, restartable) for i in range(2)]
     # rollout.partial: 6 drawn a round, the 4 first in draw order train, 2 are carried
     mcfg = manager_config(
         n=2, train_batch_size=BATCH, gen_batch_size=BATCH + 2 if partial else BATCH, partial=partial
     )
     manager = RolloutManager(engines, Scorer(), mcfg, Tokenizer())
-    world.manager = manager
+    world.watch(manager)
 
     def sync(version):
         for e in engines:
@@ -126,7 +170,7 @@ def run(tmp_path, mode, k, doomed, partial=False, restartable=True):
     trainer = DAPOTrainer(
         cfg,
         run=RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name),
-        ranks=Ranks(),
+        ranks=Ranks(world),
         manager=manager,
         dataset=dataset(),
         transport_sync=sync,
@@ -167,15 +211,21 @@ def test_one_step_off_survives_every_engine_dying_during_the_prefetch(tmp_path, 
     assert "for steps 2-2 are drawn again" in lines[0] and "all 2 engines are down" in lines[0]
 
 
-@pytest.mark.parametrize("partial", [False, True])
-def test_async_k2_keeps_the_finished_batch_and_redraws_the_one_that_failed(tmp_path, partial):
+@pytest.mark.parametrize(
+    "partial, when", [(False, "before_sync"), (True, "before_sync"), (True, "after_sync")]
+)
+def test_async_k2_keeps_the_finished_batch_and_redraws_the_one_that_failed(tmp_path, partial, when):
     """Step 1 prefetches batches 2 and 3; batch 2 finishes, the engines die on batch 3's new
     prompts. Batch 2 is kept (trained at step 2 as generated, version 0); batch 3 goes back and
     is generated again at step 2's prefetch with version 1. With rollout.partial the two groups
     batch 2 left past its cut (carried into batch 3) come back as they were: step 3 trains them
-    with their version-0 responses, not regenerated ones."""
+    with the responses the tail held, continued, not regenerated. ``after_sync``: the prefetch
+    was paused for step 1's sync and lost its engines once resumed; they are restarted and given
+    version 1 right then, so step 2's prefetch finds them serving (one restart, one redraw)."""
     new_of_batch_3 = ORDER[10:14] if partial else ORDER[8:12]
-    summary, trained, metrics, engines, world = run(tmp_path, "async", 2, new_of_batch_3, partial=partial)
+    summary, trained, metrics, engines, world = run(
+        tmp_path, "async", 2, new_of_batch_3, partial=partial, when=when
+    )
     assert summary["step"] == STEPS
     assert [prompts(trained[s]) for s in range(1, STEPS + 1)] == [
         ORDER[i : i + BATCH] for i in range(0, STEPS * BATCH, BATCH)
@@ -210,3 +260,47 @@ def test_engines_given_by_url_end_the_run_with_the_rollouts_error(tmp_path):
         run(tmp_path, "one_step_off", 1, ORDER[4:8], restartable=False)
     assert "e0: e0 is gone" in str(e.value) and "e1: e1 is gone" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+class ChangingManager:
+    """Draws 4 prompts a batch, observes a keep rate and replaces its carried tail on every batch;
+    the second batch changes all three, then loses every engine."""
+
+    def __init__(self):
+        self.keep_rate, self.carry, self.calls = 0.5, ["tail of batch 0"], 0
+
+    def state_dict(self):
+        return {"keep_rate": self.keep_rate}
+
+    def load_state_dict(self, state):
+        self.keep_rate = state["keep_rate"]
+
+    def partial_groups(self):
+        return list(self.carry)
+
+    def load_partial_groups(self, groups):
+        self.carry = list(groups)
+
+    def collect(self, dataset, version):
+        self.calls += 1
+        drawn = [p.index for p in dataset.next_batch(BATCH)]
+        self.keep_rate, self.carry = 0.1 * self.calls, [f"tail of batch {self.calls}"]
+        if self.calls == 2:
+            raise NoEngineAliveError("rollout: all 2 engines are down (e0: gone; e1: gone)")
+        return drawn
+
+
+def test_a_prefetch_that_lost_its_engines_keeps_the_finished_batch_and_rewinds_the_rest():
+    """Prefetch of 3 batches, the 2nd fails: the 1st is kept; the data cursor, the manager's state
+    and its carried tail are back to where the 1st batch left them, so the next draw is the 2nd
+    batch's prompts."""
+    from megatron_dapo.driver.pipeline import Prefetch
+
+    data, manager = dataset(), ChangingManager()
+    prefetch = Prefetch(manager, data, version=0, count=3)
+    with pytest.raises(NoEngineAliveError):
+        prefetch.result()
+    assert prefetch.keep_finished() == [ORDER[0:4]] and len(prefetch.starts) == 1
+    assert manager.calls == 2 and manager.state_dict() == {"keep_rate": 0.1}
+    assert manager.carry == ["tail of batch 1"]
+    assert [p.index for p in data.next_batch(BATCH)] == ORDER[4:8]
