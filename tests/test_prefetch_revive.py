@@ -23,6 +23,7 @@ from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.trainer import DAPOTrainer
 from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutManager
+from megatron_dapo.rollout.partial import CarriedGroup
 from megatron_dapo.rollout.types import GenerationResult
 
 PROMPTS, SEED, STEPS, BATCH = 40, 7, 5, 4
@@ -266,8 +267,13 @@ class ChangingManager:
     """Draws 4 prompts a batch, observes a keep rate and replaces its carried tail on every batch;
     the second batch changes all three, then loses every engine."""
 
-    def __init__(self):
-        self.keep_rate, self.carry, self.calls = 0.5, ["tail of batch 0"], 0
+    def __init__(self, data):
+        self.data = data
+        self.keep_rate, self.carry, self.calls = 0.5, [self._tail(0)], 0
+
+    def _tail(self, batch: int) -> CarriedGroup:
+        """The carried tail after ``batch``: one group, of the dataset's prompt at that position."""
+        return CarriedGroup(self.data[batch], [])
 
     def state_dict(self):
         return {"keep_rate": self.keep_rate}
@@ -284,7 +290,7 @@ class ChangingManager:
     def collect(self, dataset, version):
         self.calls += 1
         drawn = [p.index for p in dataset.next_batch(BATCH)]
-        self.keep_rate, self.carry = 0.1 * self.calls, [f"tail of batch {self.calls}"]
+        self.keep_rate, self.carry = 0.1 * self.calls, [self._tail(self.calls)]
         if self.calls == 2:
             raise NoEngineAliveError("rollout: all 2 engines are down (e0: gone; e1: gone)")
         return drawn
@@ -296,11 +302,12 @@ def test_a_prefetch_that_lost_its_engines_keeps_the_finished_batch_and_rewinds_t
     batch's prompts."""
     from megatron_dapo.driver.pipeline import Prefetch
 
-    data, manager = dataset(), ChangingManager()
+    data = dataset()
+    manager = ChangingManager(data)
     prefetch = Prefetch(manager, data, version=0, count=3)
     with pytest.raises(NoEngineAliveError):
         prefetch.result()
     assert prefetch.keep_finished() == [ORDER[0:4]] and len(prefetch.starts) == 1
     assert manager.calls == 2 and manager.state_dict() == {"keep_rate": 0.1}
-    assert manager.carry == ["tail of batch 1"]
+    assert manager.carry == [manager._tail(1)]
     assert [p.index for p in data.next_batch(BATCH)] == ORDER[4:8]
