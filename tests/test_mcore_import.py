@@ -25,3 +25,23 @@ def test_a_process_that_imported_wandb_keeps_it():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["False True True", "wandb True"]
+
+
+EAGER_PROBE = """
+import sys, torch
+compile_ = torch.compile
+import megatron_dapo.actor.mcore_import
+from megatron.core import activations, jit
+x = torch.linspace(-3, 3, 7, dtype=torch.float64)
+print("torch._inductor" in sys.modules, torch.compile is compile_, jit.jit_fuser is jit.noop_decorator)
+print(torch.equal(activations.quick_gelu(x), x * torch.sigmoid(1.702 * x)))
+"""
+
+
+def test_on_cpu_megatron_loads_without_the_compiler_and_its_fusions_run_eager():
+    """The CPU path never runs megatron's torch.compile'd fusions, so it does not load torch's
+    compiler for them; torch.compile is torch's again afterwards, and a fused function (defined
+    at import with megatron's jit_fuser) computes the plain formula."""
+    out = subprocess.run([sys.executable, "-c", EAGER_PROBE], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["False True True", "True"]

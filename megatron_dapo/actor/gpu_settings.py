@@ -15,7 +15,8 @@ tested on CPU. CPU/GPU differences of the actor live here and in :mod:`compat` (
 4. Fusions (:func:`fusion_flags`): each is on only where its kernel exists: gradient-accumulation
    fusion needs CUDA and TE (its wgrad GEMM accumulates into main_grad), RoPE fusion needs TE,
    masked-softmax and persistent layer-norm fusions need apex's CUDA kernels, bias-SwiGLU fusion
-   (torch.jit) needs CUDA. All are off on CPU.
+   (torch.jit) needs CUDA. All are off on CPU, so there megatron loads without torch's compiler
+   (its ``jit_fuser`` stays eager: :mod:`mcore_import`).
 5. DP communication overlap (:func:`ddp_overlap`): overlap_grad_reduce (bucketed all-reduce /
    reduce-scatter started during backward) on by default on GPU, always off on CPU (gloo runs the
    plain path). overlap_param_gather (the distributed optimizer's parameter all-gather deferred
