@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 CUDA_TORCH := $(shell $(PY) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1 && echo 1)
 VENV_FLAGS := $(if $(CUDA_TORCH),--system-site-packages,)
 PYTEST_ARGS ?=
+# The suite runs in two pytest-xdist workers, a test file per worker at a time (module fixtures
+# build once): its end-to-end runs wait on Ray, servers and checkpoints for part of their time, and
+# the unit tests use one core, so two workers keep a 2-core machine busy. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 # Exact versions of everything the CPU path installs (README numbers were measured with it).
 # `make lock` re-resolves from pyproject.toml in a scratch venv and rewrites it.
 LOCK := requirements/cpu.lock
@@ -57,8 +61,14 @@ $(SG_STAMP): $(SG_LOCK)
 demo: setup
 	$(BIN)/megatron-dapo demo
 
-test: setup setup-sglang
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+# The two venvs install side by side (pip unpacks on one core each); on a fresh clone the disk must
+# hold both at once, so their sum is checked before either starts.
+test:
+	@if ! test -x $(BIN)/python && ! test -x $(SG_VENV)/bin/python; then \
+	  $(PY) tools/check_disk.py --need-mb $$(( $(VENV_MB) + $(SG_VENV_MB) )) \
+	    --what "installing .venv and .venv-sglang side by side" . "$${TMPDIR:-/tmp}"; fi
+	$(MAKE) -j2 setup setup-sglang
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check megatron_dapo tests tools

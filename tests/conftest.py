@@ -125,3 +125,32 @@ def layout_data(layout_hf_dir):
     from layout_harness import make_batch
 
     return make_batch(layout_hf_dir)
+
+
+# `make test` runs two pytest-xdist workers that take whole files in collection order. The files
+# below each take one to seven minutes on 2 cores (`--durations`); run first, they overlap each
+# other and the hundreds of short files fill the gaps at the end, instead of the alphabetically
+# late ones (test_sglang_real_*, test_torchrun_*) running last with the other worker idle. The
+# rest keep their order. A stale entry costs only time.
+LONG_FILES_FIRST = (
+    "test_driver_e2e.py",
+    "test_sglang_real_restart.py",
+    "test_sglang_real_resume.py",
+    "test_sglang_real_torchrun_nodes.py",
+    "test_torchrun_train.py",
+    "test_one_step_off.py",
+    "test_demo_determinism.py",
+    "test_sglang_real_demo.py",
+    "test_sglang_real_torchrun.py",
+    "test_convert_roundtrip.py",
+    "test_sglang_real_server.py",
+    "test_sglang_driver_cluster.py",
+    "test_qwen3_e2e.py",
+    "test_cli_bad_inputs.py",
+    "test_sglang_routing_replay.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))

@@ -50,3 +50,17 @@ def test_sglang_venv_is_checked_too(tmp_path):
     assert res.returncode != 0
     assert "the SGLang test venv .venv-sglang needs about 100000000 MB free" in res.stderr, res.stderr
     assert not (tmp_path / ".venv-sglang").exists()
+
+
+def test_make_test_checks_room_for_both_venvs_it_installs_side_by_side(tmp_path):
+    """`make test` installs the two venvs at once: a disk with room for either but not both (here
+    VENV_MB + SG_VENV_MB more than any disk) stops before either starts."""
+    _copy_build_files(tmp_path)
+    res = _make(tmp_path, "test", "VENV_MB=60000000", "SG_VENV_MB=40000000")
+    assert res.returncode != 0
+    line = [ln for ln in res.stderr.splitlines() if "MB free" in ln]
+    assert (
+        len(line) == 1
+        and "installing .venv and .venv-sglang side by side needs about 100000000 MB" in line[0]
+    )
+    assert not (tmp_path / ".venv").exists() and not (tmp_path / ".venv-sglang").exists()
