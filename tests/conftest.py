@@ -10,6 +10,7 @@ checkpoint is written once), so treat it as read-only. The same function without
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,20 @@ def tiny_hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_own_shm_manager():
+    """At the end of the session, the torch_shm_manager this pytest process started (tests that
+    pickle CPU tensors for SGLang's weight updates start one as its child and use it until the
+    process ends; it would outlive the session). Each pytest-xdist worker ends its own."""
+    yield
+    import psutil
+
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if child.name() == "torch_shm_manager":
+                child.terminate()
 
 
 @pytest.fixture(scope="module")

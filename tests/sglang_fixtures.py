@@ -3,8 +3,8 @@
 ``start_cpu_server(model_path, log_dir)`` runs ``rollout.sglang_server.SGLangServer`` with the
 repo's ``.venv-sglang`` interpreter (``make setup-sglang``), the CPU flags below and the CPU
 stand-ins of ``tests/sglang_cpu`` on the server's PYTHONPATH only, on a free port, and waits for
-``/health_generate``. ``stop_cpu_server`` ends its process group and the ``torch_shm_manager``
-daemons that tensor updates leave behind. Tests that need the server skip cleanly (naming
+``/health_generate``. ``stop_cpu_server`` ends its process group and the orphaned
+``torch_shm_manager`` daemons that tensor updates leave behind. Tests that need the server skip cleanly (naming
 ``make setup-sglang``) when the venv is not built.
 
 The pytest fixtures in conftest.py wrap these: ``sglang_cpu_server`` (one server per test module
@@ -72,12 +72,19 @@ class CPUServer:
 
 
 def _shm_manager_pids() -> set[int]:
+    """The torch_shm_manager daemons whose starting process has exited (re-parented to init).
+
+    Each process that pickles a CPU tensor with the file_system strategy (a weight update's sender)
+    starts one, as its child, and keeps using it: killing a live process's manager breaks its next
+    shared-memory tensor with "Broken pipe" (make test's other pytest worker, or this one). Only
+    managers left behind by exited processes are anyone's to clean up; a process's own manager
+    ends with it (conftest's session cleanup for the pytest processes)."""
+    import psutil
+
     pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if (entry / "comm").read_text().strip() == "torch_shm_manag":
-                    pids.add(int(entry.name))
+    for p in psutil.process_iter(["name", "ppid"]):
+        if p.info["name"] == "torch_shm_manager" and p.info["ppid"] == 1:
+            pids.add(p.pid)
     return pids
 
 

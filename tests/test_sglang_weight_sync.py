@@ -4,8 +4,6 @@ receiver, and a receiver that never shows up -> a timeout naming the engine and 
 from __future__ import annotations
 
 import os
-import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -83,36 +81,59 @@ def test_cpu_bucket_serialized_for_update_weights_from_tensor_loads_in_another_p
 
     from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
 
+    # the torch_shm_manager this starts is this process's for good (conftest ends it with the session)
     before = torch.multiprocessing.get_sharing_strategy()
-    marker = f"{os.getpid()}-{id(before)}"
-    os.environ["MEGATRON_DAPO_TEST_SHM"] = marker  # inherited by the torch_shm_manager we start
     b = bucket(2.0)
     payloads = serialize_bucket_for_ipc(b, tp_size=2)
+    assert len(payloads) == 2 and torch.multiprocessing.get_sharing_strategy() == before
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_LIKE_SGLANG],
+        input=payloads[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = ast.literal_eval(out.stdout.strip())
+    assert got == {k: [str(v.dtype), v.float().sum().item()] for k, v in b.items()}
+
+
+_HOLD_A_MANAGER = """
+import sys, torch
+from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
+payloads = serialize_bucket_for_ipc({"w": torch.ones(4)})
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_server_cleanup_ends_only_shm_managers_whose_process_exited():
+    """stop_cpu_server's cleanup must spare a live process's torch_shm_manager (make test's other
+    worker once lost its own to it: "Broken pipe" on its next weight update) and still end the one
+    a process that exited left behind."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    from sglang_fixtures import _shm_manager_pids
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_A_MANAGER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
-        assert len(payloads) == 2 and torch.multiprocessing.get_sharing_strategy() == before
-        out = subprocess.run(
-            [sys.executable, "-c", _LOAD_LIKE_SGLANG],
-            input=payloads[1],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert out.returncode == 0, out.stderr[-2000:]
-        got = ast.literal_eval(out.stdout.strip())
-        assert got == {k: [str(v.dtype), v.float().sum().item()] for k, v in b.items()}
+        assert holder.stdout.readline().strip() == "ready"
+        (manager,) = [c for c in psutil.Process(holder.pid).children() if c.name() == "torch_shm_manager"]
+        assert manager.pid not in _shm_manager_pids()  # its process still uses it
+        holder.kill()
+        holder.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while manager.ppid() != 1:  # re-parented once the holder is reaped
+            assert time.monotonic() < deadline, "the manager was not re-parented"
+            time.sleep(0.05)
+        assert manager.pid in _shm_manager_pids()
     finally:
-        del payloads
-        _end_shm_managers_started_with(marker)
-
-
-def _end_shm_managers_started_with(marker: str) -> None:
-    """SIGTERM the torch_shm_manager daemons whose environment carries ``marker`` (ours only)."""
-    os.environ.pop("MEGATRON_DAPO_TEST_SHM", None)
-    for d in Path("/proc").iterdir():
-        try:
-            if (d / "comm").read_text().strip() != "torch_shm_manag":
-                continue
-            if f"MEGATRON_DAPO_TEST_SHM={marker}".encode() in (d / "environ").read_bytes().split(b"\0"):
-                os.kill(int(d.name), signal.SIGTERM)
-        except (OSError, ValueError):
-            continue
+        holder.kill()
+        for p in psutil.process_iter(["name", "ppid"]):
+            if p.info["name"] == "torch_shm_manager" and p.info["ppid"] == 1:
+                p.terminate()
