@@ -26,6 +26,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def launched_by_this_run(engine: Any) -> bool:
+    """The run started this engine's server (it holds it), so it can restart it; a server given
+    by URL can only be waited for."""
+    return getattr(engine, "server", None) is not None
+
+
 def restart_down_engines(manager: Any) -> list[str]:
     """Restart the down engines that can be restarted (or came back); their names.
 
@@ -39,7 +45,7 @@ def restart_down_engines(manager: Any) -> list[str]:
     unchecked = [
         e
         for e in manager.engines
-        if e.name not in manager.down and e.name not in heard and getattr(e, "server", None) is not None
+        if e.name not in manager.down and e.name not in heard and launched_by_this_run(e)
     ]
     heard.clear()
     if unchecked:  # in parallel: a hung server costs health_timeout_s once, not once per engine

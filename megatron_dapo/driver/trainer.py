@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from megatron_dapo.driver.batch_builder import build_actor_batch
 from megatron_dapo.driver.carried import CARRIED_FILE, read_carried, write_carried
-from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
+from megatron_dapo.driver.engine_restart import launched_by_this_run, restart_down_engines, return_to_service
 from megatron_dapo.driver.pipeline import Prefetch, batches_ahead, queue_from_state
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.rank_group import RankCallError
@@ -346,7 +346,7 @@ class DAPOTrainer:
         except NoEngineAliveError as e:
             m = self.manager
             down = [en for en in getattr(m, "engines", ()) if en.name in getattr(m, "down", {})]
-            if not any(getattr(en, "server", None) is not None for en in down):
+            if not any(launched_by_this_run(en) for en in down):
                 raise
             ahead = prefetch.keep_finished()
             redrawn = prefetch.count - len(ahead)
@@ -468,9 +468,7 @@ class DAPOTrainer:
         if not hasattr(m, "down") or not hasattr(m, "engines"):
             return
         lost = [
-            e
-            for e in m.engines
-            if e.name in m.down and e.name not in revived and getattr(e, "server", None) is None
+            e for e in m.engines if e.name in m.down and e.name not in revived and not launched_by_this_run(e)
         ]
         if not lost or len(lost) == len(m.engines):  # none left: the sync's error names them
             return
