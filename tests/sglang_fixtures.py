@@ -88,6 +88,30 @@ def _shm_manager_pids() -> set[int]:
     return pids
 
 
+def launched_servers(root: int) -> list:
+    """The `sglang.launch_server` processes among the descendants of pid ``root``, as psutil
+    processes. A server's own children (scheduler, detokenizer) are forked with its command line
+    and rename themselves a moment later; a child caught in that moment is not a server, so a
+    match whose parent also matches is left out."""
+    import psutil
+
+    found = {}
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            if "sglang.launch_server" in " ".join(p.cmdline()):
+                found[p.pid] = p
+        except psutil.NoSuchProcess:
+            continue
+    servers = []
+    for p in found.values():
+        try:
+            if p.ppid() not in found:
+                servers.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return servers
+
+
 def start_cpu_server(
     model_path,
     log_dir,

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sglang_fixtures import require_sglang
+from sglang_fixtures import launched_servers, require_sglang
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -32,16 +32,12 @@ def assets(small_demo_assets):
 
 def _server_pid(root: int, deadline_s: float = 600) -> int:
     """The `sglang.launch_server` process among the descendants of ``root`` (rank 0 starts it)."""
-    import psutil
-
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        for p in psutil.Process(root).children(recursive=True):
-            try:
-                if "sglang.launch_server" in " ".join(p.cmdline()):
-                    return p.pid
-            except psutil.NoSuchProcess:
-                continue
+        servers = launched_servers(root)
+        if servers:
+            (server,) = servers
+            return server.pid
         time.sleep(0.2)
     raise AssertionError("rank 0 started no SGLang server")
 

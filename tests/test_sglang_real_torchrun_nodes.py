@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sglang_fixtures import require_sglang
+from sglang_fixtures import launched_servers, require_sglang
 
 from megatron_dapo.driver.test_hold import HOLD_ENV, RELEASE_ENV
 
@@ -101,9 +101,9 @@ def test_each_node_starts_its_own_server_and_both_train_through_a_kill(small_dem
             while not done.is_set():
                 for node, a in enumerate(agents):
                     try:
-                        for p in psutil.Process(a.pid).children(recursive=True):
-                            cmd = " ".join(p.cmdline())
-                            if "sglang.launch_server" in cmd and p.pid not in launched:
+                        for p in launched_servers(a.pid):
+                            if p.pid not in launched:
+                                cmd = " ".join(p.cmdline())
                                 launched[p.pid] = (node, re.search(r"--port (\d+)", cmd).group(1), p.ppid())
                     except psutil.NoSuchProcess:
                         continue
