@@ -23,13 +23,9 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from megatron_dapo.rollout.engine import launched_by_this_run
+
 log = logging.getLogger(__name__)
-
-
-def launched_by_this_run(engine: Any) -> bool:
-    """The run started this engine's server (it holds it), so it can restart it; a server given
-    by URL can only be waited for."""
-    return getattr(engine, "server", None) is not None
 
 
 def restart_down_engines(manager: Any) -> list[str]:
@@ -59,14 +55,13 @@ def restart_down_engines(manager: Any) -> list[str]:
         why = manager.down.get(engine.name)
         if why is None:
             continue
-        server = getattr(engine, "server", None)
-        if server is None:
+        if not launched_by_this_run(engine):
             if _healthy(engine):
                 log.warning("engine %s, down since '%s', answers again", engine.name, why)
                 revived.append(engine.name)
             continue
         log.warning("engine %s is down (%s); restarting it", engine.name, why)
-        server.restart()
+        engine.server.restart()
         revived.append(engine.name)
     return revived
 

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from megatron_dapo.driver.batch_builder import build_actor_batch
 from megatron_dapo.driver.carried import CARRIED_FILE, read_carried, write_carried
-from megatron_dapo.driver.engine_restart import launched_by_this_run, restart_down_engines, return_to_service
+from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
 from megatron_dapo.driver.pipeline import Prefetch, batches_ahead, queue_from_state
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.rank_group import RankCallError
@@ -32,6 +32,7 @@ from megatron_dapo.driver.run_dir import MetricsLogger, RunDir, jsonable_record
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.test_hold import hold_after_step
 from megatron_dapo.driver.timing import PhaseTimer
+from megatron_dapo.rollout.engine import launched_by_this_run
 from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutAbandoned
 from megatron_dapo.rollout.partial import CarriedGroup, PartialSample, carry_from_items, carry_to_items
 from megatron_dapo.rollout.staleness import drop_stale_groups, staleness_metrics

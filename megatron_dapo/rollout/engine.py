@@ -63,3 +63,9 @@ class RolloutEngine(Protocol):
         itself (its server's answer), not whether a supervised process lives, which may cost a
         call to another node."""
         ...
+
+
+def launched_by_this_run(engine: object) -> bool:
+    """The run started this engine's server (the engine holds it as ``server``), so it can restart
+    it; a server given by URL, or an in-process engine, can only be waited for or lost."""
+    return getattr(engine, "server", None) is not None

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.algo import mixed_group_mask, overlong_penalty
-from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.engine import EngineError, launched_by_this_run
 from megatron_dapo.rollout.engine_probe import InFlightProbe
 from megatron_dapo.rollout.partial import (
     CarriedGroup,
@@ -775,7 +775,7 @@ class RolloutManager:
         ledger.hung.append(engine.name)
         alive = [e.name for e in self.engines if e.name not in self.down]
         knobs = "rollout.health_probe_interval_s, rollout.sglang.health_timeout_s"
-        restartable = getattr(engine, "server", None) is not None
+        restartable = launched_by_this_run(engine)
         if not alive and not restartable:
             where = f"the server at {url} (engine {engine.name})" if url else f"engine {engine.name}"
             given = "it was given by rollout.sglang.urls, so" if url else "it was not started by this run, so"
@@ -964,7 +964,7 @@ class RolloutManager:
             # restart (given by URL), which it goes on without
             "rollout/engines_hung": len(ledger.hung),
             "rollout/engines_lost": len(self.lost)
-            + sum(getattr(e, "server", None) is None for e in self.engines if e.name in self.down),
+            + sum(not launched_by_this_run(e) for e in self.engines if e.name in self.down),
             "rollout/partial_batch": float(len(samples) < cfg.train_batch_size * cfg.n),
             "rollout/time_s": wall,
             "rollout/gen_time_s": gen_time,
