@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from megatron_dapo.actor.spawn import free_port
 from megatron_dapo.driver.sglang_engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
 from megatron_dapo.driver.sglang_engines import cpu_server_env
 from megatron_dapo.rollout.sglang_server import REPO_SGLANG_PYTHON, SGLangServer, SGLangServerConfig
@@ -46,12 +46,6 @@ def require_sglang() -> Path:
     if python is None:
         pytest.skip(f"real SGLang server needs {REPO_SGLANG_PYTHON.parent.parent}: run `make setup-sglang`")
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -1,0 +1,43 @@
+"""free_port: ports for listeners started later (rendezvous, SGLang servers) come from below the
+kernel's ephemeral range, where no outgoing connection can take them during a minute-long server
+start (an SGLang server once failed its start with "address already in use" beside make test)."""
+
+from __future__ import annotations
+
+import socket
+
+from megatron_dapo.actor.spawn import EPHEMERAL_RANGE, free_port, listen_port_range
+
+
+def test_ports_come_from_below_the_ephemeral_range():
+    first = int(EPHEMERAL_RANGE.read_text().split()[0])
+    ports = {free_port() for _ in range(50)}
+    assert all(20000 <= p < first for p in ports), sorted(ports)
+    assert len(ports) > 40  # drawn at random: two callers rarely race for the same one
+    for port in list(ports)[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free when returned
+
+
+def test_a_port_in_use_is_not_returned(monkeypatch):
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    try:
+        taken = held.getsockname()[1]
+        ranges = iter([taken, taken, taken + 1])
+
+        class Fixed:  # the random draw: the held port twice, then the one after it
+            def randrange(self, low, high):
+                return next(ranges)
+
+        monkeypatch.setattr("megatron_dapo.actor.spawn.random.SystemRandom", Fixed)
+        monkeypatch.setattr("megatron_dapo.actor.spawn.listen_port_range", lambda text: (20000, 70000))
+        assert free_port() == taken + 1
+    finally:
+        held.close()
+
+
+def test_listen_range_from_the_kernels_setting():
+    assert listen_port_range("32768\t60999\n") == (20000, 32768)
+    assert listen_port_range("1024 65535") is None  # no room below it: any free port (bind to 0)
+    assert listen_port_range("") is None and listen_port_range("x y") is None
