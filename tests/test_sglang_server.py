@@ -239,3 +239,18 @@ def test_server_does_not_inherit_the_torchrun_environment(tmp_path, monkeypatch)
     env = json.loads(line[4:])
     assert not set(torchrun_env) & set(env), sorted(set(torchrun_env) & set(env))
     assert env["KEEP_ME"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+
+
+def test_servers_sleep_on_idle_unless_the_config_says_not():
+    """An idle SGLang scheduler polls its sockets in a loop: a CPU core per server at 100% for
+    the whole actor update and sync. `--sleep-on-idle` (a real server's idle CPU is checked in
+    test_sglang_real_server.py) is the default, and `rollout.sglang.sleep_on_idle=false` drops it."""
+    from megatron_dapo.config.loader import load_config
+    from megatron_dapo.driver.sglang_engines import server_config
+
+    def command(*overrides):
+        cfg = load_config(None, ["model.path=/m", *overrides])
+        return build_launch_command(server_config(cfg, 0, (), "/tmp", cpu=True), python="python")
+
+    assert "--sleep-on-idle" in command()
+    assert "--sleep-on-idle" not in command("rollout.sglang.sleep_on_idle=false")

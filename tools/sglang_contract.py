@@ -76,6 +76,7 @@ FLAGS = [
     "--grammar-backend",
     "--enable-memory-saver",
     "--skip-server-warmup",
+    "--sleep-on-idle",
     "--enable-deterministic-inference",
     "--disable-cuda-graph",
     "--disable-overlap-schedule",

@@ -90,6 +90,10 @@ class SGLangConfig:
     # --enable-deterministic-inference: without it SGLang ignores each request's sampling_seed,
     # so the rollouts of a seeded run are not reproducible.
     deterministic: bool = True
+    # --sleep-on-idle: an idle server's scheduler waits on its sockets instead of spinning a CPU
+    # core at 100% through every actor update and weight sync (cores the trainer's ranks and
+    # data loading need, colocated or on a CPU node); a request wakes it at once.
+    sleep_on_idle: bool = True
 
 
 @dataclass

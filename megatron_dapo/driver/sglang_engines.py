@@ -133,6 +133,7 @@ def server_config(
         # the CPU flags choose torch_native attention, for which SGLang refuses determinism
         deterministic=seeds_apply(s) and not cpu,
         return_routed_experts=routed_experts_shape(cfg) is not None,
+        sleep_on_idle=bool(s.sleep_on_idle),
     )
 
 

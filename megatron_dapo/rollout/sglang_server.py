@@ -50,6 +50,9 @@ class SGLangServerConfig:
             ``sampling_seed`` only with it.
         max_total_tokens: KV pool size in tokens (``--max-total-tokens``); None leaves SGLang to
             size it from the memory free at its start (callers should not).
+        sleep_on_idle: ``--sleep-on-idle``: with no request, the scheduler blocks on its sockets
+            instead of polling them, which holds a CPU core per server at 100% for as long as the
+            trainer updates and syncs. A request still wakes it at once.
     """
 
     model_path: str
@@ -71,6 +74,7 @@ class SGLangServerConfig:
     # ROUTED_EXPERTS_FLAG: replies can carry each MoE layer's experts per token (routing replay).
     return_routed_experts: bool = False
     deterministic: bool = False
+    sleep_on_idle: bool = True
 
     @property
     def url(self) -> str:
@@ -137,6 +141,8 @@ def build_launch_command(cfg: SGLangServerConfig, python: str | None = None) -> 
         cmd.append("--enable-memory-saver")
     if cfg.skip_server_warmup:
         cmd.append("--skip-server-warmup")
+    if cfg.sleep_on_idle:
+        cmd.append("--sleep-on-idle")
     if cfg.deterministic:
         cmd.append("--enable-deterministic-inference")
     if cfg.max_total_tokens is not None:
