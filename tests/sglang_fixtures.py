@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.actor.spawn import free_port
 from megatron_dapo.driver.sglang_engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
 from megatron_dapo.driver.sglang_engines import cpu_server_env
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.sglang_server import REPO_SGLANG_PYTHON, SGLangServer, SGLangServerConfig
 
 # The CPU flags, environment and kernel stand-ins are the product's own (the driver launches CPU

@@ -35,7 +35,7 @@ from rollout_fakes import (
     manager_config,
 )
 
-from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.health import poll_health
 from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutManager

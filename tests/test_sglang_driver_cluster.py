@@ -19,10 +19,10 @@ import ray  # a hard dependency: a missing Ray fails the suite instead of skippi
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from megatron_dapo.actor.spawn import free_port
 from megatron_dapo.config import load_config
 from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
 from megatron_dapo.driver.sglang_placement import GpuSlot, plan_engines, rank_order
+from megatron_dapo.ports import free_port
 
 NODES = 3
 

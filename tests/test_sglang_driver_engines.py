@@ -9,10 +9,10 @@ import pytest
 from omegaconf import OmegaConf
 from test_sglang_driver_transport import FakeSGLangServer
 
-from megatron_dapo.actor.spawn import free_port
 from megatron_dapo.config import ConfigError, load_config, to_container
 from megatron_dapo.driver.sglang_engines import server_configs, start_sglang_engines, stop_sglang_engines
 from megatron_dapo.driver.sglang_placement import engine_gpu_ids, local_actor_gpus
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.sglang_server import build_launch_command
 

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from megatron_dapo.actor.spawn import free_port
 from megatron_dapo.driver.engine_restart import restart_down_engines
 from megatron_dapo.driver.sglang_node_host import SGLangNodeHost
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.sglang_client import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import hf_state_dict
 
-from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.partial import continuation, from_result, join
 from megatron_dapo.rollout.sglang_client import SGLangEngine, SGLangError
 from megatron_dapo.rollout.sglang_weight_sync import (

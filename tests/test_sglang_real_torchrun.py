@@ -51,7 +51,7 @@ def _rank0_lines(out: str) -> str:
 def test_group_sigterm_checkpoints_before_the_server_stops(assets, tmp_path):
     import psutil
 
-    from megatron_dapo.actor.spawn import free_port
+    from megatron_dapo.ports import free_port
 
     overrides = {
         "model.path": assets.hf_dir,

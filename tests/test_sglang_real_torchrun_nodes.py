@@ -47,7 +47,7 @@ def test_each_node_starts_its_own_server_and_both_train_through_a_kill(small_dem
 
     import psutil
 
-    from megatron_dapo.actor.spawn import free_port
+    from megatron_dapo.ports import free_port
 
     assets = small_demo_assets(sft_steps=5, eval_problems=4)
     overrides = {

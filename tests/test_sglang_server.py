@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.sglang_server import (
     SGLangServer,
     SGLangServerConfig,

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from megatron_dapo.actor.spawn import RankFailed, free_port, run_ranks
+from megatron_dapo.actor.spawn import RankFailed, run_ranks
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.sglang_weight_sync import broadcast_bucket, init_custom_group
 
 

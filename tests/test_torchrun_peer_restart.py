@@ -45,12 +45,12 @@ def _get(url: str) -> dict | None:
 def _rank_main(tmp: Path) -> None:
     import torch.distributed as dist
 
-    from megatron_dapo.actor.spawn import free_port
     from megatron_dapo.driver import sglang_torchrun
     from megatron_dapo.driver.actor_worker import ActorWorker
     from megatron_dapo.driver.engine_restart import restart_down_engines
     from megatron_dapo.driver.rank_group import SPMDRankGroup
     from megatron_dapo.driver.sglang_placement import EnginePlan
+    from megatron_dapo.ports import free_port
     from megatron_dapo.rollout.engine import EngineError
     from megatron_dapo.rollout.sglang_client import SGLangEngine
     from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
@@ -133,7 +133,7 @@ def _rank_main(tmp: Path) -> None:
 
 
 def test_another_nodes_dead_or_hung_server_is_restarted_by_its_node(tmp_path):
-    from megatron_dapo.actor.spawn import free_port
+    from megatron_dapo.ports import free_port
 
     shutil.copy(STANDIN, tmp_path / "standin.py")
     env = dict(

@@ -58,7 +58,7 @@ def _cmd(assets, runs_dir, name, steps, **extra) -> list[str]:
 
 
 def _port() -> int:
-    from megatron_dapo.actor.spawn import free_port
+    from megatron_dapo.ports import free_port
 
     return free_port()
 

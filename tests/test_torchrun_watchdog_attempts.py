@@ -35,7 +35,7 @@ class CountingStore:
 
 @pytest.fixture
 def store(monkeypatch):
-    from megatron_dapo.actor.spawn import free_port
+    from megatron_dapo.ports import free_port
 
     s = CountingStore(dist.TCPStore("127.0.0.1", free_port(), 1, True))
     monkeypatch.setattr(wd, "_store", lambda: s)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from megatron_dapo.actor.spawn import free_port
+from megatron_dapo.ports import free_port
 
 # Followers wait on the control group while rank 0 generates a whole rollout step (hours at 32B
 # scale); torch's default 30-minute collective timeout would kill them mid-step.

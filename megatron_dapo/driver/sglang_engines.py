@@ -322,7 +322,7 @@ def start_sglang_engines(cfg) -> list:
     total = torch.cuda.device_count()
     if total == 0:
         # CPU servers (tests, laptops): this node, SGLang's CPU flags, free ports
-        from megatron_dapo.actor.spawn import free_port
+        from megatron_dapo.ports import free_port
 
         configs = [
             server_config(cfg, i, (), log_dir, port=free_port(), cpu=True)

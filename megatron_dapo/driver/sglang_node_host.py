@@ -34,7 +34,7 @@ class SGLangNodeHost:
         # The plan counts GPUs by their index on the node (--base-gpu-id); a mask that Ray may have
         # set for this GPU-less actor would shift or hide them.
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        from megatron_dapo.actor.spawn import free_port
+        from megatron_dapo.ports import free_port
 
         for c in configs:
             if not c.port:  # port 0: a free one on this node

@@ -178,8 +178,8 @@ def launch_node_servers(cfg) -> NodeServers:
     import torch
     import torch.distributed as dist
 
-    from megatron_dapo.actor.spawn import free_port
     from megatron_dapo.driver.sglang_engines import launch_sglang_engines, server_config
+    from megatron_dapo.ports import free_port
 
     cpu = torch.cuda.device_count() == 0
     # gloo carries Python objects whatever backend the trainer's world uses

@@ -318,7 +318,7 @@ class SGLangNCCLTransport:
         return ",".join(ep.name for ep in self.calls.endpoints)
 
     def _form_group(self) -> None:
-        from megatron_dapo.actor.spawn import free_port
+        from megatron_dapo.ports import free_port
         from megatron_dapo.rollout.sglang_weight_sync import init_custom_group
 
         eps = self.calls.endpoints

@@ -63,7 +63,7 @@ def agreement(got, ref) -> float:
 def sglang_routed_experts(ctx) -> Figure:
     import torch
 
-    from megatron_dapo.actor.spawn import free_port
+    from megatron_dapo.ports import free_port
     from megatron_dapo.rollout.sglang_client import SGLangEngine
     from megatron_dapo.rollout.sglang_server import (
         SGLangServer,

@@ -124,7 +124,7 @@ def sglang_colocated_ipc_sync(ctx) -> Figure:
     import torch
 
     from megatron_dapo.actor.batch import make_actor_batch
-    from megatron_dapo.actor.spawn import free_port
+    from megatron_dapo.ports import free_port
     from megatron_dapo.rollout.sglang_client import SGLangEngine
     from megatron_dapo.rollout.sglang_server import SGLangServer, check_launchable, default_server_python
     from megatron_dapo.rollout.sglang_weight_sync import push_weights_ipc

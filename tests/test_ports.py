@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from megatron_dapo.actor.spawn import EPHEMERAL_RANGE, free_port, listen_port_range
+from megatron_dapo.ports import EPHEMERAL_RANGE, free_port, listen_port_range
 
 
 def test_ports_come_from_below_the_ephemeral_range():
@@ -30,8 +30,8 @@ def test_a_port_in_use_is_not_returned(monkeypatch):
             def randrange(self, low, high):
                 return next(ranges)
 
-        monkeypatch.setattr("megatron_dapo.actor.spawn.random.SystemRandom", Fixed)
-        monkeypatch.setattr("megatron_dapo.actor.spawn.listen_port_range", lambda text: (20000, 70000))
+        monkeypatch.setattr("megatron_dapo.ports.random.SystemRandom", Fixed)
+        monkeypatch.setattr("megatron_dapo.ports.listen_port_range", lambda text: (20000, 70000))
         assert free_port() == taken + 1
     finally:
         held.close()
@@ -41,3 +41,14 @@ def test_listen_range_from_the_kernels_setting():
     assert listen_port_range("32768\t60999\n") == (20000, 32768)
     assert listen_port_range("1024 65535") is None  # no room below it: any free port (bind to 0)
     assert listen_port_range("") is None and listen_port_range("x y") is None
+
+
+def test_rays_placement_probe_imports_no_torch():
+    """bundle_slots runs `_probe_where` in a Ray worker per bundle, which imports its module:
+    with torch among that module's imports, each probe cost a second of CPU for a port helper."""
+    import subprocess
+    import sys
+
+    code = "import sys, megatron_dapo.driver.rank_group; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
