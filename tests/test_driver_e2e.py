@@ -75,33 +75,6 @@ def test_two_steps_end_to_end(assets, tmp_path):
     assert (run / "plots" / "reward.png").is_file()
 
 
-def test_the_mismatch_check_catches_a_skipped_weight_sync(assets, tmp_path, monkeypatch):
-    """The check above can fail: with the sync skipped the engine samples from the step-0 weights
-    while the trainer moved on, and step 2 shows it."""
-    from megatron_dapo.driver.trainer import DAPOTrainer
-
-    fit = DAPOTrainer.fit
-
-    def fit_without_sync(self):
-        self.sync = lambda version: {}
-        return fit(self)
-
-    monkeypatch.setattr(DAPOTrainer, "fit", fit_without_sync)
-    over = {
-        **DAPO_ON,
-        "trainer.val_before_train": "false",
-        "trainer.test_freq": 0,
-        "trainer.hf_export_at_end": "false",
-    }
-    cfg = load_for_cli(
-        str(REPO / "configs/demo.yaml"), train_overrides(assets, tmp_path, "nosync", 2, **over)
-    )
-    records = read_metrics(Path(run_train(cfg)["run_dir"]))
-    assert records[0]["actor/rollout_logprob_abs_diff"] < 1e-4  # step 1: nothing to sync yet
-    with pytest.raises(AssertionError):
-        _assert_engine_matches_trainer(records)
-
-
 STEPS = 3
 COMMON = {"trainer.val_before_train": "false", "trainer.test_freq": 0, "logging.plots_at_end": "false"}
 
@@ -114,20 +87,41 @@ def reference(assets, tmp_path_factory):
     return runs / "ref"
 
 
-def test_rollout_correction_reaches_the_actor_loss(assets, reference, tmp_path):
-    """algorithm.rollout_correction through config, Ray and the Megatron step: TIS with cap 0.5
-    truncates every token (rho ~ 1 in sync mode), so step 1 (same rollout as the reference) has
-    exactly half the reference's loss and gradient (a power of two scales without rounding). The
-    loss itself can be 0 (equal-length responses, advantages summing to 0 per group); the
-    gradient is not."""
+def test_rollout_correction_reaches_the_loss_and_a_skipped_sync_fails_the_check(
+    assets, reference, tmp_path, monkeypatch
+):
+    """Two checks on one 2-step run (a Ray run is the costly part of this file).
+
+    Step 1: algorithm.rollout_correction through config, Ray and the Megatron step: TIS with cap
+    0.5 truncates every token (rho ~ 1 in sync mode), so step 1 (same rollout as the reference)
+    has exactly half the reference's loss and gradient (a power of two scales without rounding).
+    The loss itself can be 0 (equal-length responses, advantages summing to 0 per group); the
+    gradient is not.
+
+    Step 2: the weight sync is skipped, so the engine samples from the step-0 weights while the
+    trainer moved on: the engine-vs-trainer check of test_two_steps_end_to_end can fail."""
+    from megatron_dapo.driver.trainer import DAPOTrainer
+
+    fit = DAPOTrainer.fit
+
+    def fit_without_sync(self):
+        self.sync = lambda version: {}
+        return fit(self)
+
+    monkeypatch.setattr(DAPOTrainer, "fit", fit_without_sync)
     over = {
         **COMMON,
+        "trainer.save_freq": 0,
+        "trainer.hf_export_at_end": "false",
         "algorithm.rollout_correction.mode": "tis",
         "algorithm.rollout_correction.threshold": 0.5,
     }
-    train_to_end(train_overrides(assets, tmp_path, "tis", 1, **over))
-    (got,) = read_metrics(tmp_path / "tis")
-    ref = read_metrics(reference)[0]
+    cfg = load_for_cli(
+        str(REPO / "configs/demo.yaml"), train_overrides(assets, tmp_path, "tis_nosync", 2, **over)
+    )
+    records = read_metrics(Path(run_train(cfg)["run_dir"]))
+    got, ref = records[0], read_metrics(reference)[0]
+    assert got["step"] == 1 and ref["step"] == 1
     assert got["rollout/reward/mean"] == ref["rollout/reward/mean"]
     assert got["actor/pg_loss"] == 0.5 * ref["actor/pg_loss"]
     assert ref["actor/grad_norm"] > 0
@@ -136,6 +130,10 @@ def test_rollout_correction_reaches_the_actor_loss(assets, reference, tmp_path):
     for key in ("mean", "max", "min"):
         assert got[f"actor/rollout_corr_weight_{key}"] == pytest.approx(1.0, abs=1e-4), key
     assert "actor/rollout_corr_fraction" not in ref
+
+    assert got["actor/rollout_logprob_abs_diff"] < 1e-4  # step 1: nothing to sync yet
+    with pytest.raises(AssertionError):
+        _assert_engine_matches_trainer(records)
 
 
 def _assert_same_as_reference(reference: Path, run: Path) -> None:
@@ -171,12 +169,10 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(assets, reference, 
     _assert_same_as_reference(reference, run)
 
 
-# The resume is run once, after SIGTERM: the checkpoint a stop writes and its resume do not depend
-# on which signal stopped the run (SIGINT still proves its own stop, checkpoint and stopped_by).
-@pytest.mark.parametrize(
-    "sig, resume", [(signal.SIGTERM, True), (signal.SIGINT, False)], ids=["SIGTERM", "SIGINT"]
-)
-def test_signal_to_the_process_group_saves_and_resumes_exactly(assets, reference, tmp_path, sig, resume):
+# SIGTERM only: SIGINT takes the same handler (StopFlag.install), whose SIGINT case and the Ray
+# processes' blocking of both signals are tested in test_trainer_stop_resume.py; a Ray run each
+# was the cost of this file.
+def test_signal_to_the_process_group_saves_and_resumes_exactly(assets, reference, tmp_path):
     """Slurm's preemption: the signal reaches every process of the job, Ray's included. The run
     must checkpoint its last finished step (save_freq is far away) and exit 0 in bounded time;
     the resumed run then equals the uninterrupted one."""
@@ -185,16 +181,14 @@ def test_signal_to_the_process_group_saves_and_resumes_exactly(assets, reference
     )
     run = tmp_path / "stopped"
     proc = start_and_wait_for_step(args, run / "metrics.jsonl", 1)
-    os.killpg(proc.pid, sig)
+    os.killpg(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)  # the default trainer.stop_timeout_s is 90
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
     last = max(r["step"] for r in read_metrics(run))
     assert last == 1, "the driver was held after step 1 until the signal"
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
-    assert json.loads((run / "summary.json").read_text())["stopped_by"] == sig.name
-    if not resume:
-        return
+    assert json.loads((run / "summary.json").read_text())["stopped_by"] == "SIGTERM"
 
     train_to_end(args)
     assert json.loads((run / "summary.json").read_text())["resumed_from"] == last

@@ -177,18 +177,20 @@ def test_a_stop_that_cannot_finish_exits_within_the_timeout(tmp_path):
     assert "trainer.stop_timeout_s=2" in err and "resume from step_7" in err
 
 
-def test_a_second_signal_exits_at_once(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_exits_at_once(tmp_path, sig):
+    """SIGINT (Ctrl-C) is a stop like SIGTERM: a line, no KeyboardInterrupt; the second one exits."""
     proc = _watchdog_process("600", "0.5")
     assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     first = proc.stderr.readline()
-    assert "SIGTERM received" in first
+    assert f"{sig.name} received" in first
     # the first signal's time is taken before its line is printed: past the window for sure
     time.sleep(0.6)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate("\n", timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM
-    assert "second SIGTERM" in err
+    assert proc.returncode == 128 + sig
+    assert f"second {sig.name}" in err and "KeyboardInterrupt" not in err
 
 
 def test_the_same_signal_delivered_twice_at_once_is_one_stop(tmp_path):
