@@ -39,8 +39,8 @@ def blocked_signals() -> Iterator[None]:
     """Block SIGTERM/SIGINT in this thread while child processes are started.
 
     A signal mask survives fork and exec, so processes started inside (Ray's GCS and raylet,
-    and the workers the raylet forks in turn) never receive the process group's SIGTERM; Ray
-    stops them itself (terminate, then kill) at `ray.shutdown()`."""
+    and the workers the raylet forks in turn) never receive the process group's SIGTERM; the
+    driver kills them at the end (`launch.shutdown_local_ray`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
