@@ -116,9 +116,12 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
 
     handle = ray.remote(SlowEngineHost).options(num_cpus=0, max_concurrency=2).remote()
     ray.get(handle.begin_weight_update.remote(0))  # the actor is up before deadlines start
-    transport = RayObjectTransport([("hf-7", handle)], timeout_s=2)
+    # the calls that must succeed get a deadline no load reaches (2 s once failed bucket 0 under
+    # make test); the one that must time out gets 2 s
+    transport = RayObjectTransport([("hf-7", handle)], timeout_s=120)
     transport.begin(3)
     transport.send(0, {"model.embed_tokens.weight": torch.zeros(4, 2)})
+    transport.timeout_s = 2
     start = time.monotonic()
     with pytest.raises(
         WeightSyncTimeout, match=r"engine hf-7 did not take bucket 1 \(1 tensors.*lm_head.weight"
