@@ -1,6 +1,7 @@
 """A real SGLang server SIGKILLed mid-rollout inside the DAPO loop, recovered by the trainer's own
-restart path (`driver/engine_restart.py`): 2 real CPU servers, Ray local, TP=2 actor, fp32,
-weights by SGLang's distributed update over gloo after every step.
+restart path (`driver/engine_restart.py`): 2 real CPU servers, Ray local, one actor rank (TP=1:
+the TP=2 gather into SGLang's update is test_sglang_real_demo's and the two-node test's; a second
+rank here only cost CPU), fp32, weights by SGLang's distributed update over gloo after every step.
 
 The victim is engine 0's first call. Its detokenizer is stopped first (SIGSTOP), so the call's
 requests stay in flight: the server has received and prefilled them (its cumulative prefill
@@ -136,6 +137,8 @@ def test_server_sigkilled_mid_rollout_is_restarted_and_resynced(assets, tmp_path
         "trainer.test_freq": 0,
         "trainer.save_freq": 0,
         "trainer.hf_export_at_end": "true",
+        "parallel.tensor_model_parallel_size": 1,
+        "parallel.actor_world_size": 1,
         "rollout.engine": "sglang",
         "rollout.num_engines": 2,
         "rollout.gen_batch_size": GROUPS,

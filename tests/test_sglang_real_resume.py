@@ -1,5 +1,5 @@
 """SIGKILL of a whole run with `rollout.engine=sglang`, then `trainer.resume=auto` (real CPU
-server, Ray local, TP=2 actor, fp32).
+server, Ray local, one actor rank (TP=1: a TP=2 resume is test_driver_e2e's), fp32).
 
 SGLang on the CPU ignores `sampling_seed` (it refuses `--enable-deterministic-inference` with the
 torch_native attention backend), so the sampled tokens, and with them the trained weights, differ
@@ -57,6 +57,8 @@ def _args(assets, runs: Path) -> list[str]:
         "trainer.save_freq": 1,
         "trainer.resume": "auto",
         "trainer.hf_export_at_end": "false",
+        "parallel.tensor_model_parallel_size": 1,
+        "parallel.actor_world_size": 1,
         "rollout.engine": "sglang",
         "rollout.num_engines": 1,
         "rollout.gen_batch_size": 4,
