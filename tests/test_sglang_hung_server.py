@@ -118,6 +118,9 @@ def test_a_serving_server_costs_no_liveness_call_to_its_node_before_the_sync(hos
         manager = SimpleNamespace(engines=[engine], down={})
         assert restart_down_engines(manager) == [] and remote.alive_calls == 0
         os.killpg(_pid(remote.server.cfg.url), signal.SIGKILL)  # a dead one is still told apart
+        # a SIGKILL is delivered asynchronously: once reaped the process is gone for sure (CI once
+        # checked in between: no /health answer yet a live process, "does not answer GET /health")
+        remote.server.proc.wait(timeout=60)
         assert restart_down_engines(manager) == ["sglang-0"]
         assert manager.down["sglang-0"] == "its server is gone" and remote.alive_calls == 1
     finally:
