@@ -136,9 +136,19 @@ class Actor:
         optimizer / scheduler: megatron-core optimizer and OptimizerParamScheduler over them.
         layout: this rank's :class:`ParallelLayout`.
         cfg: :class:`ActorConfig`.
+        optimizer_checkpoint_format: how checkpoints write the distributed optimizer's state
+            (``optimizer.OPTIMIZER_CHECKPOINT_FORMATS``).
     """
 
-    def __init__(self, model_chunks, optimizer, scheduler, layout: ParallelLayout, cfg: ActorConfig):
+    def __init__(
+        self,
+        model_chunks,
+        optimizer,
+        scheduler,
+        layout: ParallelLayout,
+        cfg: ActorConfig,
+        optimizer_checkpoint_format: str = "dp_reshardable",
+    ):
         from megatron_dapo.weights.model_io import unwrap
 
         config = model_chunks[0].config
@@ -152,6 +162,7 @@ class Actor:
         self.scheduler = scheduler
         self.layout = layout
         self.cfg = cfg
+        self.optimizer_checkpoint_format = optimizer_checkpoint_format
         self.state = ActorState()
         last = unwrap(model_chunks[-1])
         self.vocab_size = int(getattr(last, "hf_vocab_size", None) or last.vocab_size)
@@ -537,4 +548,4 @@ def build_actor(
     )
     optimizer = build_optimizer(chunks, optim)
     scheduler = build_scheduler(optimizer, optim, total_updates)
-    return Actor(chunks, optimizer, scheduler, layout, cfg)
+    return Actor(chunks, optimizer, scheduler, layout, cfg, optim.checkpoint_format)

@@ -13,9 +13,10 @@ the token count in ``finalize_model_grads``, is disabled by :func:`finalize_grad
 because our loss is already normalised (and seq-mean modes normalise by sequences, not tokens).
 The resulting gradient is exactly that of the unsplit mini-batch loss.
 
-CPU vs GPU: on CPU the non-distributed optimizer is used (megatron's distributed optimizer
-asserts CUDA tensors); on GPU ``use_distributed_optimizer`` shards the fp32 main params and Adam
-state over DP. bf16 params get fp32 main params in either optimizer.
+``use_distributed_optimizer`` shards the fp32 main params and Adam state over DP, on GPU and on
+CPU alike (compat patch 11 lets megatron's DistributedOptimizer run on gloo), so the CPU suite
+trains and checkpoints the optimizer GPU runs use. bf16 params get fp32 main params in either
+optimizer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ from typing import Any
 from megatron_dapo.actor import compat
 
 LR_SCHEDULES = ("constant", "cosine")
+# How the distributed optimizer's state is written into a checkpoint (megatron-core's
+# ``distrib_optim_sharding_type``). megatron-core 0.16.1's default, fully_sharded_model_space,
+# builds ShardedTensors with flattened ranges that its own dist-checkpointing refuses at save
+# ("ShardedTensor.flattened_range is not supported"), so it is not offered.
+# - dp_reshardable: every rank writes its own buckets, no gather and no extra memory; the state is
+#   bucket-shaped, so a resume may change the DP size but not TP/PP/CP/EP/VPP.
+# - fully_reshardable: each model-parallel shard's state is gathered on its DP rank 0 (host
+#   memory: 12 bytes per parameter of the shard) and written per parameter; resumes into any layout.
+OPTIMIZER_CHECKPOINT_FORMATS = ("dp_reshardable", "fully_reshardable")
 
 
 def training_config_overrides() -> dict[str, Any]:
@@ -60,7 +70,7 @@ def wrap_ddp(
             "the model config needs calculate_per_token_loss=True so DDP sums gradients; build it with "
             "build_gpt_model(..., config_overrides=optimizer.training_config_overrides())"
         )
-    distributed = use_distributed_optimizer and not compat.on_cpu()
+    distributed = use_distributed_optimizer
     overlap = gpu_settings.ddp_overlap(
         not compat.on_cpu(), distributed, overlap_grad_reduce, overlap_param_gather
     )
@@ -110,6 +120,8 @@ class OptimizerSettings:
     # Optimizer updates the cosine decays over (after warmup ends it reaches min_lr here).
     lr_decay_steps: int | None = None
     use_distributed_optimizer: bool = True
+    # One of OPTIMIZER_CHECKPOINT_FORMATS (distributed optimizer only).
+    checkpoint_format: str = "dp_reshardable"
     # None: the machine's default (gpu_settings.ddp_overlap).
     overlap_grad_reduce: bool | None = None
     overlap_param_gather: bool | None = None
@@ -133,7 +145,7 @@ def build_optimizer(model_chunks: list[Any], settings: OptimizerSettings) -> Any
         bf16=model_config.bf16,
         fp16=model_config.fp16,
         params_dtype=model_config.params_dtype,
-        use_distributed_optimizer=settings.use_distributed_optimizer and not compat.on_cpu(),
+        use_distributed_optimizer=settings.use_distributed_optimizer,
         decoupled_weight_decay=True,
     )
     return get_megatron_optimizer(config, model_chunks)

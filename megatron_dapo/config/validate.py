@@ -32,6 +32,7 @@ CHOICES: dict[str, tuple] = {
     "algorithm.filter_groups.metric": ("acc", "score", "seq_final_reward"),
     "optim.lr_scheduler": ("constant", "cosine"),
     "trainer.device": ("auto", "cpu", "cuda"),
+    "parallel.optimizer_checkpoint_format": ("dp_reshardable", "fully_reshardable"),
     "trainer.placement": ("colocated", "disaggregated"),
     "actor.routing_replay": ("none", "rollout"),
     "trainer.mode": ("sync", "one_step_off", "async"),

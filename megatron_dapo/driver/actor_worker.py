@@ -48,6 +48,7 @@ def optimizer_settings_from(cfg: dict) -> Any:
     return OptimizerSettings(
         **cfg["optim"],
         use_distributed_optimizer=par["use_distributed_optimizer"],
+        checkpoint_format=par["optimizer_checkpoint_format"],
         overlap_grad_reduce=par.get("overlap_grad_reduce"),
         overlap_param_gather=par.get("overlap_param_gather"),
     )
