@@ -41,8 +41,8 @@ import random
 import re
 import shutil
 import zlib
-from dataclasses import asdict
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -360,7 +360,9 @@ def _optimizer_metadata(record: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def optimizer_resume_error(saved: dict[str, Any], current: dict[str, Any], saved_layout, layout) -> str | None:
+def optimizer_resume_error(
+    saved: dict[str, Any], current: dict[str, Any], saved_layout, layout
+) -> str | None:
     """Why the optimizer state saved as ``saved`` (an :func:`_optimizer_record`) with layout
     ``saved_layout`` cannot be loaded into an optimizer ``current`` at ``layout`` (None: it can)."""
     if saved["distributed"] != current["distributed"]:

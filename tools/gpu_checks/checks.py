@@ -95,7 +95,7 @@ def environment(ctx: Context) -> Figure:
             raise MissingPiece("no CUDA device visible to torch (check the driver and --gpus all)")
         values["gpu"] = torch.cuda.get_device_name(0)
         values["capability"] = list(torch.cuda.get_device_capability(0))
-    for key, (name, module) in PIECES.items():
+    for key, (_name, module) in PIECES.items():
         values[key] = importlib.util.find_spec(module) is not None
     return Figure(", ".join(f"{k} {v}" for k, v in values.items()), values)
 
