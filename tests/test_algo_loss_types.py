@@ -64,7 +64,7 @@ def _ref_row_losses(kind, lp, old, adv, mask):
         x = [lp[i, t] for t in idx]
         o = [float(old[i, t]) for t in idx]
         if kind == "gspo":
-            # GSPO-token (Zheng et al. 2025, eq. 13): s_it = sg[s_i] * pi_it / sg[pi_it],
+            # GSPO-token (Zheng et al. 2025): s_it = sg[s_i] * pi_it / sg[pi_it],
             # s_i = (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|)
             s_i = math.exp(sum(float(xt.detach()) - ot for xt, ot in zip(x, o)) / len(idx)) if idx else 1.0
             out = []
@@ -80,7 +80,7 @@ def _ref_row_losses(kind, lp, old, adv, mask):
                 l_ = torch.maximum(-at * r, -at * torch.clamp(r, 1 - LOW, 1 + HIGH))
                 if at < 0:
                     l_ = torch.minimum(l_, torch.tensor(-at * C, dtype=torch.float64))
-            elif kind == "cispo":  # MiniMax-M1 eq. 4: sg(clip(r)) * A * log pi
+            elif kind == "cispo":  # CISPO (MiniMax-M1): sg(clip(r)) * A * log pi
                 l_ = -float(torch.clamp(r.detach(), 1 - LOW, 1 + HIGH)) * at * xt
             elif kind == "sapo":  # SAPO: f(r) = sigmoid(tau (r - 1)) * 4 / tau
                 tau = TAU_POS if at > 0 else TAU_NEG

@@ -34,8 +34,8 @@ def agg_loss(
     - ``seq-mean-token-mean``: each sequence's token mean, averaged over ``num_seqs`` sequences.
     - ``seq-mean-token-sum-norm``: each sequence's token sum divided by the constant
       ``norm_len`` (default ``mask.shape[-1]``), averaged over ``num_seqs`` sequences: Dr. GRPO's
-      ``1/G * sum_i sum_t l_it / L`` (Liu et al. 2025, eq. 3, with the generation budget as the
-      constant), and verl's mode of that name since verl 0.7.1 (``loss_scale_factor`` is
+      ``1/G * sum_i sum_t l_it / L`` (Liu et al. 2025, arXiv:2503.20783; ``L`` the generation
+      budget), and verl's mode of that name since verl 0.7.1 (``loss_scale_factor`` is
       ``norm_len``). Before, verl (and this function) left out the ``1/num_seqs``.
 
     Sequences with no unmasked token are excluded from the ``seq-mean-*`` averages.
