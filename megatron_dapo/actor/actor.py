@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_dapo.actor import compat, moe_aux_loss, routing_replay
 from megatron_dapo.actor.batch import ActorBatch, BatchError
 from megatron_dapo.actor.context_parallel import cp_pad_multiple
+from megatron_dapo.actor.logprobs import DEFAULT_CHUNK_TOKENS
 from megatron_dapo.actor.micro_batches import (
     collate,
     pack_by_token_budget,
@@ -94,6 +95,8 @@ class ActorConfig:
     # MoE load-balancing loss coefficient (actor/moe_aux_loss.py); None: the HF config's
     # router_aux_loss_coef when its output_router_logits is true, else 0 (measured, not trained).
     moe_aux_loss_coeff: float | None = None
+    # Tokens per chunk of the output layer fused with the log-prob (actor/fused_output.py).
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
         if self.ppo_mini_batch_size < 1:
@@ -106,6 +109,8 @@ class ActorConfig:
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
@@ -275,7 +280,12 @@ class Actor:
         temperature = self.cfg.temperature if temperature is None else temperature
         micros = self._my_micro_batches(batch, list(range(len(batch))))
         scored = score_micro_batches(
-            self.model, micros, temperature=temperature, vocab_size=self.vocab_size, with_entropy=with_entropy
+            self.model,
+            micros,
+            temperature=temperature,
+            vocab_size=self.vocab_size,
+            with_entropy=with_entropy,
+            chunk_tokens=self.cfg.logprob_chunk_tokens,
         )
         out = torch.zeros(2 if with_entropy else 1, len(batch), batch.max_response_len, dtype=torch.float32)
         for micro, (lp, ent) in zip(micros, scored):
@@ -334,6 +344,7 @@ class Actor:
             num_seqs=num_seqs,
             norm_len=norm_len,
             moe_aux_loss_coeff=self._aux_coeff,
+            logprob_chunk_tokens=self.cfg.logprob_chunk_tokens,
         )
         micros = self._my_micro_batches(batch, indices)
         zero_grads(self.model, self.optimizer)

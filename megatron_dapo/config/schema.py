@@ -222,6 +222,10 @@ class ActorConfig:
     ppo_epochs: int = 1
     # Token budget of one micro-batch (dynamic batch size): sequences are packed up to it.
     micro_batch_max_tokens: int = 16384
+    # Tokens per chunk of the output layer fused with the log-prob and entropy: the [tokens x
+    # vocab] logits never exist, one chunk's do (~chunk x vocab/TP float32 values, a few at once).
+    # Default measured on CPU only (tools/bench_logprobs.py --chunks); not measured on GPU.
+    logprob_chunk_tokens: int = 512
     shuffle: bool = True
     max_consecutive_skips: int = 3
     # MoE: none | rollout. rollout replays the experts the engines chose (the engines record them)

@@ -58,6 +58,7 @@ POSITIVE_INTS = (
     "actor.ppo_mini_batch_size",
     "actor.ppo_epochs",
     "actor.micro_batch_max_tokens",
+    "actor.logprob_chunk_tokens",
     "actor.max_consecutive_skips",
     "trainer.train_batch_size",
     "trainer.total_steps",
