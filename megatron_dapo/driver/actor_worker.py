@@ -35,6 +35,7 @@ def actor_config_from(cfg: dict) -> Any:
         max_consecutive_skips=act["max_consecutive_skips"],
         routing_replay=act["routing_replay"],
         moe_aux_loss_coeff=act.get("moe_aux_loss_coeff"),
+        logprob_chunk_tokens=act["logprob_chunk_tokens"],
         seed=cfg["trainer"]["seed"],
         temperature=cfg["rollout"]["temperature"],
     )
