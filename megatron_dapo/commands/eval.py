@@ -310,7 +310,13 @@ def _run(args: argparse.Namespace) -> int:
         raise EvalInputError(
             f"--hf-dir {args.hf_dir} has no config.json; point it at an HF checkpoint directory"
         )
-    tokenizer = load_tokenizer(tok_path)
+    try:
+        tokenizer = load_tokenizer(tok_path)
+    except (OSError, ValueError) as e:
+        named = "--tokenizer" if args.tokenizer else "the run's model" if run_tokenizer else "--hf-dir"
+        raise EvalInputError(
+            f"{named} {tok_path}: no tokenizer there ({e}); point it at the model's checkpoint directory"
+        ) from e
     try:
         problems = _problems(files, settings, tokenizer, cfg, args.limit)
     except DataError as e:

@@ -57,12 +57,12 @@ def check_prompts_fit(
         return
     longest = max(problems, key=lambda p: len(p.prompt_ids))
     n_tokens = len(longest.prompt_ids)
-    which = f"problem {longest.problem_id} is {n_tokens} tokens ({settings.describe(longest.prompt_text)})"
+    which = f"the longest (problem {longest.problem_id}) is {n_tokens} tokens ({settings.describe(longest.prompt_text)})"
     over_budget = [p for p in problems if len(p.prompt_ids) > settings.max_prompt_length]
     if over_budget:
         raise PromptTooLong(
             f"{len(over_budget)} of {len(problems)} prompts are longer than "
-            f"{settings.name('max_prompt_length')}={settings.max_prompt_length} tokens: the longest, {which}; "
+            f"{settings.name('max_prompt_length')}={settings.max_prompt_length} tokens: {which}; "
             f"raise {settings.name('max_prompt_length')} or choose another template"
         )
     if context_length is None:
@@ -78,7 +78,7 @@ def check_prompts_fit(
         )
         raise PromptTooLong(
             f"{len(over_context)} of {len(problems)} prompts do not fit the model's context of "
-            f"{context_length} tokens ({context_from}): the longest, {which}, needs {n_tokens + budget} "
+            f"{context_length} tokens ({context_from}): {which} and needs {n_tokens + budget} "
             f"with {settings.name('max_response_length')}={budget} response tokens; {fix} "
             "(e.g. another template)"
         )
