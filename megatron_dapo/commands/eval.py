@@ -152,18 +152,20 @@ def _settings(args, cfg, cfg_path):
     return PromptSettings(origin=origin, **values)
 
 
-def _problems(files, settings, tokenizer, cfg, limit):
+def _problems(files, settings, tokenizer, layout_cfg, limit):
+    """Deduplicated problems; ``layout_cfg``: the run whose column layout the files have."""
     from megatron_dapo.data.dataset import PromptDataset
     from megatron_dapo.data.loading import load_prompt_rows
     from megatron_dapo.eval.runner import EvalProblem, dedupe_problems
 
     read = {}
-    if cfg is not None:  # the run's column layout
+    if layout_cfg is not None:
+        data = layout_cfg.data
         read = {
-            "format": cfg.data.format,
-            "prompt_key": cfg.data.prompt_key,
-            "answer_key": cfg.data.answer_key,
-            "skip_bad_rows": cfg.data.skip_bad_rows,
+            "format": data.format,
+            "prompt_key": data.prompt_key,
+            "answer_key": data.answer_key,
+            "skip_bad_rows": data.skip_bad_rows,
         }
     rows: list[dict] = []
     for f in files:
@@ -317,8 +319,12 @@ def _run(args: argparse.Namespace) -> int:
         raise EvalInputError(
             f"{named} {tok_path}: no tokenizer there ({e}); point it at the model's checkpoint directory"
         ) from e
+    # check_prompts_fit below names over-long prompts with their template and the model's real
+    # context; the tokenizer's own warning (against its model_max_length) would only precede it
+    tokenizer.model_max_length = sys.maxsize
     try:
-        problems = _problems(files, settings, tokenizer, cfg, args.limit)
+        # the run's column layout applies to the run's own files, not to --data
+        problems = _problems(files, settings, tokenizer, None if args.data else cfg, args.limit)
     except DataError as e:
         raise EvalInputError(str(e)) from e
     context, context_from = _context(args, cards, tok_path)
