@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_dapo.actor import compat
-
-LR_SCHEDULES = ("constant", "cosine")
+from megatron_dapo.config.knobs import from_config, knob
 
 
 def training_config_overrides() -> dict[str, Any]:
@@ -96,23 +95,28 @@ def finalize_grads_without_token_scaling(model, num_tokens=None, pg_collection=N
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """AdamW and LR-schedule settings (verl/megatron names)."""
+    """AdamW and LR-schedule settings: config.optim's keys, with the schema's defaults."""
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_scheduler: str = "constant"
+    lr: float = knob("optim.lr")
+    min_lr: float = knob("optim.min_lr")
+    weight_decay: float = knob("optim.weight_decay")
+    adam_beta1: float = knob("optim.adam_beta1")
+    adam_beta2: float = knob("optim.adam_beta2")
+    adam_eps: float = knob("optim.adam_eps")
+    clip_grad: float = knob("optim.clip_grad")
+    lr_warmup_steps: int = knob("optim.lr_warmup_steps")
+    lr_scheduler: str = knob("optim.lr_scheduler")
     # Optimizer updates the cosine decays over (after warmup ends it reaches min_lr here).
     lr_decay_steps: int | None = None
-    use_distributed_optimizer: bool = True
+    use_distributed_optimizer: bool = knob("parallel.use_distributed_optimizer")
     # None: the machine's default (gpu_settings.ddp_overlap).
-    overlap_grad_reduce: bool | None = None
-    overlap_param_gather: bool | None = None
+    overlap_grad_reduce: bool | None = knob("parallel.overlap_grad_reduce")
+    overlap_param_gather: bool | None = knob("parallel.overlap_param_gather")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> OptimizerSettings:
+        """Build from the run's config (a DictConfig or its plain dict), validated when it was loaded."""
+        return from_config(cls, cfg)
 
 
 def build_optimizer(model_chunks: list[Any], settings: OptimizerSettings) -> Any:
@@ -144,8 +148,6 @@ def build_scheduler(optimizer: Any, settings: OptimizerSettings, total_updates: 
     then constant, or cosine to ``min_lr`` at ``lr_decay_steps`` (default ``total_updates``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if settings.lr_scheduler not in LR_SCHEDULES:
-        raise ValueError(f"lr_scheduler={settings.lr_scheduler!r}; choose one of {', '.join(LR_SCHEDULES)}")
     decay_steps = settings.lr_decay_steps or max(total_updates, settings.lr_warmup_steps + 1)
     if decay_steps <= settings.lr_warmup_steps:
         raise ValueError(
