@@ -458,7 +458,7 @@ def _moe_aux_loss_coeff(asked: float | None, config: Any, hf_config: Any) -> flo
             )
         return None
     if asked is None:
-        from megatron_dapo.actor.model import arch_spec
+        from megatron_dapo.arch import arch_spec
 
         asked = arch_spec(hf_config).router_aux_loss_coef if hf_config is not None else 0.0
     if getattr(config, "recompute_granularity", None):

@@ -17,7 +17,7 @@ from megatron_dapo.config import ConfigError
 def check_model_dir(cfg: DictConfig) -> None:
     """model.path holds a supported architecture with readable safetensors (unless the weights
     come from model.megatron_path, which must exist)."""
-    from megatron_dapo.actor.model import SUPPORTED_ARCHITECTURES
+    from megatron_dapo.arch import SUPPORTED_ARCHITECTURES
 
     path = Path(cfg.model.path)
     config = path / "config.json"
