@@ -59,9 +59,10 @@ class LossParams:
     removes the lower bound, as CISPO's paper does); ``clip_ratio_c``: vanilla's dual clip (None:
     off); ``tau_pos/tau_neg``: sapo's gate temperatures (verl's defaults 1.0 and 1.05)."""
 
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float | None = None
+    # No defaults: the run's come from the config schema (algorithm.*), policy_loss's from its signature.
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float | None
     tau_pos: float = 1.0
     tau_neg: float = 1.05
 
