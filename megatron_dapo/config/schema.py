@@ -217,6 +217,10 @@ class ActorConfig:
     ppo_epochs: int = 1
     # Token budget of one micro-batch (dynamic batch size): sequences are packed up to it.
     micro_batch_max_tokens: int = 16384
+    # true: micro-batches carry samples back to back (THD packed sequences, each attending to
+    # itself only), the budget counts real tokens; false: one right-padded sample per row, the
+    # budget counts rows x longest. actor/padding_fraction shows the padding either way.
+    pack_sequences: bool = True
     shuffle: bool = True
     max_consecutive_skips: int = 3
     # MoE: none | rollout. rollout replays the experts the engines chose (the engines record them)
