@@ -17,10 +17,12 @@ attends causally to itself only. How, by device:
   kernel for the whole pack.
 - Otherwise, one causal SDPA call per sample (flash kernel per sample on CUDA; CPU's default).
   ``tools/bench_packed_attention.py`` measured the CPU choices, forward+backward, fp32, 8 heads
-  x 64, 8 samples of 24-512 tokens (2,024 tokens), 2 threads, against SDPA over the same
-  samples padded to the longest: per-sample calls 0.35x the padded time, a single call with a
-  block-diagonal causal (document) mask 1.86x (it computes all of ``t x t`` and keeps a
-  ``t x t`` mask), so the document mask is never used; per-sample calls also keep memory linear.
+  x 64, 8 samples of 12-256 tokens (976 tokens; 2,048 padded), one thread, best of 15, twice,
+  against SDPA over the same samples right-padded to the longest: per-sample calls 0.36x and
+  0.37x the padded time; one call with a block-diagonal causal (document) mask 0.84x and 1.12x
+  (it computes all of ``t x t`` and holds a ``t x t`` mask); forcing torch's math kernel made
+  either layout slower (padded 1.28-1.39x, per-sample 0.43-0.47x), so torch picks the kernel.
+  The document mask is not used; per-sample calls also keep memory linear on CUDA.
 
 Not covered (megatron's ``DotProductAttention`` stays for them, see ``model.layer_spec``):
 softmax offsets (``softmax_type`` other than ``vanilla``) and sliding-window layers.
