@@ -30,6 +30,7 @@ softmax offsets (``softmax_type`` other than ``vanilla``) and sliding-window lay
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -53,9 +54,11 @@ def sdpa_supports(config, layer_number: int = 1) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def _varlen_attn():
     """torch's flash-attention varlen entry point and how it asks for a causal mask, or None
-    (torch < 2.9 has none; its keyword changed from ``is_causal`` to ``window_size``)."""
+    (torch < 2.10 has none; 2.10 asks ``is_causal``, later ``window_size``; 2.10 also has no
+    ``scale`` and no ``enable_gqa``)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -67,7 +70,7 @@ def _varlen_attn():
         causal = {"is_causal": True}
     else:
         return None
-    return varlen_attn, causal, "enable_gqa" in params
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
 class SDPAttention(MegatronModule):
@@ -142,15 +145,18 @@ class SDPAttention(MegatronModule):
     def _packed(self, query, key, value, params):
         """``[t, np, hn]`` x ``[t, ng, hn]`` packed samples -> ``[t, np, hn]``."""
         cu = params.cu_seqlens_q
-        if params.cu_seqlens_kv is not None and not torch.equal(params.cu_seqlens_kv, cu):
+        kv = params.cu_seqlens_kv
+        if kv is not None and kv is not cu and not torch.equal(kv, cu):
             raise ValueError("SDPAttention: packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
         varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
+        if varlen is not None and not varlen[3] and self.softmax_scale != query.shape[-1] ** -0.5:
+            varlen = None  # its fixed scale is 1/sqrt(head_dim)
         if varlen is not None and (self.dropout_p == 0 or not self.training):
-            fn, causal, has_gqa = varlen
+            fn, causal, has_gqa, has_scale = varlen
             if not self._causal():
                 causal = {}
             reps = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-            extra = dict(causal)
+            extra = dict(causal, scale=self.softmax_scale) if has_scale else dict(causal)
             if reps > 1:
                 if has_gqa:
                     extra["enable_gqa"] = True
@@ -158,7 +164,7 @@ class SDPAttention(MegatronModule):
                     key, value = key.repeat_interleave(reps, 1), value.repeat_interleave(reps, 1)
             max_len = int(params.max_seqlen_q)
             cu32 = cu.to(torch.int32)
-            return fn(query, key, value, cu32, cu32, max_len, max_len, scale=self.softmax_scale, **extra)
+            return fn(query, key, value, cu32, cu32, max_len, max_len, **extra)
         bounds = cu.tolist()
         out = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
