@@ -8,8 +8,8 @@ tokens, or sequences, of the whole optimizer mini-batch) is all-reduced over DP 
 backward passes; metric sums are all-reduced over the world from the last pipeline stage's first
 TP rank, so every rank returns the same metrics.
 
-Context parallelism (CP): every CP rank of a DP replica plans the same micro-batches (padded
-to a multiple of ``2 * CP``) and runs its load-balanced share of each row (``train_step``); the
+Context parallelism (CP): every CP rank of a DP replica plans the same micro-batches (rows, or
+each packed sample, padded to a multiple of ``2 * CP``) and runs its load-balanced share of each row (``train_step``); the
 loss normaliser is the DP-wide token count of whole sequences, gradients are summed over DP x CP
 by megatron's DDP (its ``dp_cp`` group), per-token outputs are gathered over CP, and metric sums
 come from every CP rank. Sequence-level quantities (``seq-mean-token-mean``'s per-row token
