@@ -19,7 +19,9 @@ from layout_harness import BIG, CLIP, SMALL, TEMPERATURE, TIS_CAP, close
 
 from megatron_dapo.actor.spawn import run_ranks
 
-LENGTHS = [5, 11, 1, 7]  # packed samples of the module check
+# packed samples of the module check: short ones attend in one padded call, ragged long ones
+# per sample (sdpa_attention._one_padded_call)
+LENGTHS = {"packed": [5, 11, 1, 7], "packed-ragged": [150, 3, 9]}
 
 
 def _actor(hf_dir, attention, budget=BIG, pack=True):
@@ -73,27 +75,28 @@ def _module_checks(hf_dir):
     mask = torch.rand(b, 1, s, s, generator=gen) < 0.3  # True: not attended (megatron's convention)
     mask[..., torch.arange(s), torch.arange(s)] = False
     out["mask"] = (run(ours, q, k, v, mask), run(theirs, q, k, v, mask))
-    q, k, v = inputs(sum(LENGTHS))
-    cu = torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=max(LENGTHS),
-        max_seqlen_kv=max(LENGTHS),
-    )
-    packed = run(ours, q, k, v, packed=params)
-    # reference: megatron's module on each sample alone, the same upstream gradient
-    ref_out, ref_grads = [], [torch.zeros_like(x) for x in (q, k, v)]
-    weights = torch.linspace(-1, 1, packed[0].numel()).view_as(packed[0])
-    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        qs, ks, vs = (x.detach()[lo:hi].unsqueeze(1).requires_grad_() for x in (q, k, v))
-        o = theirs(qs, ks, vs, None).squeeze(1)
-        (o * weights[lo:hi]).sum().backward()
-        ref_out.append(o.detach())
-        for g, x in zip(ref_grads, (qs, ks, vs)):
-            g[lo:hi] = x.grad.squeeze(1)
-    out["packed"] = (packed, (torch.cat(ref_out), ref_grads))
+    for case, lengths in LENGTHS.items():
+        q, k, v = inputs(sum(lengths))
+        cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max(lengths),
+            max_seqlen_kv=max(lengths),
+        )
+        packed = run(ours, q, k, v, packed=params)
+        # reference: megatron's module on each sample alone, the same upstream gradient
+        ref_out, ref_grads = [], [torch.zeros_like(x) for x in (q, k, v)]
+        weights = torch.linspace(-1, 1, packed[0].numel()).view_as(packed[0])
+        for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qs, ks, vs = (x.detach()[lo:hi].unsqueeze(1).requires_grad_() for x in (q, k, v))
+            o = theirs(qs, ks, vs, None).squeeze(1)
+            (o * weights[lo:hi]).sum().backward()
+            ref_out.append(o.detach())
+            for g, x in zip(ref_grads, (qs, ks, vs)):
+                g[lo:hi] = x.grad.squeeze(1)
+        out[case] = (packed, (torch.cat(ref_out), ref_grads))
     return out
 
 
@@ -135,7 +138,16 @@ def results(layout_hf_dir, layout_data):
     return [from_bytes(r) for r in run_ranks(_rank_run, 2, layout_hf_dir, batch, old, timeout_s=900)]
 
 
-@pytest.mark.parametrize("case", ["causal", "mask", "packed"])
+def test_packed_samples_take_one_padded_call_only_when_it_is_cheaper():
+    from megatron_dapo.actor.sdpa_attention import _one_padded_call
+
+    assert _one_padded_call(LENGTHS["packed"]) and not _one_padded_call(LENGTHS["packed-ragged"])
+    assert (
+        _one_padded_call([40] * 64) and not _one_padded_call([1000]) and not _one_padded_call([256, 12] * 4)
+    )
+
+
+@pytest.mark.parametrize("case", ["causal", "mask", "packed", "packed-ragged"])
 def test_module_equals_megatron_dot_product_attention(results, case):
     (out, grads), (ref_out, ref_grads) = results[0]["module"][case]
     assert out.shape == ref_out.shape

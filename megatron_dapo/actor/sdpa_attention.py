@@ -15,14 +15,19 @@ attends causally to itself only. How, by device:
 
 - CUDA with fp16/bf16 and torch's ``varlen_attn`` (flash attention over ``cu_seqlens``): one
   kernel for the whole pack.
-- Otherwise, one causal SDPA call per sample (flash kernel per sample on CUDA; CPU's default).
-  ``tools/bench_packed_attention.py`` measured the CPU choices, forward+backward, fp32, 8 heads
-  x 64, 8 samples of 12-256 tokens (976 tokens; 2,048 padded), one thread, best of 15, twice,
-  against SDPA over the same samples right-padded to the longest: per-sample calls 0.36x and
-  0.37x the padded time; one call with a block-diagonal causal (document) mask 0.84x and 1.12x
-  (it computes all of ``t x t`` and holds a ``t x t`` mask); forcing torch's math kernel made
-  either layout slower (padded 1.28-1.39x, per-sample 0.43-0.47x), so torch picks the kernel.
-  The document mask is not used; per-sample calls also keep memory linear on CUDA.
+- Otherwise, per-sample causal SDPA calls, or one call over the samples right-padded to the
+  longest inside the attention when padding costs less than the calls' fixed cost
+  (:func:`_one_padded_call`); the rest of the model never sees that padding.
+  ``tools/bench_packed_attention.py`` measured the CPU choices (forward+backward, fp32, one
+  thread, best of 15, quiet machine), against one call over the samples padded to the longest:
+  8 samples of 12-256 tokens, 8 heads x 64: per-sample calls 0.36x and 0.48x, one call with a
+  block-diagonal causal (document) mask 1.28x and 1.64x (it computes all of ``t x t`` and holds
+  a ``t x t`` mask), torch's math kernel forced 1.33-1.85x; 64 samples of 14-56 tokens (the
+  demo's), 2 heads x 16: per-sample 0.78x and 0.82x, document mask 3.05x and 3.26x. Per-sample
+  calls win on attention alone there, but their 64 autograd nodes per layer cost more than
+  that in the whole update: the demo-shaped actor update (512 samples, one rank) took 1.06x
+  the time of today's padded update with per-sample calls and 0.82-0.85x with the padded call.
+  The document mask is not used.
 
 Not covered (megatron's ``DotProductAttention`` stays for them, see ``model.layer_spec``):
 softmax offsets (``softmax_type`` other than ``vanilla``) and sliding-window layers.
@@ -71,6 +76,21 @@ def _varlen_attn():
     else:
         return None
     return varlen_attn, causal, "enable_gqa" in params, "scale" in params
+
+
+# A call's fixed cost on CPU, as the work of attention over this many tokens (see _one_padded_call).
+_CALL_COST_TOKENS = 64
+
+
+def _one_padded_call(lengths: list[int]) -> bool:
+    """Whether one call over the samples padded to the longest costs less than a call per
+    sample: ``n * longest^2`` against ``sum(L^2)`` plus each call's fixed cost. Many short samples
+    (the CPU demo: 64 of 14-56 tokens per micro-batch) go in one call; ragged long ones (where
+    padding would multiply the work) one call each."""
+    if len(lengths) < 2:
+        return False
+    per_sample = sum(n * n + _CALL_COST_TOKENS**2 for n in lengths)
+    return len(lengths) * max(lengths) ** 2 + _CALL_COST_TOKENS**2 <= per_sample
 
 
 class SDPAttention(MegatronModule):
@@ -166,6 +186,9 @@ class SDPAttention(MegatronModule):
             cu32 = cu.to(torch.int32)
             return fn(query, key, value, cu32, cu32, max_len, max_len, **extra)
         bounds = cu.tolist()
+        lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+        if _one_padded_call(lengths):
+            return self._padded_call(query, key, value, bounds, lengths)
         out = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             if hi == lo:
@@ -173,6 +196,21 @@ class SDPAttention(MegatronModule):
             q, k, v = (x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
             out.append(self._sdpa(q, k, v, causal=self._causal()).squeeze(0).transpose(0, 1))
         return torch.cat(out, dim=0)
+
+    def _padded_call(self, query, key, value, bounds, lengths):
+        """One SDPA call over the samples right-padded to the longest, inside the attention only.
+        Causal: a real query sees only real keys before it, so the padding (copies of position
+        0) changes no real output, and gets no gradient from one."""
+        width = max(lengths)
+        j = torch.arange(width, device=query.device)
+        starts = torch.tensor(bounds[:-1], device=query.device)
+        valid = j[None, :] < torch.tensor(lengths, device=query.device)[:, None]
+        index = torch.where(
+            valid, starts[:, None] + j[None, :], torch.zeros((), dtype=torch.long, device=j.device)
+        )
+        q, k, v = (x[index].permute(0, 2, 1, 3) for x in (query, key, value))  # [n, heads, width, hn]
+        out = self._sdpa(q, k, v, causal=self._causal()).permute(0, 2, 1, 3)  # [n, width, heads, hn]
+        return out[valid]
 
     # ------------------------------------------------------------------ forward
     def forward(
