@@ -3,7 +3,8 @@ variant against SDPA over the same samples right-padded to the longest, measured
 
 Variants (all fp32, torch's scaled_dot_product_attention; without a forced kernel torch picks its CPU
 flash kernel for ``is_causal`` and the math kernel for an explicit mask):
-- padded: ``[n, heads, longest, hn]``, ``is_causal`` (the baseline; what padded micro-batches do)
+- padded: ``[n, heads, longest, hn]``, ``is_causal`` (the baseline; what padded micro-batches do,
+  and SDPAttention's one call for many short packed samples)
 - padded_math: the same, torch's math kernel forced
 - per_sample: one ``is_causal`` call per sample of the packed ``[t, heads, hn]`` row (torch
   picks its CPU flash kernel)
