@@ -6,6 +6,8 @@ act) is trained for one optimizer step in every layout. Two spawns (1 and 2 proc
 layouts, since process start-up dominates; the tests compare:
 - loss, grad norm and the updated weights (gathered to HF names) across TP=1/2, PP=1/2, DP=1/2
   and 1 vs 4 micro-batches, within 1e-6 relative, for token-mean and seq-mean-token-mean;
+- packed micro-batches (the default) against right-padded ones at TP=2, PP=2, DP=2 and several
+  micro-batches, to the same tolerance;
 - the loss against ``algo.policy_loss`` on log-probs from the HF transformers model (float64);
 - pi_old recomputed before the first update equals the current policy (ppo_kl ~ 0, clipfrac 0),
   and trainer log-probs equal HF's;
@@ -26,12 +28,12 @@ def _rank_run(rank, world, hf_dir, batch, old, runs):
     from megatron_dapo.actor.parallel import init_parallel
 
     out = {}
-    for tp, pp, budget, mode in runs:
+    for tp, pp, budget, mode, *padded in runs:
         init_parallel(tp=tp, pp=pp)
-        actor = layout_actor(hf_dir, budget, mode)
+        actor = layout_actor(hf_dir, budget, mode, pack_sequences=not padded)
         metrics = actor.update(batch.with_old_logprobs(old.float()))
         state = hf_state(actor)
-        out[(tp, pp, world // (tp * pp), budget, mode)] = dict(
+        out[(tp, pp, world // (tp * pp), budget, mode, *padded)] = dict(
             metrics=metrics, state=state if rank == 0 else None
         )
     if world == 2:
@@ -77,23 +79,54 @@ def _skip_checks(hf_dir, batch):
     return dict(first=first, unchanged=unchanged, error=error, state=actor.state)
 
 
+# right-padded micro-batches (actor.pack_sequences=false) at TP=2, PP=2 and DP=2
+PADDED_PAIRS = [(2, 1, BIG, "token-mean", "padded"), (1, 2, BIG, "seq-mean-token-mean", "padded")]
+PADDED_PAIRS += [(1, 1, BIG, "token-mean", "padded")]
+
+
 @pytest.fixture(scope="module")
 def results(layout_hf_dir, layout_data):
     batch, old, _ = layout_data
-    solo = [(1, 1, b, m) for m in MODES for b in (BIG, SMALL)]
-    pair = [(tp, pp, BIG, m) for m in MODES for tp, pp in ((2, 1), (1, 2), (1, 1))]
+    solo = [(1, 1, b, m) for m in MODES for b in (BIG, SMALL)] + [(1, 1, SMALL, m, "padded") for m in MODES]
+    pair = [(tp, pp, BIG, m) for m in MODES for tp, pp in ((2, 1), (1, 2), (1, 1))] + PADDED_PAIRS
     one = from_bytes(run_ranks(_rank_run, 1, layout_hf_dir, batch, old, solo, timeout_s=600)[0])
     two = from_bytes(run_ranks(_rank_run, 2, layout_hf_dir, batch, old, pair, timeout_s=600)[0])
     return {**one, **two}
 
 
 def test_small_budget_gives_four_micro_batches(layout_data):
-    from megatron_dapo.actor.micro_batches import pack_by_token_budget
+    from megatron_dapo.actor.micro_batches import pack_by_real_tokens, pack_by_token_budget
 
     batch = layout_data[0]
     lengths = batch.seq_lens.tolist()
     assert len(pack_by_token_budget(lengths, list(range(len(batch))), SMALL)) == 4
     assert len(pack_by_token_budget(lengths, list(range(len(batch))), BIG)) == 1
+    # packed, the budget counts real tokens: the 68 tokens fill three micro-batches of <= 24
+    assert len(pack_by_real_tokens(lengths, list(range(len(batch))), SMALL)) == 3
+
+
+@pytest.mark.parametrize(
+    "padded",
+    [(1, 1, 1, SMALL, m, "padded") for m in MODES]
+    + [(tp, pp, 2 // (tp * pp), b, m, p) for tp, pp, b, m, p in PADDED_PAIRS],
+    ids=str,
+)
+def test_packed_equals_padded(results, padded):
+    """The same step on packed micro-batches (samples back to back, THD) and on right-padded
+    ones: loss, grad norm, metrics and weights within the layouts' tolerance; only the padding
+    differs (actor/padding_fraction: none packed, as no layout here pads a sample)."""
+    ref, got = results[padded], results[padded[:-1]]
+    ref_u, got_u = ref["metrics"]["updates"][0], got["metrics"]["updates"][0]
+    assert ref_u["updated"] and got_u["updated"]
+    assert close(got_u["loss"], ref_u["loss"]), (got_u["loss"], ref_u["loss"])
+    assert close(got_u["grad_norm"], ref_u["grad_norm"]), (got_u["grad_norm"], ref_u["grad_norm"])
+    for key in ("clipfrac", "ppo_kl", "entropy", "tis_mean", "mismatch_k3", "tokens", "seqs"):
+        assert close(got_u[key], ref_u[key], 1e-5), key
+    assert got["metrics"]["padding_fraction"] == 0 < ref["metrics"]["padding_fraction"] < 1
+    if ref["state"] is not None:
+        for name, w in ref["state"].items():
+            diff = (got["state"][name] - w).abs().max()
+            assert diff <= 1e-6 * w.abs().max(), (name, float(diff))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -30,3 +30,16 @@ def test_rows_fill_the_budget_and_count_is_a_multiple():
 def test_sample_over_budget_named():
     with pytest.raises(BatchError, match="micro_batch_max_tokens"):
         pack_fixed_shape([10, 600], [0, 1], 500)
+
+
+def test_packed_virtual_pipeline_micro_batches_hold_real_tokens():
+    """Packed, the one shape is ``1 x length`` with ``length`` the longest packed row: the same
+    samples cost two rows of 25,500 positions instead of 16 rows of 22,000."""
+    from megatron_dapo.actor.micro_batches import pack_by_real_tokens, packed_length
+
+    lengths = [22000] + [500] * 15
+    groups = pack_by_real_tokens(lengths, list(range(16)), 32768, multiple_of=2)
+    assert len(groups) == 2 and sorted(i for g in groups for i in g) == list(range(16))
+    assert all(sum(lengths[i] for i in g) <= 32768 for g in groups)
+    length = max(packed_length([lengths[i] for i in g]) for g in groups)
+    assert length * len(groups) == 51000 < 16 * 22000

@@ -5,9 +5,10 @@ One launch of 2 ranks checks, on the ragged batch of ``test_actor_layouts`` (sho
 tokens unevenly spread over the two CP ranks):
 - log-probs of every response token at CP=2 equal an HF transformers forward within 1e-5, and
   the entropy equals the CP=1 run's;
-- one DAPO step at CP=2 with four micro-batches equals CP=1 (DP=2, one micro-batch; DP is
-  checked against DP=1 by test_actor_layouts): loss, grad norm, clip fractions and every updated
-  weight within the fp32 tolerance of the dense layout test (1e-6 relative);
+- one DAPO step at CP=2 with packed micro-batches (each sample cut into 2 * CP chunks on its
+  own) equals CP=1 with one right-padded micro-batch (DP=2; DP is checked against DP=1 by
+  test_actor_layouts): loss, grad norm, clip fractions and every updated weight within the fp32
+  tolerance of the dense layout test (1e-6 relative);
 - the CP=2 loss equals ``algo.policy_loss`` on HF log-probs (an independent reference);
 - the same at CP=2 vs CP=1 with the whole-sequence quantities: ``seq-mean-token-mean`` (a row's
   token count spans the CP ranks) with a geometric-level TIS rollout correction (a row's mean
@@ -37,12 +38,12 @@ def _rank_run(rank, world, hf_dir, batch, old):
     for cp, budget in ((2, SMALL), (1, BIG)):
         layout = init_parallel(cp=cp)
         assert layout.cp_size == cp and layout.dp_size == world // cp
-        actor = layout_actor(hf_dir, budget, "token-mean")
+        actor = layout_actor(hf_dir, budget, "token-mean", pack_sequences=cp == 2)
         logprobs, entropy = actor.compute_logprobs(batch, TEMPERATURE, with_entropy=True)
         metrics = actor.update(batch.with_old_logprobs(old.float()))
         out[cp] = dict(logprobs=logprobs, entropy=entropy, metrics=metrics, state=hf_state(actor))
         # Scoring is mode-independent: only the update of the sequence-level mode is checked.
-        actor = layout_actor(hf_dir, budget, **SEQ_MODE)
+        actor = layout_actor(hf_dir, budget, **SEQ_MODE, pack_sequences=cp == 2)
         metrics = actor.update(batch.with_old_logprobs(old.float()))
         out[("seq", cp)] = dict(metrics=metrics, state=hf_state(actor))
     return as_bytes(out)

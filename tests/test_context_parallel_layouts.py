@@ -2,8 +2,9 @@
 CPU stand-in for TE's CP attention).
 
 One launch of 4 ranks trains one DAPO step of the ragged batch of ``test_actor_layouts`` in
-each layout and compares it with the same step at CP=1 (TP=PP=1, DP=4; DP is checked against
-DP=1 by test_actor_layouts):
+each layout on packed micro-batches (every sample cut into 2 * CP chunks on its own) and compares
+it with the same step at CP=1 on right-padded micro-batches (TP=PP=1, DP=4; DP is checked
+against DP=1 by test_actor_layouts):
 - CP=2 x TP=2 (token-mean with TIS): four micro-batches;
 - CP=2 x PP=2 (seq-mean-token-mean with a geometric TIS rollout correction, whose per-row sums
   over CP run on the last pipeline stage only).
@@ -43,7 +44,7 @@ def _rank_run(rank, world, hf_dir, batch, old):
     for name, tp, pp, cp, mode, budget in LAYOUTS:
         layout = init_parallel(tp=tp, pp=pp, cp=cp)
         assert (layout.tp_size, layout.pp_size, layout.cp_size) == (tp, pp, cp)
-        actor = layout_actor(hf_dir, budget, **MODES[mode])
+        actor = layout_actor(hf_dir, budget, **MODES[mode], pack_sequences=not name.startswith("ref"))
         metrics = actor.update(batch.with_old_logprobs(old.float()))
         out[name] = dict(metrics=metrics, state=hf_state(actor))
     return as_bytes(out)

@@ -99,7 +99,7 @@ def _as_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def _vpp_ep2_logprobs(deep):
+def _vpp_ep2_logprobs(deep, pack):
     """PP=2 x VPP=2 x EP=2 on the 4-layer model: the log-prob pass (megatron's forward-only
     interleaved schedule), the micro-batch count of this rank, and the refusal of the update on
     gloo (its interleaved 1F1B schedule is wrong there, see Actor.update)."""
@@ -119,6 +119,7 @@ def _vpp_ep2_logprobs(deep):
         temperature=TEMPERATURE,
         shuffle=False,
         moe_aux_loss_coeff=0.0,
+        pack_sequences=pack,
         **CLIP,
     )
     actor = build_actor(deep["hf_dir"], cfg, OptimizerSettings(**OPTIM), total_updates=8)
@@ -150,10 +151,10 @@ def _rank_run(rank, world, hf_dir, inputs, layouts, deep=None):
     out = {}
     for layout in layouts:
         if layout.get("vpp"):
-            out[tuple(sorted(layout.items()))] = _vpp_ep2_logprobs(deep)
+            out[tuple(sorted(layout.items()))] = _vpp_ep2_logprobs(deep, layout.get("pack", True))
             continue
         budget = layout.get("budget", 10_000)
-        init_parallel(**{k: v for k, v in layout.items() if k not in ("budget", "aux")})
+        init_parallel(**{k: v for k, v in layout.items() if k not in ("budget", "aux", "pack")})
         cfg = ActorConfig(
             ppo_mini_batch_size=4,
             micro_batch_max_tokens=budget,
@@ -162,6 +163,7 @@ def _rank_run(rank, world, hf_dir, inputs, layouts, deep=None):
             tis_cap=TIS_CAP,
             shuffle=False,
             moe_aux_loss_coeff=layout.get("aux", AUX_COEF),
+            pack_sequences=layout.get("pack", True),
             **CLIP,
         )
         actor = build_actor(hf_dir, cfg, OptimizerSettings(**OPTIM), total_updates=8)
@@ -270,6 +272,7 @@ CP2 = (("cp", 2), ("pp", 1), ("tp", 1))
 EP2_TP2 = (("ep", 2), ("pp", 1), ("tp", 2))
 # A budget of 14 tokens packs the two data-parallel halves into 4 and 3 micro-batches.
 EP2_UNEVEN = (("budget", 14), ("ep", 2), ("pp", 1), ("tp", 1))
+EP2_PADDED = (("ep", 2), ("pack", False), ("pp", 1), ("tp", 1))
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +285,7 @@ def two_ranks(hf_dir, inputs):
         dict(tp=1, pp=1, ep=2, budget=14),
         dict(tp=2, pp=1, ep=1),
         dict(tp=1, pp=1, cp=2),
+        dict(tp=1, pp=1, ep=2, pack=False),
     ]
     return _results(hf_dir, inputs, 2, layouts)
 
@@ -292,6 +296,7 @@ def two_ranks(hf_dir, inputs):
 # is 4 micro-batches of 1 x 24 against 2 of 6 x 4, and every EP rank must run as many forwards.
 VPP_BUDGET = 24
 VPP_EP2 = (("ep", 2), ("pp", 2), ("tp", 1), ("vpp", 2))
+VPP_EP2_PADDED = (("ep", 2), ("pack", False), ("pp", 2), ("tp", 1), ("vpp", 2))
 
 
 @pytest.fixture(scope="module")
@@ -309,8 +314,13 @@ def deep(tmp_path_factory):
 def four_ranks(hf_dir, inputs, deep):
     """EP=2 x TP=2: experts split over EP and, within an EP rank, over TP (expert tensor parallel
     = TP), sequence parallel on, data parallel 2. Then, re-initialised in the same processes,
-    PP=2 x VPP=2 x EP=2 (data parallel 2) on the 4-layer model."""
-    return _results(hf_dir, inputs, 4, [dict(tp=2, pp=1, ep=2), dict(tp=1, pp=2, vpp=2, ep=2)], deep)
+    PP=2 x VPP=2 x EP=2 (data parallel 2) on the 4-layer model, right-padded and packed."""
+    layouts = [
+        dict(tp=2, pp=1, ep=2),
+        dict(tp=1, pp=2, vpp=2, ep=2, pack=False),
+        dict(tp=1, pp=2, vpp=2, ep=2),
+    ]
+    return _results(hf_dir, inputs, 4, layouts, deep)
 
 
 def _check_against_reference(got, reference):
@@ -353,12 +363,17 @@ def test_moe_aux_loss_coefficient_zero_is_measured_not_trained(ep1_runs, referen
 
 
 @pytest.mark.parametrize(
-    "layout", [EP2, PP2, EP2_UNEVEN, TP2, CP2], ids=["ep2", "pp2", "ep2-uneven-micro-batches", "tp2", "cp2"]
+    "layout",
+    [EP2, PP2, EP2_UNEVEN, TP2, CP2, EP2_PADDED],
+    ids=["ep2", "pp2", "ep2-uneven-micro-batches", "tp2", "cp2", "ep2-padded"],
 )
 def test_moe_train_step_is_layout_invariant(two_ranks, ep1, reference, layout):
+    """Packed micro-batches (the default) in every layout, right-padded ones at EP=2: each equals
+    the one-rank step and the transformers reference."""
     ranks = [r[layout] for r in two_ranks]
     holders = [r for r in ranks if r["state"] is not None]
-    assert len(holders) == (2 if layout in (EP2, EP2_UNEVEN) else 1)  # at EP=2 each replica gathers
+    # at EP=2 each replica gathers
+    assert len(holders) == (2 if layout in (EP2, EP2_UNEVEN, EP2_PADDED) else 1)
     _check_layout(holders, ep1, reference)
 
 
@@ -381,7 +396,7 @@ def _check_layout(holders, ep1, reference):
 
 def test_moe_vpp_x_ep2_log_probs_equal_hf_with_uneven_micro_batches(four_ranks, deep):
     """PP=2 x VPP=2 x EP=2 scores every response token as transformers' model does, although the
-    two data-parallel ranks pack different micro-batch counts (the EP ranks then run the larger
+    two data-parallel ranks pack different right-padded micro-batch counts (the EP ranks then run the larger
     count: before, rank 1 left the all-to-all exchanges of the interleaved schedule early and
     rank 0 waited forever). The update under VPP is refused on CPU with a one-line error (a GPU
     check; megatron-core itself refuses no VPP x MoE combination)."""
@@ -396,7 +411,12 @@ def test_moe_vpp_x_ep2_log_probs_equal_hf_with_uneven_micro_batches(four_ranks, 
     with torch.no_grad():
         want = _padded(_token_logprobs(model, deep["prompts"], deep["responses"]), 12)
     for r in four_ranks:
-        got = r[VPP_EP2]
+        got = r[VPP_EP2_PADDED]
         assert got["micro_batches"] == 4
         assert (got["logprobs"].double() - want).abs().max() <= 1e-5
         assert "virtual pipeline stages (vpp) is not supported on the CPU/gloo path" in got["refused"]
+        # packed (one row shape for every micro-batch, the budget counting real tokens): two
+        # micro-batches on each rank, the same log-probs
+        packed = r[VPP_EP2]
+        assert packed["micro_batches"] == 2
+        assert (packed["logprobs"].double() - want).abs().max() <= 1e-5

@@ -123,16 +123,22 @@ def _chosen_experts(router_maps, tokens_seen, samples):
     """Per sample ``[tokens, layers, k]`` sorted experts the routers chose, from hook captures of
     the micro-batch tokens and each router's routing map."""
     got = {}
-    for tokens, maps in zip(tokens_seen, router_maps):
+    for (tokens, cu), maps in zip(tokens_seen, router_maps):
         b, length = tokens.shape
-        for row in range(b):
-            match = [i for i, s in enumerate(samples) if torch.equal(tokens[row, : len(s)], torch.tensor(s))]
+        # (row, start) of every sample: one per row padded, back to back in one row packed
+        spans = [(row, 0) for row in range(b)] if cu is None else [(0, start) for start in cu[:-1]]
+        for row, start in spans:
+            match = [
+                i
+                for i, s in enumerate(samples)
+                if torch.equal(tokens[row, start : start + len(s)], torch.tensor(s))
+            ]
             if not match:
                 continue  # a padding row
             i = match[0]
             per_layer = []
             for layer in sorted(maps):
-                rmap = maps[layer].view(length, b, -1)[: len(samples[i]), row]
+                rmap = maps[layer].view(length, b, -1)[start : start + len(samples[i]), row]
                 per_layer.append(rmap.nonzero()[:, 1].view(len(samples[i]), -1))
             got[i] = torch.stack(per_layer, dim=1)
     return got
@@ -159,7 +165,7 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
         routed_experts=experts,
     )
 
-    def actor_for(ep, mode, tp=1, pp=1):
+    def actor_for(ep, mode, tp=1, pp=1, pack=True):
         init_parallel(tp=tp, pp=pp, ep=ep)
         cfg = ActorConfig(
             ppo_mini_batch_size=n,
@@ -167,12 +173,15 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
             temperature=TEMPERATURE,
             shuffle=False,
             routing_replay=mode,
+            pack_sequences=pack,
         )
         actor = build_actor(trainer_dir, cfg, OptimizerSettings(lr=1e-3, lr_warmup_steps=0), total_updates=1)
         tokens_seen, maps = [], []
 
-        def see_tokens(_m, args):
-            tokens_seen.append(args[0].cpu())
+        def see_tokens(_m, args, kwargs):
+            packed = kwargs.get("packed_seq_params")
+            cu = None if packed is None else packed.cu_seqlens_q.tolist()
+            tokens_seen.append((args[0].cpu(), cu))
             maps.append({})
 
         def see_routing(m, _args, out):
@@ -180,7 +189,7 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
 
         for module in actor.model[0].modules():
             if isinstance(module, GPTModel):
-                module.register_forward_pre_hook(see_tokens)
+                module.register_forward_pre_hook(see_tokens, with_kwargs=True)
             if isinstance(module, TopKRouter):
                 module.register_forward_hook(see_routing)
         return actor, tokens_seen, maps
@@ -189,14 +198,20 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
     # TP=2 (sequence parallel, which MoE at TP > 1 forces): each rank's routers replay their
     # shard of the sequence; its log-probs and mismatch metric are checked below
     # and PP=2: each stage's routers replay their own global layers
+    # and EP=2 on right-padded micro-batches (the rest are packed): the same log-probs and step
     layouts = (
         (1, 1, 1, "none"),
         (1, 1, 1, "rollout"),
         (1, 1, 2, "rollout"),
         (1, 2, 1, "rollout"),
+        (1, 1, 2, "padded"),
         (2, 1, 1, "rollout"),  # last: the model whose routers megatron's list must hold
     )
     for tp, pp, ep, mode in layouts:
+        if mode == "padded":
+            actor, _, _ = actor_for(ep, "rollout", tp, pp, pack=False)
+            out["ep2-padded"] = dict(logprobs=actor.compute_logprobs(batch), metrics=actor.update(batch))
+            continue
         actor, tokens_seen, maps = actor_for(ep, mode, tp, pp)
         lp = actor.compute_logprobs(batch)
         if tp > 1 or pp > 1:
@@ -308,6 +323,19 @@ def test_routing_mismatch_metric_counts_response_routings_the_trainer_would_chan
         for key in ("tp2pp1", "tp1pp2"):
             assert r[key]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12), key
         assert 0 < r[(2, "rollout")]["metrics"]["routing_mismatch"] < 1
+
+
+def test_packed_replay_equals_padded(ranks):
+    """EP=2 with replay: packed micro-batches (each sample's recorded experts at its positions of
+    the packed row) give the padded micro-batches' log-probs, loss and routing mismatch."""
+    for r in ranks:
+        packed, padded = r[(2, "rollout")], r["ep2-padded"]
+        assert (packed["logprobs"] - padded["logprobs"]).abs().max() <= 1e-5
+        got, ref = packed["metrics"], padded["metrics"]
+        assert got["routing_mismatch"] == pytest.approx(ref["routing_mismatch"], abs=1e-12)
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert got["padding_fraction"] < ref["padding_fraction"]
 
 
 def test_megatron_keeps_no_replay_instances_of_models_built_before(ranks):

@@ -8,8 +8,8 @@ tokens, or sequences, of the whole optimizer mini-batch) is all-reduced over DP 
 backward passes; metric sums are all-reduced over the world from the last pipeline stage's first
 TP rank, so every rank returns the same metrics.
 
-Context parallelism (CP): every CP rank of a DP replica plans the same micro-batches (padded
-to a multiple of ``2 * CP``) and runs its load-balanced share of each row (``train_step``); the
+Context parallelism (CP): every CP rank of a DP replica plans the same micro-batches (rows, or
+each packed sample, padded to a multiple of ``2 * CP``) and runs its load-balanced share of each row (``train_step``); the
 loss normaliser is the DP-wide token count of whole sequences, gradients are summed over DP x CP
 by megatron's DDP (its ``dp_cp`` group), per-token outputs are gathered over CP, and metric sums
 come from every CP rank. Sequence-level quantities (``seq-mean-token-mean``'s per-row token
@@ -31,8 +31,12 @@ from megatron_dapo.actor.batch import ActorBatch, BatchError
 from megatron_dapo.actor.context_parallel import cp_pad_multiple
 from megatron_dapo.actor.micro_batches import (
     collate,
+    collate_packed,
+    pack_by_real_tokens,
     pack_by_token_budget,
     pack_fixed_shape,
+    packed_length,
+    padding_positions,
     positions_to_response,
     split_over_ranks,
     split_to_count,
@@ -75,6 +79,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = knob("actor.ppo_mini_batch_size")
     ppo_epochs: int = knob("actor.ppo_epochs")
     micro_batch_max_tokens: int = knob("actor.micro_batch_max_tokens")
+    # Micro-batches carry samples back to back (THD, the budget counts real tokens) instead of
+    # one right-padded sample per row (actor/micro_batches.py).
+    pack_sequences: bool = knob("actor.pack_sequences")
     shuffle: bool = knob("actor.shuffle")
     clip_ratio_low: float = knob("algorithm.clip_ratio_low")
     clip_ratio_high: float = knob("algorithm.clip_ratio_high")
@@ -173,6 +180,10 @@ class Actor:
             config.fp8_recipe or "delayed",
         )
         self._micro_multiple = layout.pp_size if len(model_chunks) > 1 else 1
+        if cfg.pack_sequences:
+            _check_packing_supported(model_chunks)
+        # padding positions, computed positions of this rank's micro-batches since the step began
+        self._positions = [0, 0]
         if len(model_chunks) > 1:
             # Every micro-batch of a call is padded to one shape (see _my_micro_batches), the
             # interleaved schedule's assumption, so shapes need not be communicated.
@@ -202,6 +213,32 @@ class Actor:
         batch = self._replayed(batch)
         lengths = batch.seq_lens.tolist()
         mine = split_over_ranks(lengths, indices, self.layout.dp_size)[self.layout.dp_rank]
+        if self.cfg.pack_sequences:
+            micros = self._packed_micro_batches(batch, lengths, mine)
+        else:
+            micros = self._padded_micro_batches(batch, lengths, mine)
+        pad, total = padding_positions(micros)
+        self._positions = [self._positions[0] + pad, self._positions[1] + total]
+        return micros
+
+    def _packed_micro_batches(self, batch: ActorBatch, lengths: list[int], mine: list[int]) -> list:
+        groups = pack_by_real_tokens(lengths, mine, self.cfg.micro_batch_max_tokens, self._micro_multiple)
+        if self.layout.ep_size > 1:
+            groups = split_to_count(groups, self._max_over_data_parallel(len(groups)))
+        # CP cuts every sample into 2 * CP chunks; the row's length is what SP / FP8 need.
+        seq_multiple = 2 * self.layout.cp_size if self.layout.cp_size > 1 else 1
+        length = None
+        if len(self.model) > 1:
+            # The interleaved (virtual pipeline) schedule needs equal micro-batch shapes.
+            length = max(
+                packed_length([lengths[i] for i in g], seq_multiple, self._pad_multiple) for g in groups
+            )
+        return [
+            collate_packed(batch, g, self.cfg.pad_token_id, seq_multiple, self._pad_multiple, length=length)
+            for g in groups
+        ]
+
+    def _padded_micro_batches(self, batch: ActorBatch, lengths: list[int], mine: list[int]) -> list:
         budget = self.cfg.micro_batch_max_tokens
         if len(self.model) > 1:
             # The interleaved (virtual pipeline) schedule needs equal micro-batch shapes.
@@ -383,6 +420,7 @@ class Actor:
                 "use vpp=None on CPU (pp alone works)"
             )
         routing_replay.reset_counts()
+        self._positions = [0, 0]
         n_mini = len(self.mini_batches(batch, 0))
         if batch.old_logprobs is None and (n_mini > 1 or cfg.ppo_epochs > 1):
             batch = batch.with_old_logprobs(self.compute_logprobs(batch, cfg.temperature))
@@ -411,9 +449,16 @@ class Actor:
         sync_params_after_update(self.model)
         self.state.steps_done += 1
         out = self._summary(step_sums, updates, epochs=cfg.ppo_epochs)
+        out["padding_fraction"] = self._padding_fraction()
         if cfg.routing_replay == "rollout":
             out["routing_mismatch"] = self._routing_mismatch()
         return out
+
+    def _padding_fraction(self) -> float:
+        """Fraction of the token positions the step computed (pi_old and every update, all DP
+        replicas) that were padding."""
+        counts = self._world_sum(torch.tensor(self._positions, dtype=torch.float64), gathered_over_cp=True)
+        return float(counts[0] / counts[1].clamp(min=1))
 
     def _routing_mismatch(self) -> float:
         """Fraction of (response token, MoE layer) routings of this step's forwards where the
@@ -465,6 +510,22 @@ class Actor:
         out["skipped_updates"] = len(updates) - len(done)
         out["updates"] = updates
         return out
+
+
+def _check_packing_supported(model_chunks: list) -> None:
+    """Packed micro-batches need an attention that takes THD ``PackedSeqParams``: the SDPA one
+    or Transformer Engine's; megatron's unfused ``DotProductAttention`` (kept for softmax
+    offsets and sliding windows) refuses them."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if type(module) is DotProductAttention:
+                raise ValueError(
+                    "actor.pack_sequences: megatron's unfused DotProductAttention (the local spec's "
+                    "fallback for softmax offsets / sliding windows) cannot run packed sequences; set "
+                    "actor.pack_sequences=false"
+                )
 
 
 def _moe_aux_loss_coeff(asked: float | None, config: Any, hf_config: Any) -> float | None:

@@ -52,7 +52,8 @@ Patches (all installed together, once per process):
    ``torch.cuda.current_device()`` buffers are covered by patch 1; the expert-parallel all-to-all
    itself is ``all_to_all_single``, which gloo implements (uneven splits included).
 8. Context parallelism (``cpu_context_parallel_spec``, its own section at the end of this file).
-   megatron-core 0.16's local ``DotProductAttention`` asserts ``context_parallel_size == 1``; on
+   megatron-core 0.16's local attention has no context parallelism (``DotProductAttention``
+   asserts ``context_parallel_size == 1``, the SDPA one refuses it); on
    CPU with CP > 1 the layer spec's core attention is ``cpu_cp_attention.CpuContextParallelAttention``,
    an exact (not fast) stand-in for TE's ring attention: K/V all-gathered over the CP group, causal
    mask from the global positions of the load-balanced chunks. On GPU TE's attention is used.
@@ -364,21 +365,20 @@ def _apply_moe_cpu_compat() -> None:
 
 
 def cpu_context_parallel_spec(spec: Any, config: Any) -> Any:
-    """Patch 8. megatron-core's local attention refuses ``context_parallel_size > 1`` (only TE's
+    """Patch 8. The local spec's attention refuses ``context_parallel_size > 1`` (only TE's
     attention takes a CP group, and TE needs a GPU). On CPU with CP > 1 the layer spec's core
     attention becomes :class:`megatron_dapo.actor.cpu_cp_attention.CpuContextParallelAttention`
     (exact attention over K/V all-gathered across CP); with CUDA, or CP 1, ``spec`` is returned
     unchanged, so the GPU path keeps TE's attention with megatron's CP group."""
     if not on_cpu() or config.context_parallel_size == 1:
         return spec
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     from megatron_dapo.actor.cpu_cp_attention import CpuContextParallelAttention
+    from megatron_dapo.actor.sdpa_attention import SDPAttention
 
     attention = spec.submodules.self_attention.submodules
-    if attention.core_attention is not DotProductAttention:
+    if attention.core_attention is not SDPAttention:
         raise ValueError(
-            f"context parallelism on CPU needs the local spec's DotProductAttention, got {attention.core_attention}"
+            f"context parallelism on CPU needs the local spec's SDPAttention, got {attention.core_attention}"
         )
     attention.core_attention = CpuContextParallelAttention
     return spec

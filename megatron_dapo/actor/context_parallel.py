@@ -69,6 +69,20 @@ def cp_unsplit(shares: list[torch.Tensor], dim: int = -1) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
+def cp_positions(cp: int, rank: int, length: int, cu_seqlens: list[int] | None = None) -> torch.Tensor:
+    """The positions of a row of ``length`` that rank ``rank`` holds, in its order. Packed
+    (``cu_seqlens``: the samples' boundaries in the row, each a multiple of ``2 * cp`` long)
+    every sample is cut on its own, as Transformer Engine's THD context parallelism does, so a
+    rank's share of the pack is its share of each sample, back to back."""
+    if cu_seqlens is None:
+        return cp_split(torch.arange(length), cp, rank, dim=0)
+    if cu_seqlens[-1] != length:
+        raise ValueError(f"cu_seqlens ends at {cu_seqlens[-1]}, the row has {length} positions")
+    return torch.cat(
+        [cp_split(torch.arange(lo, hi), cp, rank, dim=0) for lo, hi in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    )
+
+
 def cp_split_inputs(tokens: torch.Tensor, cp: int, rank: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
     """``tokens`` ``[b, s]`` (s a multiple of ``2 * cp``) -> this rank's ``input_ids``, ``labels``
     (the next token, from the full row; the last position gets ``pad_id``) and ``position_ids``
@@ -89,14 +103,29 @@ def cp_token_mean(local_sums: list[torch.Tensor], local_counts: list[torch.Tenso
     return torch.stack(local_sums).sum(0) / torch.stack(local_counts).sum(0).clamp(min=1)
 
 
-def cp_gather(local: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+def cp_gather(local: torch.Tensor, group, dim: int = -1, cu_seqlens: list[int] | None = None) -> torch.Tensor:
     """Every CP rank's share of a per-token tensor gathered back into sequence order (the driver
-    and the rollout log-prob check need whole rows)."""
+    and the rollout log-prob check need whole rows); ``cu_seqlens``: a packed row's samples,
+    each cut on its own (:func:`cp_positions`)."""
     import torch.distributed as dist
 
     shares = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(shares, local.contiguous(), group=group)
-    return cp_unsplit(shares, dim=dim)
+    if cu_seqlens is None:
+        return cp_unsplit(shares, dim=dim)
+    return cp_unsplit_packed(shares, cu_seqlens, dim=dim)
+
+
+def cp_unsplit_packed(shares: list[torch.Tensor], cu_seqlens: list[int], dim: int = -1) -> torch.Tensor:
+    """Inverse of the packed cut (:func:`cp_positions`): the whole packed row from every rank's
+    share, in rank order."""
+    cp = len(shares)
+    dim = dim % shares[0].dim()
+    length = shares[0].shape[dim] * cp
+    out = shares[0].new_empty(*shares[0].shape[:dim], length, *shares[0].shape[dim + 1 :])
+    for rank, share in enumerate(shares):
+        out.index_copy_(dim, cp_positions(cp, rank, length, cu_seqlens).to(share.device), share)
+    return out
 
 
 def cp_reduce_token_mean(local_sum: torch.Tensor, local_count: torch.Tensor, group) -> torch.Tensor:
@@ -113,22 +142,20 @@ def cp_split_micro(micro, cp: int, rank: int):
     """This CP rank's share of a :class:`~megatron_dapo.actor.micro_batches.MicroBatch`: every
     per-position tensor cut along the sequence with :func:`cp_split` (labels and positions were
     taken from the whole row when it was collated, so no target is lost at a chunk boundary);
-    per-row fields (``sample_index``, ``advantages``) are kept whole."""
+    per-row fields (``sample_index``, ``advantages``) are kept whole. A packed micro-batch
+    (``cu_seqlens``) is cut sample by sample (:func:`cp_positions`); its ``cu_seqlens`` stay
+    those of the whole row, as megatron's THD RoPE and TE's attention take them."""
     if cp == 1:
         return micro
     fields = dict(micro.__dict__)
-    for key in (
-        "tokens",
-        "position_ids",
-        "labels",
-        "loss_mask",
-        "score_mask",
-        "old_logprobs",
-        "rollout_logprobs",
-        "routed_experts",
-    ):
+    packed = micro.cu_seqlens
+    mine = None if packed is None else cp_positions(cp, rank, micro.tokens.shape[1], packed.tolist())
+    for key in micro.POSITION_FIELDS:
         if fields[key] is not None:
-            fields[key] = cp_split(fields[key], cp, rank, dim=1)
+            if mine is None:
+                fields[key] = cp_split(fields[key], cp, rank, dim=1)
+            else:
+                fields[key] = fields[key].index_select(1, mine)
     return type(micro)(**fields)
 
 

@@ -1,19 +1,31 @@
 """Split an optimizer mini-batch over data-parallel ranks and into micro-batches by a token budget.
 
-Dynamic batch size: a micro-batch holds as many sequences as fit in ``max_tokens`` padded
-tokens (``sequences * longest``), so a few long responses get micro-batches of their own instead
-of blowing the memory of a fixed-size micro-batch. Every function here is deterministic (ties
-broken by sample index), so all ranks that see the same batch compute the same plan without
-talking to each other.
+Dynamic batch size: a micro-batch holds as many sequences as fit in ``max_tokens``, so a few long
+responses get micro-batches of their own instead of blowing the memory of a fixed-size
+micro-batch. Every function here is deterministic (ties broken by sample index), so all ranks
+that see the same batch compute the same plan without talking to each other.
 
-Micro-batches are right-padded. Under causal attention a real token never attends to a later
-position, so right padding changes no real token's output and no attention mask is needed; the
-padding positions are excluded from the loss by the loss mask.
+Two layouts:
+
+- Packed (:func:`pack_by_real_tokens`, :func:`collate_packed`): one row holding the samples back
+  to back, their boundaries in ``cu_seqlens``; the model runs it as THD (``PackedSeqParams``),
+  every sample attending causally to itself only, so a sample's outputs are those of its own
+  forward. The budget counts real tokens. Each sample is padded only to the multiple context
+  parallelism cuts it by (``2 * CP``), and the row's end to the multiple sequence parallelism /
+  FP8 need. The loss reads the row through :func:`row_view`, which puts each sample's positions
+  in a row of its own: the padded layout the loss functions take.
+- Padded (:func:`pack_by_token_budget`, :func:`collate`): a micro-batch holds as many sequences
+  as fit in ``sequences * longest`` positions, right-padded. Under causal attention a real token
+  never attends to a later position, so right padding changes no real token's output and no
+  attention mask is needed; the padding positions are excluded from the loss by the loss mask.
+
+Padding changes no real token's output in either layout: it only follows real tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -94,6 +106,50 @@ def _halve_biggest(groups: list[list[int]], error: str) -> None:
     groups[biggest:biggest] = [g[:half], g[half:]]
 
 
+def pack_by_real_tokens(
+    lengths: list[int], indices: list[int], max_tokens: int, multiple_of: int = 1
+) -> list[list[int]]:
+    """Group samples into packed micro-batches of at most ``max_tokens`` real tokens.
+
+    First-fit decreasing: samples longest first, each into the first micro-batch it fits in
+    (fewer micro-batches than closing one at the first misfit). Each group lists its samples in
+    ascending order. With ``multiple_of`` > 1 the largest groups are halved until the count is a
+    multiple (megatron's interleaved pipeline schedule needs one). Raises :class:`BatchError`
+    when one sample alone exceeds the budget."""
+    if max_tokens < 1:
+        raise BatchError(f"micro_batch_max_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    loads: list[int] = []
+    for i in _longest_first(lengths, indices):
+        if lengths[i] > max_tokens:
+            raise BatchError(
+                f"sample {i} has {lengths[i]} tokens, more than micro_batch_max_tokens={max_tokens}; set "
+                "micro_batch_max_tokens >= max_prompt_length + max_response_length"
+            )
+        fit = next((g for g, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+        if fit is None:
+            groups.append([i])
+            loads.append(lengths[i])
+        else:
+            groups[fit].append(i)
+            loads[fit] += lengths[i]
+    groups = [sorted(g) for g in groups]
+    while len(groups) % multiple_of:
+        _halve_biggest(
+            groups,
+            f"{len(indices)} samples cannot form a multiple of {multiple_of} micro-batches "
+            "(the interleaved pipeline schedule needs one); give each DP rank more samples",
+        )
+    return groups
+
+
+def packed_length(lengths: list[int], seq_multiple: int = 1, row_multiple: int = 1) -> int:
+    """Positions of a packed row of samples of ``lengths``: each padded to ``seq_multiple``,
+    the row to ``row_multiple``."""
+    total = sum(-(-n // seq_multiple) * seq_multiple for n in lengths)
+    return -(-total // row_multiple) * row_multiple
+
+
 def split_to_count(groups: list[list[int]], count: int) -> list[list[int]]:
     """``groups`` with the largest halved until there are ``count`` of them (expert parallelism:
     every rank of an EP group must run the same number of micro-batches, since each forward
@@ -139,30 +195,53 @@ def pack_fixed_shape(
 
 @dataclass
 class MicroBatch:
-    """One padded micro-batch in token-position layout.
+    """One micro-batch in token-position layout: padded (``b`` rows, one sample each) or packed
+    (one row, ``cu_seqlens`` set, the per-sample fields one entry per sample).
 
-    ``labels[:, t]`` is the token predicted at position ``t`` (``tokens[:, t + 1]``) and
-    ``loss_mask[:, t]`` marks the positions whose prediction is a response token in the loss;
-    ``old_logprobs`` / ``rollout_logprobs`` are aligned to those positions.
+    ``labels[:, t]`` is the token predicted at position ``t`` (``tokens[:, t + 1]``, within the
+    same sample) and ``loss_mask[:, t]`` marks the positions whose prediction is a response
+    token in the loss; ``old_logprobs`` / ``rollout_logprobs`` are aligned to those positions.
     """
 
-    sample_index: torch.Tensor  # [b] rows of the rollout-step batch
+    # the [b, L, ...] fields: cut along the sequence by context parallelism
+    POSITION_FIELDS: ClassVar[tuple[str, ...]] = (
+        "tokens",
+        "position_ids",
+        "labels",
+        "loss_mask",
+        "score_mask",
+        "old_logprobs",
+        "rollout_logprobs",
+        "routed_experts",
+        "seq_ids",
+    )
+
+    sample_index: torch.Tensor  # [n] samples of the rollout-step batch (-1: a dummy row)
     tokens: torch.Tensor  # [b, L] int64
-    position_ids: torch.Tensor  # [b, L] int64
+    position_ids: torch.Tensor  # [b, L] int64, within each sample
     labels: torch.Tensor  # [b, L] int64
     loss_mask: torch.Tensor  # [b, L] bool
     score_mask: torch.Tensor  # [b, L] bool: every response position (for log-prob output)
-    advantages: torch.Tensor  # [b]
+    advantages: torch.Tensor  # [n]
     old_logprobs: torch.Tensor | None  # [b, L]
     rollout_logprobs: torch.Tensor | None  # [b, L]
     # [b, L, layers, k] experts the rollout engine chose (actor/routing_replay.py), or None
     routed_experts: torch.Tensor | None = None
-    # [b] tokens of each row (0 for a dummy row): the real positions are position_ids < seq_lens
+    # [n] real tokens of each sample (0 for a dummy row)
     seq_lens: torch.Tensor | None = None
+    # [b, L] int64: the sample (0..n-1) whose real token a position holds, -1 for padding
+    seq_ids: torch.Tensor | None = None
+    # packed: [n + 1] int64 sample boundaries in the row (padding included), else None
+    cu_seqlens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
+        """Positions the model computes (real tokens and padding)."""
         return int(self.tokens.numel())
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.seq_lens.sum())
 
 
 def _to_positions(values: torch.Tensor, prompt_len: int, resp_len: int, length: int) -> torch.Tensor:
@@ -214,10 +293,14 @@ def collate(
     index[: len(indices)] = torch.tensor(indices, dtype=torch.long)
     advantages = torch.zeros(b, dtype=batch.advantages.dtype)
     advantages[: len(indices)] = batch.advantages[index[: len(indices)]]
+    positions = torch.arange(length).unsqueeze(0).expand(b, length).contiguous()
+    seq_lens = torch.tensor(lens + [0] * (b - len(lens)), dtype=torch.long)
+    real = positions < seq_lens[:, None]
+    seq_ids = torch.where(real, torch.arange(b)[:, None], torch.full_like(positions, -1))
     return MicroBatch(
         sample_index=index,
         tokens=tokens,
-        position_ids=torch.arange(length).unsqueeze(0).expand(b, length).contiguous(),
+        position_ids=positions,
         labels=labels,
         loss_mask=loss_mask,
         score_mask=score_mask,
@@ -225,8 +308,125 @@ def collate(
         old_logprobs=old,
         rollout_logprobs=rollout,
         routed_experts=routed,
-        seq_lens=torch.tensor(lens + [0] * (b - len(lens)), dtype=torch.long),
+        seq_lens=seq_lens,
+        seq_ids=seq_ids,
     )
+
+
+def collate_packed(
+    batch: ActorBatch,
+    indices: list[int],
+    pad_id: int = 0,
+    seq_multiple: int = 1,
+    row_multiple: int = 1,
+    *,
+    length: int | None = None,
+) -> MicroBatch:
+    """Pack the samples ``indices`` of ``batch`` back to back into one row (a packed
+    :class:`MicroBatch`). Each sample is padded to ``seq_multiple`` positions (context
+    parallelism cuts every sample into ``2 * CP`` chunks), the row to ``row_multiple`` (sequence
+    parallelism, FP8) or to ``length`` (the interleaved pipeline's one shape); the row's padding
+    belongs to the last sample, after its real tokens."""
+    lens = [int(batch.seq_lens[i]) for i in indices]
+    spans = [-(-n // seq_multiple) * seq_multiple for n in lens]
+    total = packed_length(lens, seq_multiple, row_multiple)
+    if length is not None:
+        if length < total or length % row_multiple:
+            raise ValueError(f"a packed row of {total} positions cannot be padded to {length}")
+        total = length
+    spans[-1] += total - sum(spans)
+    cu = torch.tensor([0, *spans], dtype=torch.long).cumsum(0)
+    tokens = torch.full((1, total), pad_id, dtype=torch.long)
+    labels = torch.full((1, total), pad_id, dtype=torch.long)
+    positions = torch.zeros(1, total, dtype=torch.long)
+    seq_ids = torch.full((1, total), -1, dtype=torch.long)
+    loss_mask = torch.zeros(1, total, dtype=torch.bool)
+    score_mask = torch.zeros(1, total, dtype=torch.bool)
+    old = None if batch.old_logprobs is None else torch.zeros(1, total, dtype=batch.old_logprobs.dtype)
+    rollout = (
+        None if batch.rollout_logprobs is None else torch.zeros(1, total, dtype=batch.rollout_logprobs.dtype)
+    )
+    routed = None
+    if batch.routed_experts is not None:
+        from megatron_dapo.actor.routing_replay import pad_value
+
+        layers, k = batch.routed_experts[indices[0]].shape[1:]
+        routed = pad_value(k).expand(1, total, layers, k).clone()
+    for row, (i, start, span) in enumerate(zip(indices, cu[:-1].tolist(), spans)):
+        ids = batch.input_ids[i]
+        n, p, r = ids.numel(), int(batch.prompt_lens[i]), int(batch.response_lens[i])
+        tokens[0, start : start + n] = ids
+        labels[0, start : start + n - 1] = ids[1:]
+        positions[0, start : start + span] = torch.arange(span)
+        seq_ids[0, start : start + n] = row
+        loss_mask[0, start : start + span] = _to_positions(batch.response_mask[i], p, r, span)
+        score_mask[0, start + p - 1 : start + p - 1 + r] = True
+        if old is not None:
+            old[0, start : start + span] = _to_positions(batch.old_logprobs[i], p, r, span)
+        if rollout is not None:
+            rollout[0, start : start + span] = _to_positions(batch.rollout_logprobs[i], p, r, span)
+        if routed is not None:
+            experts = batch.routed_experts[i]
+            routed[0, start : start + experts.shape[0]] = experts
+    index = torch.tensor(indices, dtype=torch.long)
+    return MicroBatch(
+        sample_index=index,
+        tokens=tokens,
+        position_ids=positions,
+        labels=labels,
+        loss_mask=loss_mask,
+        score_mask=score_mask,
+        advantages=batch.advantages[index].clone(),
+        old_logprobs=old,
+        rollout_logprobs=rollout,
+        routed_experts=routed,
+        seq_lens=torch.tensor(lens, dtype=torch.long),
+        seq_ids=seq_ids,
+        cu_seqlens=cu,
+    )
+
+
+@dataclass
+class RowView:
+    """Where each sample of a packed row (or of this context-parallel rank's share of it) lies:
+    ``index[i, j]`` is the row position of the sample's ``j``-th position here, ``valid`` marks
+    the ``j`` that exist. ``rows(values)`` turns ``[1, T, ...]`` per-position values into the
+    padded ``[n, L, ...]`` layout the loss functions take (differentiable; invalid entries 0)."""
+
+    index: torch.Tensor  # [n, L] int64
+    valid: torch.Tensor  # [n, L] bool
+
+    def rows(self, values: torch.Tensor) -> torch.Tensor:
+        picked = values[0][self.index]
+        valid = self.valid.view(*self.valid.shape, *([1] * (picked.dim() - 2)))
+        return torch.where(valid, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+
+
+def row_view(micro: MicroBatch, cp: int = 1) -> RowView:
+    """The :class:`RowView` of a packed micro-batch after its context-parallel cut over ``cp``
+    ranks (a rank holds ``1/cp`` of every sample, back to back, in the order of ``cu_seqlens``)."""
+    spans = (micro.cu_seqlens.diff() // cp).tolist()
+    starts = torch.tensor([0, *spans[:-1]], dtype=torch.long).cumsum(0)
+    width = max(spans)
+    j = torch.arange(width)
+    valid = j[None, :] < torch.tensor(spans)[:, None]
+    index = torch.where(valid, starts[:, None] + j[None, :], torch.zeros((), dtype=torch.long))
+    dev = micro.tokens.device
+    return RowView(index.to(dev), valid.to(dev))
+
+
+def as_rows(micro: MicroBatch, view: RowView) -> MicroBatch:
+    """A packed micro-batch in the padded layout (one sample per row) for the loss: every
+    per-position field through ``view`` (the experts are not needed there and dropped)."""
+    fields = dict(micro.__dict__)
+    for key in MicroBatch.POSITION_FIELDS:
+        if key == "routed_experts":
+            fields[key] = None
+        elif fields[key] is not None:
+            fields[key] = view.rows(fields[key])
+    fields["seq_ids"] = torch.where(view.valid, micro.seq_ids[0][view.index], -1)
+    fields["cu_seqlens"] = None
+    return MicroBatch(**fields)
 
 
 def _routed_rows(experts: list[torch.Tensor], indices: list[int], b: int, length: int) -> torch.Tensor:
@@ -245,8 +445,16 @@ def positions_to_response(
     values: torch.Tensor, micro: MicroBatch, batch: ActorBatch, out: torch.Tensor
 ) -> None:
     """Write position-layout ``values`` ([b, L]) of ``micro`` into ``out`` ([B, R], response layout)."""
+    starts = [0] * len(micro.sample_index) if micro.cu_seqlens is None else micro.cu_seqlens.tolist()
     for row, i in enumerate(micro.sample_index.tolist()):
         if i < 0:  # padding row
             continue
         p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
-        out[i, :r] = values[row, p - 1 : p - 1 + r].to(out.dtype)
+        at, start = (row, 0) if micro.cu_seqlens is None else (0, starts[row])
+        out[i, :r] = values[at, start + p - 1 : start + p - 1 + r].to(out.dtype)
+
+
+def padding_positions(micros: list[MicroBatch]) -> tuple[int, int]:
+    """``(padding positions, computed positions)`` of ``micros``."""
+    total = sum(m.num_tokens for m in micros)
+    return total - sum(m.num_real_tokens for m in micros), total

@@ -3,7 +3,8 @@ and MoE, Llama-3).
 
 The HF config decides the architecture; the parallel layout comes from megatron's parallel_state
 (call :func:`megatron_dapo.actor.parallel.init_parallel` first). The Transformer Engine layer spec
-is used when TE is importable and a GPU is present, megatron's local spec otherwise. The vocabulary
+is used when TE is importable and a GPU is present, megatron's local spec otherwise, with its core
+attention on torch's scaled_dot_product_attention (``actor/sdpa_attention.py``). The vocabulary
 is padded to a multiple of ``make_vocab_size_divisible_by * TP`` as megatron requires; logits
 beyond ``hf_config.vocab_size`` belong to padding rows (zero when loaded from HF) and must be
 ignored by callers (:func:`forward_logits` drops them).
@@ -223,12 +224,28 @@ def _moe_without_te() -> None:
             setattr(moe_utils, name, None)
 
 
-def layer_spec(config: Any, use_te: bool | None = None) -> Any:
-    """TE layer spec when ``use_te`` (auto: TE importable and a GPU present), local spec otherwise."""
+LOCAL_ATTENTIONS = ("sdpa", "unfused")
+
+
+def layer_spec(config: Any, use_te: bool | None = None, local_attention: str = "sdpa") -> Any:
+    """TE layer spec when ``use_te`` (auto: TE importable and a GPU present), local spec otherwise.
+
+    The local spec's core attention is ``local_attention``: ``"sdpa"``
+    (:class:`~megatron_dapo.actor.sdpa_attention.SDPAttention`, memory linear in length, packed
+    sequences) or ``"unfused"`` (megatron's ``DotProductAttention``, ``[b, heads, s, s]`` scores,
+    no packing), which also serves the configurations SDPA cannot (softmax offsets, sliding
+    windows: ``sdpa_attention.sdpa_supports``)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+
+    from megatron_dapo.actor.sdpa_attention import SDPAttention, sdpa_supports
+
+    if local_attention not in LOCAL_ATTENTIONS:
+        raise ModelConfigError(
+            f"local_attention={local_attention!r}; choose one of {', '.join(LOCAL_ATTENTIONS)}"
+        )
 
     if use_te is None:
         use_te = te_available()
@@ -242,6 +259,13 @@ def layer_spec(config: Any, use_te: bool | None = None) -> Any:
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, **moe)
     local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm, **moe)
+    if local_attention == "sdpa" and sdpa_supports(config) is None:
+        local.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif config.context_parallel_size > 1:
+        raise ModelConfigError(
+            f"context parallelism without Transformer Engine needs the SDPA attention; "
+            f"local_attention={local_attention!r}, {sdpa_supports(config) or 'asked for'}"
+        )
     return compat.cpu_context_parallel_spec(local, config)  # CP > 1 on CPU only
 
 
@@ -254,13 +278,15 @@ def build_gpt_model(
     make_vocab_size_divisible_by: int = 128,
     parallel_output: bool = True,
     config_overrides: dict[str, Any] | None = None,
+    local_attention: str = "sdpa",
     **config_kwargs: Any,
 ) -> list[Any]:
     """This rank's model chunks: one ``GPTModel`` per virtual pipeline stage (one without vpp).
 
     Needs megatron's parallel_state (``init_parallel``). Each chunk has pre_process on the first
     stage's first virtual chunk and post_process on the last stage's last chunk. Parameters are on
-    :func:`compat.device`. ``config_kwargs`` go to :func:`transformer_config_from_hf`.
+    :func:`compat.device`. ``local_attention``: the local spec's core attention
+    (:func:`layer_spec`). ``config_kwargs`` go to :func:`transformer_config_from_hf`.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -281,7 +307,7 @@ def build_gpt_model(
         **config_kwargs,
         **(config_overrides or {}),
     )
-    transformer_layer_spec = layer_spec(config, use_te)
+    transformer_layer_spec = layer_spec(config, use_te, local_attention)
     tp = ps.get_tensor_model_parallel_world_size()
     vocab = padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by)
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()

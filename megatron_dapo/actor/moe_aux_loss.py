@@ -43,8 +43,10 @@ _TOTAL = torch.zeros((), dtype=torch.float64)
 
 @dataclass
 class _Context:
-    real: torch.Tensor  # [b, L] bool: this rank's positions (CP share) that hold a real token
-    weights: torch.Tensor  # [b] float64: sequence_weights of the rows
+    # [b, L] int64: this rank's positions (CP share): the sequence whose real token each holds,
+    # -1 for padding (a packed row holds several sequences)
+    seq_ids: torch.Tensor
+    weights: torch.Tensor  # [n] float64: sequence_weights of the sequences
     coeff: float
     num_layers: int  # MoE layers of the whole model (the mean's divisor)
 
@@ -60,13 +62,14 @@ def _routers(chunk: Any) -> list[Any]:
     return found
 
 
-def prepare(chunk: Any, real: torch.Tensor, weights: torch.Tensor, coeff: float) -> None:
+def prepare(chunk: Any, seq_ids: torch.Tensor, weights: torch.Tensor, coeff: float) -> None:
     """Make the chunk's routers compute the loss in the next training forward of the micro-batch
-    whose real-token mask (``[b, L]``, this rank's CP share) and row weights are given."""
+    whose positions' sequences (``[b, L]``, this rank's CP share, -1 for padding) and sequence
+    weights are given."""
     routers = _routers(chunk)
     if not routers:
         return
-    ctx = _Context(real, weights.to(real.device), float(coeff), int(routers[0].config.num_layers))
+    ctx = _Context(seq_ids, weights.to(seq_ids.device), float(coeff), int(routers[0].config.num_layers))
     for router in routers:
         # One context per prepared forward, taken in order by the router's forwards.
         queue = getattr(router, "_aux_queue", None)
@@ -109,15 +112,15 @@ def _split_group(config: Any):
     return ps.get_tensor_and_context_parallel_group()
 
 
-def _router_rows(real: torch.Tensor, s_local: int, config: Any) -> torch.Tensor:
-    """The real-token mask in the router's token order ([s, b] flattened) for this TP rank's
-    sequence-parallel shard."""
+def _router_rows(seq_ids: torch.Tensor, s_local: int, config: Any) -> torch.Tensor:
+    """The positions' sequences in the router's token order ([s, b] flattened) for this TP
+    rank's sequence-parallel shard."""
     from megatron.core import parallel_state as ps
 
     if config.sequence_parallel:
         start = ps.get_tensor_model_parallel_rank() * s_local
-        real = real[:, start : start + s_local]
-    return real.transpose(0, 1).reshape(-1)
+        seq_ids = seq_ids[:, start : start + s_local]
+    return seq_ids.transpose(0, 1).reshape(-1)
 
 
 def _hook(router: Any, args: tuple, out: tuple):
@@ -129,18 +132,22 @@ def _hook(router: Any, args: tuple, out: tuple):
     ctx = queue.popleft()
     probs, routing_map = out
     hidden = args[0]
-    s_local, b = hidden.shape[0], hidden.shape[1]
+    s_local = hidden.shape[0]
     experts = router.config.num_moe_experts
     attach = ctx.coeff > 0
+    n = ctx.weights.numel()
     with torch.set_grad_enabled(attach):
         logits = router.gating(hidden).reshape(-1, experts)
         scores = torch.softmax(logits.float(), dim=-1)
-        mask = _router_rows(ctx.real, s_local, router.config).to(scores.device)
-        keep = mask.to(scores.dtype)[:, None]
-        prob_sums = (scores * keep).reshape(s_local, b, experts).sum(0)  # [b, E], this rank's tokens
+        ids = _router_rows(ctx.seq_ids, s_local, router.config).to(scores.device)
+        keep = ids >= 0
+        ids = ids[keep]
+        # [n, E], this rank's tokens of each sequence
+        prob_sums = scores.new_zeros(n, experts).index_add(0, ids, scores[keep])
     with torch.no_grad():
-        counts = (routing_map.to(scores.dtype) * keep).reshape(s_local, b, experts).sum(0)
-        whole = torch.cat([counts, mask.reshape(s_local, b).sum(0).to(scores.dtype)[:, None]], dim=1)
+        counts = scores.new_zeros(n, experts).index_add(0, ids, routing_map[keep].to(scores.dtype))
+        tokens = scores.new_zeros(n).index_add(0, ids, scores.new_ones(ids.numel()))
+        whole = torch.cat([counts, tokens[:, None]], dim=1)
         group = _split_group(router.config)
         if group is not None:
             import torch.distributed as dist

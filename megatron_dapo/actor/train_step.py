@@ -18,7 +18,7 @@ import torch
 from megatron_dapo.actor import compat, fused_output, moe_aux_loss, routing_replay
 from megatron_dapo.actor.context_parallel import cp_gather, cp_row_sum, cp_split_micro
 from megatron_dapo.actor.logprobs import DEFAULT_CHUNK_TOKENS
-from megatron_dapo.actor.micro_batches import MicroBatch
+from megatron_dapo.actor.micro_batches import MicroBatch, as_rows, row_view
 from megatron_dapo.algo import RolloutCorrection, policy_loss, sequence_weights
 
 # Per-mini-batch metric sums; the token-weighted ones are divided by "tokens" after reduction.
@@ -86,6 +86,35 @@ def _to_device(micro: MicroBatch) -> MicroBatch:
     return MicroBatch(**fields)
 
 
+def _packed_seq_params(micro: MicroBatch):
+    """THD ``PackedSeqParams`` of a packed micro-batch (None when padded): every sample attends
+    causally to itself only, and megatron's RoPE restarts its positions at each sample. The
+    boundaries are those of the whole row, also under context parallelism (megatron's THD RoPE
+    and TE's attention divide them by CP themselves)."""
+    if micro.cu_seqlens is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = micro.cu_seqlens.to(device=micro.tokens.device, dtype=torch.int32)
+    longest = int(micro.cu_seqlens.diff().max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+
+
+def _forward(model, micro: MicroBatch):
+    return model(micro.tokens, micro.position_ids, None, packed_seq_params=_packed_seq_params(micro))
+
+
+def _loss_view(micro: MicroBatch):
+    """``(rows, micro)``: how the loss reads per-position values (``rows(x)``) and the
+    micro-batch in the padded layout the loss takes; the identity when ``micro`` is padded."""
+    if micro.cu_seqlens is None:
+        return (lambda x: x), micro
+    view = row_view(micro, _cp_size())
+    return view.rows, as_rows(micro, view)
+
+
 def _run_schedule(
     model_chunks: list[Any], micros: list[MicroBatch], forward_step, forward_only: bool
 ) -> None:
@@ -139,7 +168,8 @@ def score_micro_batches(
         micro = _to_device(next(data_iterator))
         routing_replay.apply(model, micro.routed_experts, micro.score_mask)
         with fused_output.hidden_states_out(model):
-            output = model(micro.tokens, micro.position_ids, None)
+            output = _forward(model, micro)
+        packed = None if micro.cu_seqlens is None else micro.cu_seqlens.tolist()
 
         def collect(hidden):
             lp, ent = fused_output.logprobs(
@@ -153,7 +183,8 @@ def score_micro_batches(
                 chunk_tokens=chunk_tokens,
             )
             if cp_group is not None:
-                lp, ent = cp_gather(lp.float(), cp_group, dim=1), cp_gather(ent.float(), cp_group, dim=1)
+                lp = cp_gather(lp.float(), cp_group, dim=1, cu_seqlens=packed)
+                ent = cp_gather(ent.float(), cp_group, dim=1, cu_seqlens=packed)
             out.append((lp.float().cpu(), ent.float().cpu()))
             zero = hidden.sum() * 0
             return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}
@@ -257,19 +288,19 @@ def backward_micro_batches(
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
         routing_replay.apply(model, micro.routed_experts, micro.score_mask)
+        rows, loss_micro = _loss_view(micro)
         if settings.moe_aux_loss_coeff is not None:
             weights = sequence_weights(
-                micro.loss_mask,
+                loss_micro.loss_mask,
                 settings.loss_agg_mode,
                 settings.num_tokens,
                 settings.num_seqs,
                 norm_len=settings.norm_len,
                 row_sum=row_sum,
             )
-            real = micro.position_ids < micro.seq_lens[:, None]
-            moe_aux_loss.prepare(model, real, weights, settings.moe_aux_loss_coeff)
+            moe_aux_loss.prepare(model, micro.seq_ids, weights, settings.moe_aux_loss_coeff)
         with fused_output.hidden_states_out(model):
-            output = model(micro.tokens, micro.position_ids, None)
+            output = _forward(model, micro)
 
         def loss_func(hidden):
             nonlocal totals
@@ -282,7 +313,7 @@ def backward_micro_batches(
                 tp_group=tp_group,
                 chunk_tokens=settings.logprob_chunk_tokens,
             )
-            loss, stats = micro_batch_loss(lp, ent, micro, settings, row_sum)
+            loss, stats = micro_batch_loss(rows(lp), rows(ent), loss_micro, settings, row_sum)
             totals = combine_stats(totals, stats.cpu())
             # Three values with calculate_per_token_loss: megatron back-propagates `loss` as is.
             return loss, stats.new_tensor(int(stats[1]), dtype=torch.int), {}

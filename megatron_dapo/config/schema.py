@@ -222,6 +222,10 @@ class ActorConfig:
     ppo_epochs: int = 1
     # Token budget of one micro-batch (dynamic batch size): sequences are packed up to it.
     micro_batch_max_tokens: int = 16384
+    # true: micro-batches carry samples back to back (THD packed sequences, each attending to
+    # itself only), the budget counts real tokens; false: one right-padded sample per row, the
+    # budget counts rows x longest. actor/padding_fraction shows the padding either way.
+    pack_sequences: bool = True
     # Tokens per chunk of the output layer fused with the log-prob and entropy: the [tokens x
     # vocab] logits never exist, one chunk's do (~chunk x vocab/TP float32 values, a few at once).
     # Default measured on CPU only (tools/bench_logprobs.py --chunks); not measured on GPU.
