@@ -184,7 +184,7 @@ def test_engine_death_mid_step_loses_nothing():
     )
     batch = mgr.collect(Dataset([MIXED]), 0)
     m = batch.metrics
-    assert batch.num_groups == 8 and m["rollout/engines_down"] == 1 and "dying" in mgr.down
+    assert batch.num_groups == 8 and m["rollout/engines_down"] == 1 and "dying" in mgr.pool.down
     assert sorted(dying.served + healthy.served) == list(range(8))  # every prompt served exactly once
     assert accounted(m) == 8 and m["rollout/aborted"] == 0
     assert [s.prompt.index for s in batch.samples[::4]] == list(range(8))

@@ -300,8 +300,8 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     if inputs.problems:
         from megatron_dapo.driver.validation import make_validator
 
-        # the manager's list: engines the run goes on without leave it (and validation) in place
-        validate = make_validator(cfg, manager.engines, inputs.scorer, inputs.problems, tokenizer)
+        # the pool: engines the run goes on without leave it, and validation with it
+        validate = make_validator(cfg, manager.pool, inputs.scorer, inputs.problems, tokenizer)
     trainer = DAPOTrainer(
         cfg,
         run=run,

@@ -24,7 +24,6 @@ from omegaconf import DictConfig
 
 from megatron_dapo.driver.batch_builder import build_actor_batch
 from megatron_dapo.driver.carried import CARRIED_FILE, read_carried, write_carried
-from megatron_dapo.driver.engine_restart import restart_down_engines, return_to_service
 from megatron_dapo.driver.pipeline import Prefetch, batches_ahead, queue_from_state
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.rank_group import RankCallError
@@ -345,8 +344,8 @@ class DAPOTrainer:
         try:
             ahead = prefetch.result() or []
         except NoEngineAliveError as e:
-            m = self.manager
-            down = [en for en in getattr(m, "engines", ()) if en.name in getattr(m, "down", {})]
+            pool = getattr(self.manager, "pool", None)
+            down = [en for en in (pool or ()) if pool.is_down(en.name)]
             if not any(launched_by_this_run(en) for en in down):
                 raise
             ahead = prefetch.keep_finished()
@@ -432,7 +431,8 @@ class DAPOTrainer:
         True when paused. Not with engines down (their restart changes the manager's engine
         set), and not when the pause does not settle within ``rollout.request_timeout_s`` (the
         rollout is resumed and the sync waits for it, as without partial rollouts)."""
-        if not self.cfg.rollout.partial or prefetch.done() or getattr(self.manager, "down", None):
+        pool = getattr(self.manager, "pool", None)
+        if not self.cfg.rollout.partial or prefetch.done() or (pool is not None and pool.down):
             return False
         with timer.phase("pause_rollout"), progress.phase(step, "pausing the rollout for the sync"):
             if not self.manager.pause(float(self.cfg.rollout.request_timeout_s)):
@@ -448,9 +448,10 @@ class DAPOTrainer:
         colocated GPUs through the same memory hand-over as a step), and return them to service.
         False when none came back (servers given by URL: the caller's error stands).
         ``version``: the weights to give them, when not the state's (the step's sync is done)."""
-        if not hasattr(self.manager, "down"):
+        pool = getattr(self.manager, "pool", None)
+        if pool is None:
             return False
-        revived = restart_down_engines(self.manager)
+        revived = pool.restart_down()
         if not revived:
             return False
         self._call("reset_transport", limit="other_s")
@@ -458,32 +459,18 @@ class DAPOTrainer:
         self._to_sync()
         self.sync(self.state.weight_version if version is None else version)
         self._to_generation()
-        return_to_service(self.manager, revived)
+        pool.return_to_service(revived)
         return True
 
     def _drop_lost_engines(self, revived: list[str]) -> None:
         """Down engines this run cannot restart (servers given by URL) that did not come back:
         while others serve, the run goes on without them: out of the weight sync (the ranks'
         transport), the rollouts and validation (the manager's engine list), for good."""
-        m = self.manager
-        if not hasattr(m, "down") or not hasattr(m, "engines"):
-            return
-        lost = [
-            e for e in m.engines if e.name in m.down and e.name not in revived and not launched_by_this_run(e)
-        ]
-        if not lost or len(lost) == len(m.engines):  # none left: the sync's error names them
-            return
-        names = [e.name for e in lost]
-        self._call("drop_engines", names, limit="other_s")
-        for e in lost:
-            log.error(
-                "engine %s is down (%s) and this run cannot restart it: going on with %d engines without it",
-                e.name,
-                m.down.pop(e.name),
-                len(m.engines) - len(lost),
-            )
-        m.engines[:] = [e for e in m.engines if e.name not in names]
-        getattr(m, "lost", set()).update(names)
+        pool = getattr(self.manager, "pool", None)
+        names = pool.unrestartable(revived) if pool is not None else []
+        if names:
+            self._call("drop_engines", names, limit="other_s")
+            pool.drop(names)
 
     def _validation_due(self, step: int) -> bool:
         t = self.cfg.trainer
@@ -601,13 +588,15 @@ class DAPOTrainer:
                     self._rollout_end = prefetch.finished_at
                 try:
                     with timer.phase("sync_weights"), progress.phase(step, "weight sync"):
-                        revived = restart_down_engines(self.manager) if hasattr(self.manager, "down") else []
+                        pool = getattr(self.manager, "pool", None)
+                        revived = pool.restart_down() if pool is not None else []
                         self._drop_lost_engines(revived)
                         if revived:
                             self._call("reset_transport", limit="other_s")
                         self._to_sync()
                         sync_metrics = self.sync(step)
-                        return_to_service(self.manager, revived)  # only now, with the new weights
+                        if pool is not None:
+                            pool.return_to_service(revived)  # only now, with the new weights
                 except BaseException:
                     if interrupt:  # the paused rollout ends with the run, never stays paused
                         self._cancel_rollout = True

@@ -50,6 +50,7 @@ import torch
 
 from megatron_dapo.algo import mixed_group_mask, overlong_penalty
 from megatron_dapo.rollout.engine import EngineError, launched_by_this_run
+from megatron_dapo.rollout.engine_pool import EnginePool, healthy
 from megatron_dapo.rollout.engine_probe import InFlightProbe
 from megatron_dapo.rollout.partial import (
     CarriedGroup,
@@ -352,11 +353,10 @@ class RolloutManager:
         names = [e.name for e in engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
-        self.engines = list(engines)
+        self.pool = EnginePool(engines)  # the engines and which of them serve
         self.scorer = scorer
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.down: dict[str, str] = {}  # engine name -> why it was marked down
         self._keep_rate: float | None = None  # last observed, drives over-sampling
         self._zombies: dict[Future, _Call] = {}  # timed-out calls whose threads have not returned
         # set by the trainer: True once the run must stop; a step in flight is then abandoned
@@ -369,11 +369,6 @@ class RolloutManager:
         self._pausing = False
         self._quiet = False  # paused with no engine call in flight
         self._collecting = False
-        # engines that answered a call since the last weight sync (the check before the sync
-        # skips them); the driver clears it at each sync (driver/engine_restart.py)
-        self.heard: set[str] = set()
-        # engines this run goes on without (down, given by URL, out of `engines` since a sync)
-        self.lost: set[str] = set()
         self.clock = time.monotonic  # of the hang probe; tests step a fake one
         self._probe: InFlightProbe | None = None
 
@@ -421,7 +416,7 @@ class RolloutManager:
         if collecting:
             # abort here rather than wait for the rollout loop's next poll to do it; the loop
             # still aborts any call it dispatched just before it saw the pause
-            self._abort_all([e for e in self.engines if e.name not in self.down])
+            self._abort_all(self.pool.alive())
         with self._cond:
             return self._cond.wait_for(lambda: self._quiet or not self._collecting, timeout_s)
 
@@ -445,7 +440,7 @@ class RolloutManager:
 
     def _collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         cfg = self.cfg
-        ledger = _Ledger([e.name for e in self.engines], cfg.train_batch_size)
+        ledger = _Ledger([e.name for e in self.pool], cfg.train_batch_size)
         # rollout.partial: the previous rollout's tail goes first in draw order (it was drawn
         # earlier), so it is used before anything new; self._carry changes only on success, so
         # an abandoned or failed rollout leaves it as it was
@@ -563,7 +558,7 @@ class RolloutManager:
         calls: dict[Future, _Call] = {}
         scoring: dict[Future, list[_Group]] = {}
         gen_pool = ThreadPoolExecutor(
-            max_workers=min(self._slots * len(self.engines), 512), thread_name_prefix="rollout"
+            max_workers=min(self._slots * len(self.pool), 512), thread_name_prefix="rollout"
         )
         score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         for unit in queue:
@@ -584,8 +579,8 @@ class RolloutManager:
                 paused = self.cfg.partial and self._paused(calls, paused_calls)
                 if not paused:
                     self._dispatch(queue, calls, gen_pool)
-                    if queue and all(e.name in self.down for e in self.engines):
-                        raise NoEngineAliveError(self._down_message())
+                    if queue and not self.pool.alive():
+                        raise NoEngineAliveError(self.pool.down_message())
                 pending = list(calls) + list(scoring) + list(self._zombies) + self._probe.futures()
                 if paused and not pending:  # nothing to collect: sleep until resumed
                     with self._cond:
@@ -665,7 +660,7 @@ class RolloutManager:
     def _dispatch(self, queue: deque[_Unit], calls: dict[Future, _Call], pool: ThreadPoolExecutor) -> None:
         """Start queued units on engines with free slots, least outstanding calls first."""
         while queue:
-            alive = [e for e in self.engines if e.name not in self.down]
+            alive = self.pool.alive()
             load = {e.name: 0 for e in alive}
             for c in [*calls.values(), *self._zombies.values()]:  # a stuck call still holds its slot
                 if c.engine.name in load:
@@ -689,7 +684,7 @@ class RolloutManager:
         if error is None:
             error = _check_results(unit, results)
         if error is None:
-            self.heard.add(engine.name)
+            self.pool.mark_heard(engine.name)
             ledger.tokens += sum(len(r.output_ids) for r in results)
             self._to_scoring(unit, results, scoring, score_pool)
             return
@@ -709,8 +704,8 @@ class RolloutManager:
 
     def _retry(self, unit: _Unit, engine: Any, error: BaseException | str, queue, ledger: _Ledger) -> None:
         groups = [g.serial for g in unit.groups]
-        if not _healthy(engine):
-            self.down[engine.name] = str(error)
+        if not healthy(engine):
+            self.pool.mark_down(engine.name, str(error))
             logger.error("rollout: engine %s is down (%s); re-issuing groups %s", engine.name, error, groups)
         else:
             unit.attempts += 1
@@ -742,7 +737,7 @@ class RolloutManager:
     def _find_hung(self, calls: dict[Future, _Call], queue: deque[_Unit], ledger: _Ledger) -> None:
         """Probe the engines that hold calls and went silent; a failed probe takes one as hung."""
         busy = {c.engine.name: c.engine for c in calls.values()}
-        for engine in self.engines:
+        for engine in self.pool:
             if engine.name not in busy:
                 self._probe.idle(engine.name)
         for engine, silent_s in self._probe.poll(busy):
@@ -771,9 +766,9 @@ class RolloutManager:
             else "its health check failed"
         )
         what = f"no reply for {silent_s:.0f}s to {len(stuck)} calls in flight and {failed}"
-        self.down[engine.name] = f"hung ({what})"
+        self.pool.mark_down(engine.name, f"hung ({what})")
         ledger.hung.append(engine.name)
-        alive = [e.name for e in self.engines if e.name not in self.down]
+        alive = [e.name for e in self.pool.alive()]
         knobs = "rollout.health_probe_interval_s, rollout.sglang.health_timeout_s"
         restartable = launched_by_this_run(engine)
         if not alive and not restartable:
@@ -932,10 +927,6 @@ class RolloutManager:
     def _record_interval(self, call: _Call, ledger: _Ledger) -> None:
         ledger.intervals[call.engine.name].append((call.start, time.perf_counter()))
 
-    def _down_message(self) -> str:
-        why = "; ".join(f"{name}: {reason}" for name, reason in self.down.items())
-        return f"rollout: all {len(self.engines)} engines are down ({why}); restart them or check their logs"
-
     def _metrics(
         self, samples: list[RolloutSample], ledger: _Ledger, wall: float, version: int
     ) -> dict[str, float]:
@@ -959,12 +950,11 @@ class RolloutManager:
             "rollout/surplus": ledger.surplus,
             "rollout/aborted": ledger.aborted,
             "rollout/retries": ledger.retries,
-            "rollout/engines_down": len(self.down),
+            "rollout/engines_down": len(self.pool.down),
             # found hung this step with calls in flight; and the down engines this run cannot
             # restart (given by URL), which it goes on without
             "rollout/engines_hung": len(ledger.hung),
-            "rollout/engines_lost": len(self.lost)
-            + sum(not launched_by_this_run(e) for e in self.engines if e.name in self.down),
+            "rollout/engines_lost": self.pool.lost_count(),
             "rollout/partial_batch": float(len(samples) < cfg.train_batch_size * cfg.n),
             "rollout/time_s": wall,
             "rollout/gen_time_s": gen_time,
@@ -1080,13 +1070,6 @@ def _abort_quietly(engine: Any) -> None:
         engine.abort()
     except Exception as e:  # noqa: BLE001 - a hung engine may not answer; it is down anyway
         logger.info("rollout: abort on hung engine %s: %s", engine.name, e)
-
-
-def _healthy(engine: Any) -> bool:
-    try:
-        return bool(engine.health())
-    except Exception:
-        return False
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
