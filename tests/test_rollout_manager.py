@@ -23,14 +23,10 @@ from rollout_fakes import (
     manager_config,
 )
 
+from megatron_dapo.rollout.dump import dump_rollouts
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.manager import (
-    TIMING_DEPENDENT_METRICS,
-    NoEngineAliveError,
-    RolloutManager,
-    RolloutManagerConfig,
-    dump_rollouts,
-)
+from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutManager, RolloutManagerConfig
+from megatron_dapo.rollout.rollout_metrics import TIMING_DEPENDENT_METRICS
 
 
 def test_refill_across_rounds_keeps_only_mixed_groups_in_draw_order():
