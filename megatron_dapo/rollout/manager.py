@@ -241,7 +241,7 @@ class RolloutManager:
 
     def partial_groups(self) -> list[CarriedGroup]:
         """rollout.partial: the carried groups themselves (a checkpoint stores them in its carried
-        file, driver/carried.py); not copies, so the caller must not change them."""
+        file, driver/run_state.py); not copies, so the caller must not change them."""
         return list(self._carry)
 
     def load_partial_groups(self, groups: list[CarriedGroup]) -> None:
