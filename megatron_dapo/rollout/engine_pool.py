@@ -62,10 +62,6 @@ class EnginePool(Sequence):
         return iter(list(self._engines))
 
     @property
-    def engines(self) -> tuple[Any, ...]:
-        return tuple(self._engines)
-
-    @property
     def down(self) -> Mapping[str, str]:
         """Engine name -> why it is down (read-only)."""
         return MappingProxyType(self._down)
