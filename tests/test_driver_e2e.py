@@ -105,7 +105,7 @@ def test_rollout_correction_reaches_the_loss_and_a_skipped_sync_fails_the_check(
     fit = DAPOTrainer.fit
 
     def fit_without_sync(self):
-        self.sync = lambda version: {}
+        self.engines.sync = lambda version: {}
         return fit(self)
 
     monkeypatch.setattr(DAPOTrainer, "fit", fit_without_sync)
