@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_fakes import FakeDataset, FakeRanks, fake_sample, trainer_config
+from trainer_fakes import FakeDataset, FakeManager, FakeRanks, fake_sample, trainer_config
 
 from megatron_dapo.actor.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
 from megatron_dapo.algo import RolloutCorrection, policy_loss
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
 from megatron_dapo.driver.run_dir import RunDir
+from megatron_dapo.driver.run_state import CARRIED_FILE, read_carried
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.trainer import DAPOTrainer
 from megatron_dapo.rollout.staleness import drop_stale_groups
@@ -74,10 +74,10 @@ class Engine:
         return {}
 
 
-class EngineManager:
+class EngineManager(FakeManager):
     def __init__(self, engine):
+        super().__init__()
         self.engine = engine
-        self.should_stop = None
         self.calls = 0
 
     def collect(self, dataset, version):
@@ -202,7 +202,7 @@ def test_async_mode_needs_its_own_devices_and_a_positive_bound():
 
 def test_a_one_step_off_checkpoint_of_the_one_batch_form_still_resumes():
     """Checkpoints written before the queue held one batch as {'samples', 'metrics'}."""
-    from megatron_dapo.driver.pipeline import queue_from_state
+    from megatron_dapo.driver.run_state import queue_from_state
 
     old = {"samples": [asdict(fake_sample(0, 1, [4, 4]))], "metrics": {"rollout/prompts_drawn": 1}}
     (batch,) = queue_from_state(old)

@@ -1,4 +1,4 @@
-"""Issue 13: the batches an async checkpoint carries live in their own file (driver/carried.py).
+"""Issue 13: the batches an async checkpoint carries live in their own file (driver/run_state.py).
 
 The reference is the items themselves: what comes back equals what went in, floats and tensors
 bit for bit (NaN, -0.0, infinities, subnormals included), in order, with other carried kinds
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_dapo.data.types import PromptSample
-from megatron_dapo.driver.carried import read_carried, register_carried_type, write_carried
+from megatron_dapo.driver.run_state import read_carried, register_carried_type, write_carried
 from megatron_dapo.rollout.partial import CarriedGroup, PartialSample, carry_from_items, carry_to_items
 from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 from megatron_dapo.weights.hf_io import CheckpointError

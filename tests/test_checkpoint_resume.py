@@ -75,7 +75,7 @@ def _carried_batch():
 def _train(rank, world, hf_dir, root):
     from megatron_dapo.actor.checkpoint import save_checkpoint
     from megatron_dapo.actor.parallel import init_parallel
-    from megatron_dapo.driver.carried import CARRIED_FILE, write_carried
+    from megatron_dapo.driver.run_state import CARRIED_FILE, write_carried
 
     init_parallel(tp=2, pp=1)
     actor = _actor(hf_dir)
@@ -188,7 +188,7 @@ def test_carried_batches_are_adopted_into_the_checkpoint_and_covered_by_its_mani
     import json
 
     from megatron_dapo.actor.checkpoint import MANIFEST, CheckpointError, find_resume_checkpoint
-    from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
+    from megatron_dapo.driver.run_state import CARRIED_FILE, read_carried
 
     root = _copy(runs["root"], tmp_path)
     ckpt = root / "step_00000002"

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_dapo.demo.assets import prepare_demo_assets
 from megatron_dapo.driver.launch import load_for_cli, run_train
-from megatron_dapo.rollout.manager import TIMING_DEPENDENT_METRICS
+from megatron_dapo.rollout.rollout_metrics import TIMING_DEPENDENT_METRICS
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -64,6 +64,8 @@ def test_two_steps_end_to_end(assets, tmp_path):
         assert key in first, key
     # one mini-batch per step: pi_old is the current policy, so no clipping and no KL at step 1
     assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0
+    # packed micro-batches (actor.pack_sequences, the default): only CP/SP/FP8 alignment pads
+    assert first["actor/padding_fraction"] == 0.0
     _assert_engine_matches_trainer(records)
     assert records[2]["rollout/gen_rounds"] >= 1 and "rollout/keep_rate" in records[2]
     for r in records[1:]:  # sync mode: every token comes from the actor's current weights
@@ -105,7 +107,7 @@ def test_rollout_correction_reaches_the_loss_and_a_skipped_sync_fails_the_check(
     fit = DAPOTrainer.fit
 
     def fit_without_sync(self):
-        self.sync = lambda version: {}
+        self.engines.sync = lambda version: {}
         return fit(self)
 
     monkeypatch.setattr(DAPOTrainer, "fit", fit_without_sync)

@@ -18,10 +18,10 @@ import signal
 import pytest
 from e2e_harness import DAPO_ON, read_metrics, start_and_wait_for_step, train_overrides, train_to_end
 from safetensors.torch import load_file
-from trainer_fakes import FakeDataset, FakeRanks, fake_sample, make_trainer, trainer_config
+from trainer_fakes import FakeDataset, FakeManager, FakeRanks, fake_sample, make_trainer, trainer_config
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
+from megatron_dapo.driver.run_state import CARRIED_FILE, read_carried
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.rollout.manager import RolloutAbandoned
 from megatron_dapo.rollout.types import RolloutBatch
@@ -128,13 +128,13 @@ class TrainingRanks(FakeRanks):
         return [{}] if method == "train_step" else out
 
 
-class SigtermInPrefetch:
+class SigtermInPrefetch(FakeManager):
     """Step 1's rollout comes back; the prefetch of step 2 draws its prompts, then the run finds
     itself stopping (a SIGTERM while the actor trains step 1)."""
 
     def __init__(self, stop: StopFlag):
+        super().__init__()
         self.stop = stop
-        self.should_stop = None
         self.keep_rate = 0.5
         self.versions: list[int] = []
 

@@ -16,7 +16,7 @@ from helpers import tiny_hf_config
 from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, accounted, manager_config
 
 from megatron_dapo.actor.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
-from megatron_dapo.driver.carried import CARRIED_FILE, read_carried
+from megatron_dapo.driver.run_state import CARRIED_FILE, read_carried
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.manager import RolloutManager
 from megatron_dapo.rollout.partial import carry_from_items, carry_to_state, continuation, from_result, join

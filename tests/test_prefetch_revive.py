@@ -112,7 +112,7 @@ class Engine(ScriptedEngine):
         if self.world.pausing:
             self.world.paused.set()
 
-    # the server this run launched (engine_restart.restart_down_engines)
+    # the server this run launched (EnginePool.restart_down)
     def alive(self):
         return self._alive
 

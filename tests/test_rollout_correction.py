@@ -307,7 +307,7 @@ def test_config_reaches_the_actor():
 
 
 def test_the_metrics_are_logged():
-    from megatron_dapo.driver.trainer import ACTOR_KEYS
+    from megatron_dapo.driver.step import ACTOR_KEYS
 
     assert ACTOR_KEYS["rc_weight_mean"] == "actor/rollout_corr_weight_mean"
     assert ACTOR_KEYS["rc_fraction"] == "actor/rollout_corr_fraction"

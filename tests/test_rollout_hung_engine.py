@@ -85,8 +85,8 @@ def test_an_engine_hung_mid_rollout_is_dropped_after_one_probe_and_the_step_fini
     assert (
         m["rollout/engines_hung"] == 1 and m["rollout/engines_down"] == 1 and m["rollout/engines_lost"] == 1
     )
-    assert mgr.down["hung"].startswith("hung (no reply for 30s to 2 calls in flight")
-    assert "ok" not in mgr.down and mgr.heard == {"ok"}  # the check before the sync skips "ok"
+    assert mgr.pool.down["hung"].startswith("hung (no reply for 30s to 2 calls in flight")
+    assert "ok" not in mgr.pool.down and mgr.pool.heard == {"ok"}  # the check before the sync skips "ok"
     assert "engine hung hung" in caplog.text and "continues without it" in caplog.text
 
 
@@ -113,7 +113,7 @@ def test_a_silent_engine_that_answers_its_probe_keeps_its_work():
     gate.set()
     worker.join(120)
     assert not worker.is_alive()
-    assert _rows(out["batch"]) == _rows(_reference(cfg)) and mgr.down == {}
+    assert _rows(out["batch"]) == _rows(_reference(cfg)) and mgr.pool.down == {}
     assert out["batch"].metrics["rollout/engines_hung"] == 0 and slow.health_calls == 1
 
 
@@ -180,7 +180,7 @@ def test_the_step_goes_on_without_a_hung_url_server(stopped_server, caplog):
     assert _rows(batch) == _rows(_reference(cfg))  # group 0 went to the hung server first
     assert sorted(ok.served) == list(range(m["rollout/prompts_drawn"]))
     assert m["rollout/engines_hung"] == 1 and m["rollout/engines_lost"] == 1
-    assert f"GET {url}/health unanswered within 1s" in mgr.down[engine.name]
+    assert f"GET {url}/health unanswered within 1s" in mgr.pool.down[engine.name]
     assert "continues without it" in caplog.text
 
 

@@ -24,14 +24,10 @@ from rollout_fakes import (
 )
 
 from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.rollout.dump import dump_rollouts
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.manager import (
-    TIMING_DEPENDENT_METRICS,
-    NoEngineAliveError,
-    RolloutManager,
-    RolloutManagerConfig,
-    dump_rollouts,
-)
+from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutManager, RolloutManagerConfig
+from megatron_dapo.rollout.rollout_metrics import TIMING_DEPENDENT_METRICS
 
 
 def test_refill_across_rounds_keeps_only_mixed_groups_in_draw_order():
@@ -185,7 +181,7 @@ def test_engine_death_mid_step_loses_nothing():
     )
     batch = mgr.collect(Dataset([MIXED]), 0)
     m = batch.metrics
-    assert batch.num_groups == 8 and m["rollout/engines_down"] == 1 and "dying" in mgr.down
+    assert batch.num_groups == 8 and m["rollout/engines_down"] == 1 and "dying" in mgr.pool.down
     assert sorted(dying.served + healthy.served) == list(range(8))  # every prompt served exactly once
     assert accounted(m) == 8 and m["rollout/aborted"] == 0
     assert [s.prompt.index for s in batch.samples[::4]] == list(range(8))

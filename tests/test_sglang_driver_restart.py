@@ -121,11 +121,11 @@ def test_dead_engine_is_restarted_and_synced_before_it_gets_work(tmp_path):
             if not e._alive:  # what a real transport does with a dead server
                 raise ConnectionError(f"weight sync: {e.name} is gone")
             e.version = version
-        log.append(f"sync{version} down={sorted(manager.down)}")
+        log.append(f"sync{version} down={sorted(manager.pool.down)}")
         return {}
 
     steps = _two_steps(
-        tmp_path, manager, sync, log, lambda b: (dict(b.metrics), set(manager.down), list(dying.served))
+        tmp_path, manager, sync, log, lambda b: (dict(b.metrics), set(manager.pool.down), list(dying.served))
     )
 
     # step 1: the engine died, the other finished the step, every prompt is accounted for
@@ -189,7 +189,7 @@ def test_the_only_engine_hung_mid_rollout_is_restarted_synced_and_the_step_drawn
 
     def sync(version):
         solo.version = version
-        log.append(f"sync{version} down={sorted(manager.down)}")
+        log.append(f"sync{version} down={sorted(manager.pool.down)}")
         return {}
 
     batches = _two_steps(tmp_path, manager, sync, log, lambda b: b)
@@ -204,7 +204,7 @@ def test_the_only_engine_hung_mid_rollout_is_restarted_synced_and_the_step_drawn
         (s.prompt.index, s.response_ids) for s in reference.samples
     ]
     assert accounted(step1.metrics) == step1.metrics["rollout/prompts_drawn"] == 8
-    assert len(batches) == 2 and manager.down == {}
+    assert len(batches) == 2 and manager.pool.down == {}
     # what it served after the restart ran with the weights it was synced to
     assert solo.served_versions.count(0) >= 8 and solo.served_versions[-1] == 1
 
@@ -229,14 +229,14 @@ def test_a_hung_server_given_by_url_is_left_behind_and_the_run_goes_on(tmp_path)
         return {}
 
     try:
-        steps = _two_steps(tmp_path, manager, sync, log, lambda b: (b, [e.name for e in manager.engines]))
+        steps = _two_steps(tmp_path, manager, sync, log, lambda b: (b, [e.name for e in manager.pool]))
     finally:
         url.killed.set()  # ends its stuck call's thread
     (b1, engines1), (b2, engines2) = steps
     # step 1 finished on the other engine; the hung one then left the sync and the rollouts
     assert b1.metrics["rollout/engines_hung"] == 1 and b1.metrics["rollout/engines_lost"] == 1
     assert log.index("actor.drop_engines") < log.index("sync1")
-    assert engines2 == ["healthy"] and manager.lost == {"url"} and manager.down == {}
+    assert engines2 == ["healthy"] and manager.pool.lost == {"url"} and manager.pool.down == {}
     assert b2.metrics["rollout/engines_lost"] == 1 and b2.metrics["rollout/engines_hung"] == 0
     assert url.calls == 2 and b2.num_groups == 8
 

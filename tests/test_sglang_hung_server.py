@@ -15,14 +15,13 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from megatron_dapo.driver.engine_restart import restart_down_engines
 from megatron_dapo.driver.sglang_node_host import SGLangNodeHost
 from megatron_dapo.ports import free_port
+from megatron_dapo.rollout.engine_pool import EnginePool
 from megatron_dapo.rollout.sglang_client import SGLangEngine
 from megatron_dapo.rollout.sglang_server import SGLangServerConfig
 
@@ -51,12 +50,12 @@ def test_hung_server_is_found_before_the_sync_killed_and_restarted(host):
     server = host.servers[0]
     engine = SGLangEngine(server.cfg.url, name="sglang-0", server=server, health_timeout_s=2)
     try:
-        manager = SimpleNamespace(engines=[engine], down={})
-        assert restart_down_engines(manager) == [] and manager.down == {}  # a serving one is left alone
+        pool = EnginePool([engine])
+        assert pool.restart_down() == [] and pool.down == {}  # a serving one is left alone
         stopped = _pid(server.cfg.url)
         os.killpg(stopped, signal.SIGSTOP)
-        assert restart_down_engines(manager) == ["sglang-0"]
-        assert "GET /health within 2s" in manager.down["sglang-0"]
+        assert pool.restart_down() == ["sglang-0"]
+        assert "GET /health within 2s" in pool.down["sglang-0"]
         new = httpx.get(server.cfg.url + "/health", timeout=30).json()
         assert new["pid"] != stopped and new["ppid"] == os.getpid()
         assert not Path(f"/proc/{stopped}").exists()  # SIGKILLed and reaped, not left stopped
@@ -115,14 +114,14 @@ def test_a_serving_server_costs_no_liveness_call_to_its_node_before_the_sync(hos
     remote = RemoteLike(host.servers[0])
     engine = SGLangEngine(remote.server.cfg.url, name="sglang-0", server=remote, health_timeout_s=2)
     try:
-        manager = SimpleNamespace(engines=[engine], down={})
-        assert restart_down_engines(manager) == [] and remote.alive_calls == 0
+        pool = EnginePool([engine])
+        assert pool.restart_down() == [] and remote.alive_calls == 0
         os.killpg(_pid(remote.server.cfg.url), signal.SIGKILL)  # a dead one is still told apart
         # a SIGKILL is delivered asynchronously: once reaped the process is gone for sure (CI once
         # checked in between: no /health answer yet a live process, "does not answer GET /health")
         remote.server.proc.wait(timeout=60)
-        assert restart_down_engines(manager) == ["sglang-0"]
-        assert manager.down["sglang-0"] == "its server is gone" and remote.alive_calls == 1
+        assert pool.restart_down() == ["sglang-0"]
+        assert pool.down["sglang-0"] == "its server is gone" and remote.alive_calls == 1
     finally:
         engine.close()
 
@@ -160,8 +159,9 @@ def test_the_check_before_a_sync_asks_only_engines_not_heard_from_since_the_last
             return True
 
     a, b = Engine("a"), Engine("b")
-    manager = SimpleNamespace(engines=[a, b], down={}, heard={"a"})  # a answered a call this step
-    assert restart_down_engines(manager) == [] and manager.down == {}
+    pool = EnginePool([a, b])
+    pool.mark_heard("a")  # a answered a call this step
+    assert pool.restart_down() == [] and pool.down == {}
     assert a.asked == [] and b.asked == [False]  # only the silent one, and only its /health
-    assert manager.heard == set()  # the sync starts a new period
-    assert restart_down_engines(manager) == [] and a.asked == [False] and b.asked == [False, False]
+    assert pool.heard == set()  # the sync starts a new period
+    assert pool.restart_down() == [] and a.asked == [False] and b.asked == [False, False]

@@ -268,7 +268,11 @@ def test_a_server_that_hangs_mid_rollout_is_left_behind_and_the_step_finishes(sg
         os.killpg(pgid, signal.SIGCONT)
     ref = RolloutManager([ScriptedEngine("ref")], Scorer(), cfg, Tokenizer()).collect(Dataset([MIXED]), 0)
     try:
-        assert stopped.is_set() and "GET " in mgr.down["hung-real"] and "within 2s" in mgr.down["hung-real"]
+        assert (
+            stopped.is_set()
+            and "GET " in mgr.pool.down["hung-real"]
+            and "within 2s" in mgr.pool.down["hung-real"]
+        )
         assert [(s.prompt.index, s.response_ids) for s in batch.samples] == [
             (s.prompt.index, s.response_ids) for s in ref.samples
         ]

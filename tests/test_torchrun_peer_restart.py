@@ -4,7 +4,7 @@ that started it (that node's LOCAL_RANK 0), through a rank call from rank 0 (iss
 Two ranks of a gloo world play two nodes: rank 1 ("node1", LOCAL_RANK 0) starts a stand-in server
 (a tiny HTTP server reporting its pid and parent pid) under its `NodeServers`; rank 0 builds its
 engines with `rank0_engines` (the connection itself is stubbed: the stand-in speaks no SGLang),
-kills the server, and runs the trainer's `restart_down_engines`. The server must come back as a
+kills the server, and runs the engine pool's `restart_down`. The server must come back as a
 child of rank 1. Then the server hangs (SIGSTOP: its port still accepts, nothing answers) with no
 request on it: the check before the sync must find it down (its GET /health is not answered within
 the engine's health timeout) and rank 1 must kill it and start a new one. Then the server is made
@@ -47,11 +47,11 @@ def _rank_main(tmp: Path) -> None:
 
     from megatron_dapo.driver import sglang_torchrun
     from megatron_dapo.driver.actor_worker import ActorWorker
-    from megatron_dapo.driver.engine_restart import restart_down_engines
     from megatron_dapo.driver.rank_group import SPMDRankGroup
     from megatron_dapo.driver.sglang_placement import EnginePlan
     from megatron_dapo.ports import free_port
     from megatron_dapo.rollout.engine import EngineError
+    from megatron_dapo.rollout.engine_pool import EnginePool
     from megatron_dapo.rollout.sglang_client import SGLangEngine
     from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
 
@@ -104,18 +104,19 @@ def _rank_main(tmp: Path) -> None:
     deadline = time.monotonic() + 60
     while _get(url) is not None and time.monotonic() < deadline:
         time.sleep(0.1)
-    manager = SimpleNamespace(engines=[engine], down={engine.name: "killed"})
-    result["revived"] = restart_down_engines(manager)
+    pool = EnginePool([engine])
+    pool.mark_down(engine.name, "killed")
+    result["revived"] = pool.restart_down()
     result["after"] = _get(url)
 
     result["error"] = result["hung"] = None
     if result["after"] is not None:
         # hung during the actor update: back in service (no request failed on it), then stopped
-        manager.down.clear()
+        pool.return_to_service([engine.name])
         stopped = result["after"]["pid"]
         os.killpg(stopped, signal.SIGSTOP)
-        revived = restart_down_engines(manager)
-        why = manager.down.get(engine.name, "")
+        revived = pool.restart_down()
+        why = pool.down.get(engine.name, "")
         result["hung"] = {"revived": revived, "why": why, "now": _get(url), "stopped_pid": stopped}
         result["hung"]["stopped_gone"] = not Path(f"/proc/{stopped}").exists()  # killed and reaped
     if result["hung"] is not None and result["hung"]["now"] is not None:
@@ -123,7 +124,7 @@ def _rank_main(tmp: Path) -> None:
         fail_flag.touch()
         os.kill(result["hung"]["now"]["pid"], signal.SIGKILL)
         try:
-            restart_down_engines(manager)
+            pool.restart_down()
         except EngineError as e:
             result["error"] = str(e)
     ranks.shutdown()
@@ -204,7 +205,7 @@ def test_peer_server_alive_is_whether_its_port_accepts():
 def test_a_server_that_died_without_work_is_restarted_before_the_sync():
     # killed during the actor update: no request failed on it, so the manager did not mark it down
     # (before: the sync's first request to it failed and ended the run)
-    from megatron_dapo.driver.engine_restart import restart_down_engines
+    from megatron_dapo.rollout.engine_pool import EnginePool
 
     class Server:
         def __init__(self, up):
@@ -222,7 +223,7 @@ def test_a_server_that_died_without_work_is_restarted_before_the_sync():
 
     dead = engine("sglang-1", Server(False))
     live = engine("sglang-0", Server(True))
-    manager = SimpleNamespace(engines=[live, dead], down={})
-    assert restart_down_engines(manager) == ["sglang-1"]
+    pool = EnginePool([live, dead])
+    assert pool.restart_down() == ["sglang-1"]
     assert (dead.server.restarts, live.server.restarts) == (1, 0)
-    assert manager.down == {"sglang-1": "its server is gone"}  # back in service only after the sync
+    assert pool.down == {"sglang-1": "its server is gone"}  # back in service only after the sync

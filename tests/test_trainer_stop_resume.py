@@ -17,6 +17,7 @@ import pytest
 from trainer_fakes import (
     EmptyDataState,
     FakeDataset,
+    FakeManager,
     FakeRanks,
     Log,
     OneGroupManager,
@@ -31,12 +32,12 @@ from megatron_dapo.driver.trainer import DAPOTrainer
 from megatron_dapo.rollout.manager import RolloutAbandoned
 
 
-class StoppingManager:
+class StoppingManager(FakeManager):
     """Draws prompts, then finds the run stopping mid-rollout (as a SIGTERM would arrive)."""
 
     def __init__(self, stop: StopFlag):
+        super().__init__()
         self.stop = stop
-        self.should_stop = None
         self.keep_rate = 0.5
 
     def state_dict(self):

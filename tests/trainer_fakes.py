@@ -13,6 +13,7 @@ from megatron_dapo.config import load_config
 from megatron_dapo.data.types import PromptSample
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.trainer import DAPOTrainer
+from megatron_dapo.rollout.engine_pool import EnginePool
 from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 
 
@@ -107,10 +108,44 @@ class LoggingEngine:
         self.log.append("engine.resume")
 
 
-class OneGroupManager:
+class FakeManager:
+    """The whole rollout-manager protocol (rollout/manager_protocol.py) with nothing behind it: no
+    engines, no state to checkpoint (``state_dict`` None), a partial tail only when one is loaded,
+    and a pause that settles at once. A test's manager subclasses it and writes ``collect`` (and
+    whatever else it observes)."""
+
+    def __init__(self):
+        self.pool = EnginePool([])
+        self.should_stop = None
+        self.carried_groups = []
+
+    def collect(self, dataset, weight_version):
+        raise AssertionError(f"{type(self).__name__} must define collect")
+
+    def state_dict(self):
+        return None
+
+    def load_state_dict(self, state):
+        pass
+
+    def partial_groups(self):
+        return list(self.carried_groups)
+
+    def load_partial_groups(self, groups):
+        self.carried_groups = list(groups)
+
+    def pause(self, timeout_s):
+        return True
+
+    def resume(self):
+        pass
+
+
+class OneGroupManager(FakeManager):
     """A rollout manager that returns one group of two samples (rewards +1 and -1) per step."""
 
     def __init__(self, log):
+        super().__init__()
         self.log = log
 
     def collect(self, dataset, version):

@@ -24,8 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from megatron_dapo.data.types import PromptSample
-from megatron_dapo.driver.carried import read_carried, write_carried
-from megatron_dapo.driver.pipeline import queue_from_state
+from megatron_dapo.driver.run_state import queue_from_state, read_carried, write_carried
 from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
 
 

@@ -9,7 +9,7 @@ Layout under a checkpoint root::
                              and the common entries "scheduler" and "trainer";
                              plus config.json/tokenizer files and megatron_dapo_model.json;
         carried.safetensors           (async modes, when batches were generated ahead) the
-                                      carried batches, driver/carried.py
+                                      carried batches, driver/run_state.py
         megatron_dapo_manifest.json   every file's size and CRC-32, written last
     root/latest              text: the directory name of the newest complete checkpoint
 

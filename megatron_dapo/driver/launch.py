@@ -286,7 +286,8 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     The caller has attached the weight transport to global rank 0's worker; `ranks.call` reaches
     every rank the same way whether they are Ray actors or torchrun processes.
     """
-    from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig, dump_rollouts
+    from megatron_dapo.rollout.dump import dump_rollouts
+    from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig
 
     run, tokenizer = inputs.run, inputs.tokenizer
 
@@ -300,8 +301,8 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     if inputs.problems:
         from megatron_dapo.driver.validation import make_validator
 
-        # the manager's list: engines the run goes on without leave it (and validation) in place
-        validate = make_validator(cfg, manager.engines, inputs.scorer, inputs.problems, tokenizer)
+        # the pool: engines the run goes on without leave it, and validation with it
+        validate = make_validator(cfg, manager.pool, inputs.scorer, inputs.problems, tokenizer)
     trainer = DAPOTrainer(
         cfg,
         run=run,

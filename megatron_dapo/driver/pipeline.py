@@ -7,7 +7,7 @@ behind the actor that trains on it. The rollout itself is the manager's `collect
 (dynamic sampling, retries, the determinism of its seeds), only started earlier.
 
 A prefetched batch that is finished when a checkpoint is taken travels in the checkpoint
-(`carried.safetensors`, driver/carried.py), with the data cursor already past its prompts, so a
+(`carried.safetensors`, driver/run_state.py), with the data cursor already past its prompts, so a
 resume trains on exactly the batch the uninterrupted run would have. Each batch also keeps the
 data cursor and manager state from before it was drawn (`Prefetch.starts`), so that
 `trainer.drop_carried_on_resume=true` can put its prompts back instead of skipping them.
@@ -34,9 +34,9 @@ import threading
 import time
 from typing import Any
 
-from megatron_dapo.data.types import PromptSample
 from megatron_dapo.rollout.manager import RolloutAbandoned
-from megatron_dapo.rollout.types import RolloutBatch, RolloutSample
+from megatron_dapo.rollout.manager_protocol import ManagerProtocol
+from megatron_dapo.rollout.types import RolloutBatch
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -65,8 +65,11 @@ class Prefetch:
     before and rewinds the rest (`keep_finished`), so the trainer can restart the engines at its
     sync and draw them again."""
 
-    def __init__(self, manager: Any, dataset: Any, version: int, count: int = 1):
+    def __init__(
+        self, manager: ManagerProtocol, dataset: Any, version: int, count: int = 1, partial: bool = False
+    ):
         self.manager = manager
+        self.partial = partial  # rollout.partial: each start records the carried tail's prompts
         self.dataset = dataset
         self.version = version
         self.count = count
@@ -86,8 +89,7 @@ class Prefetch:
         """The data cursor and manager state (pipeline.batch_start) and rollout.partial's carried
         tail (the groups themselves, not a JSON copy: at real sizes the tail is hundreds of MB,
         and the manager replaces carried samples rather than changing them)."""
-        partial = self.manager.partial_groups() if hasattr(self.manager, "partial_groups") else None
-        return batch_start(self.dataset, self.manager), partial
+        return batch_start(self.dataset, self.manager, self.partial), self.manager.partial_groups()
 
     def _run(self) -> None:
         try:
@@ -130,8 +132,7 @@ class Prefetch:
         self.dataset.load_state_dict(copy.deepcopy(start["data_cursor"]))
         if start["manager_state"] is not None:
             self.manager.load_state_dict(copy.deepcopy(start["manager_state"]))
-        if partial is not None:
-            self.manager.load_partial_groups(partial)
+        self.manager.load_partial_groups(partial)
 
     def done(self) -> bool:
         """The rollouts have finished (or failed)."""
@@ -142,38 +143,18 @@ class Prefetch:
         self._done.wait(timeout)
 
 
-def batch_start(dataset: Any, manager: Any) -> dict[str, Any]:
+def batch_start(dataset: Any, manager: ManagerProtocol, partial: bool = False) -> dict[str, Any]:
     """Where the data and the manager stood before a batch was drawn (small, JSON-able).
 
-    With rollout.partial, ``partial_tail`` lists the dataset positions (`position_of`) of the
+    With rollout.partial (``partial``), ``partial_tail`` lists the dataset positions (`position_of`) of the
     prompts the manager's carried tail held then: they were drawn before ``data_cursor``, so a
     rewind to it does not draw them again, and `trainer.drop_carried_on_resume` puts them back
     from here. Positions, not the prompts: a real tail is ~1000 groups of long prompts, and this
     record lives in state.json."""
     start = {
         "data_cursor": copy.deepcopy(dataset.state_dict()),
-        "manager_state": copy.deepcopy(manager.state_dict()) if hasattr(manager, "state_dict") else None,
+        "manager_state": copy.deepcopy(manager.state_dict()),
     }
-    if hasattr(manager, "partial_groups"):
+    if partial:
         start["partial_tail"] = [dataset.position_of(g.prompt) for g in manager.partial_groups()]
     return start
-
-
-# ---------------------------------------------------------------- the old checkpoint form
-def queue_from_state(state: dict[str, Any]) -> list[RolloutBatch]:
-    """The carried batches of a checkpoint written before carried.safetensors: they were JSON in
-    the trainer state (`prefetched`), {"batches": [...]} or, before the queue, one batch."""
-    if not state:
-        return []
-    if "samples" in state:  # a one_step_off checkpoint written before the queue: one batch
-        return [rollout_from_state(state)]
-    return [rollout_from_state(b) for b in state["batches"]]
-
-
-def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
-    samples = []
-    for row in state["samples"]:
-        row = dict(row)
-        row["prompt"] = PromptSample(**row["prompt"])
-        samples.append(RolloutSample(**row))
-    return RolloutBatch(samples, dict(state["metrics"]))

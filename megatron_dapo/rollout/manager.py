@@ -31,11 +31,15 @@ whatever order the calls finish in, with one engine or several, idle or loaded. 
 of the unused tail into ``surplus`` (finished before the abort) and ``aborted`` depends on
 timing (``TIMING_DEPENDENT_METRICS``); the engines' abort (which the HF engine applies to every
 call in flight) only ever hits groups past the cut.
+
+This module is the scheduling. The rest lives beside it: the engines and which of them serve in
+``engine_pool.py``; the DAPO part (reward, overlong shaping, the group filter) in ``scoring.py``;
+the units of work and their seeds in ``units.py``; the accounting in ``ledger.py``; the
+``rollout/*`` metrics in ``rollout_metrics.py``; the JSONL dump in ``dump.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -43,25 +47,22 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from megatron_dapo.algo import mixed_group_mask, overlong_penalty
 from megatron_dapo.config.knobs import from_config, knob
 from megatron_dapo.rollout.engine import EngineError, launched_by_this_run
+from megatron_dapo.rollout.engine_pool import EnginePool, healthy
 from megatron_dapo.rollout.engine_probe import InFlightProbe
+from megatron_dapo.rollout.ledger import Ledger
 from megatron_dapo.rollout.partial import (
     CarriedGroup,
     PartialSample,
     as_result,
     carry_from_state,
     carry_to_state,
-    continuation,
-    from_result,
-    join,
 )
+from megatron_dapo.rollout.rollout_metrics import rollout_metrics
+from megatron_dapo.rollout.scoring import GroupScoring
 from megatron_dapo.rollout.types import (
     GenerationRequest,
     GenerationResult,
@@ -69,22 +70,10 @@ from megatron_dapo.rollout.types import (
     RolloutSample,
     SamplingParams,
 )
+from megatron_dapo.rollout.units import Call, Group, Unit, check_results, request_seed
 
 logger = logging.getLogger(__name__)
 
-# rollout metrics that measure time or race the abort; every other one is a function of
-# (seed, config, weights) alone
-TIMING_DEPENDENT_METRICS = (
-    "rollout/surplus",
-    "rollout/aborted",
-    "rollout/retries",
-    "rollout/time_s",
-    "rollout/gen_time_s",
-    "rollout/wait_time_s",
-    "rollout/engine_busy_fraction",
-    "rollout/tokens_per_s",
-    "rollout/tokens_generated",
-)
 _POLL_S = 0.5
 
 
@@ -149,142 +138,6 @@ class RolloutManagerConfig:
         return from_config(cls, cfg, partial_max_lag=None if cfg.trainer.mode == "sync" else 0)
 
 
-@dataclass
-class _Group:
-    serial: int  # draw position in this step
-    prompt: Any
-    samples: list[RolloutSample] | None = None
-    carried: CarriedGroup | None = None  # rollout.partial: what an earlier rollout left of it
-
-
-@dataclass
-class _Unit:
-    """One engine call: ``groups_per_call`` groups, ``n`` requests each."""
-
-    groups: list[_Group]
-    requests: list[GenerationRequest]
-    attempts: int = 0
-    avoid: str | None = None
-    # rollout.partial: the requests sent (the unfinished ones, continued after their tokens so
-    # far); the finished responses (``held``) and the unfinished ones' tokens (``prefix``) by id
-    send: list[GenerationRequest] = field(default_factory=list)
-    held: dict[str, PartialSample] = field(default_factory=dict)
-    prefix: dict[str, PartialSample] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if not self.send and not self.held:
-            self.send = self.requests
-
-    def replan(self) -> None:
-        """``send`` from what is held and what is partly generated."""
-        self.send = [
-            continuation(r.request_id, r.prompt_ids, self.prefix[r.request_id], r.sampling)
-            if r.request_id in self.prefix
-            else r
-            for r in self.requests
-            if r.request_id not in self.held
-        ]
-
-    def fold(self, results: list[GenerationResult]) -> int:
-        """Keep what ``results`` (answers to ``send``, finished or aborted) generated; the tokens
-        they added."""
-        sent = {q.request_id for q in self.send}
-        added = 0
-        for r in results:
-            rid = r.request_id
-            if rid not in sent:
-                continue
-            prior = self.prefix.get(rid)
-            sample = from_result(join(prior, r), prior)
-            added += len(r.output_ids)
-            if sample.finished:
-                self.held[rid] = sample
-                self.prefix.pop(rid, None)
-            else:
-                self.prefix[rid] = sample
-        self.replan()
-        return added
-
-
-@dataclass
-class _Call:
-    unit: _Unit
-    engine: Any
-    start: float
-
-
-class _Ledger:
-    """Where every drawn prompt went, and the timing of engine calls.
-
-    ``outcome`` maps a scored group's draw position to "kept" or its filter reason; the prefix
-    ``[0, scanned)`` is all scored, and ``cut`` is set once that prefix holds ``target`` kept
-    groups (the batch is then decided, whatever is still running).
-    """
-
-    def __init__(self, engine_names: list[str], target: int):
-        self.target = target
-        self.drawn = 0
-        self.rounds = 0
-        self.groups: dict[int, _Group] = {}
-        self.outcome: dict[int, str] = {}
-        self.generated: set[int] = set()  # finished generating (scored or not) past the cut
-        self.scanned = 0
-        self.prefix_kept = 0
-        self.cut: int | None = None  # number of groups, in draw order, that decided the batch
-        self.kept: list[_Group] = []
-        self.resumed = 0  # rollout.partial: groups carried in from the previous rollout
-        self.units: dict[int, _Unit] = {}  # draw position -> its unit (rollout.partial)
-        self.carry_out: list[CarriedGroup] = []  # rollout.partial: groups past the cut, kept
-        self.restarted_tokens = 0  # rollout.partial: carried tokens dropped for staleness
-        self.filtered = {"all_correct": 0, "all_wrong": 0, "other": 0}
-        # groups whose filter metric is constant, measured whether or not the filter drops them
-        self.zero_spread_serials: set[int] = set()
-        self.zero_spread = 0
-        self.surplus = 0
-        self.aborted = 0
-        self.scored_groups = 0
-        self.retries = 0
-        self.tokens = 0
-        self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in engine_names}
-        self.hung: list[str] = []  # engines found hung with calls in flight this step
-
-    def record(self, group: _Group, outcome: str) -> None:
-        self.outcome[group.serial] = outcome
-        self.groups[group.serial] = group
-        while self.cut is None and self.scanned in self.outcome:
-            self.prefix_kept += self.outcome[self.scanned] == "kept"
-            self.scanned += 1
-            if self.prefix_kept >= self.target:
-                self.cut = self.scanned
-
-    def settle(self) -> None:
-        """Fill the buckets: up to the cut (or everything drawn) by outcome, the rest as unused."""
-        end = self.drawn if self.cut is None else self.cut
-        for serial in range(end):
-            outcome = self.outcome[serial]
-            if outcome == "kept":
-                self.kept.append(self.groups[serial])
-            else:
-                self.filtered[outcome] += 1
-        self.scored_groups = end
-        self.zero_spread = sum(serial < end for serial in self.zero_spread_serials)
-        for serial in range(end, self.drawn):
-            if self.carry_out:  # rollout.partial: carried to the next rollout, not unused
-                continue
-            if serial in self.outcome or serial in self.generated:
-                self.surplus += 1
-            else:
-                self.aborted += 1
-
-    def check(self, in_batch: int) -> None:
-        carried = len(self.carry_out)
-        total = in_batch + sum(self.filtered.values()) + self.surplus + self.aborted + carried
-        assert total == self.drawn, (
-            f"rollout accounting broken: drawn {self.drawn} != batch {in_batch} + filtered {self.filtered} "
-            f"+ surplus {self.surplus} + aborted {self.aborted} + carried {carried}"
-        )
-
-
 class RolloutManager:
     """Collects DAPO train batches from a set of engines.
 
@@ -301,13 +154,11 @@ class RolloutManager:
         names = [e.name for e in engines]
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
-        self.engines = list(engines)
-        self.scorer = scorer
+        self.pool = EnginePool(engines)  # the engines and which of them serve
         self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.down: dict[str, str] = {}  # engine name -> why it was marked down
+        self.scoring = GroupScoring(cfg, scorer, tokenizer)  # reward, overlong shaping, the filter
         self._keep_rate: float | None = None  # last observed, drives over-sampling
-        self._zombies: dict[Future, _Call] = {}  # timed-out calls whose threads have not returned
+        self._zombies: dict[Future, Call] = {}  # timed-out calls whose threads have not returned
         # set by the trainer: True once the run must stop; a step in flight is then abandoned
         self.should_stop: Any = None
         # rollout.partial: the groups the last rollout left past its cut, continued by the next
@@ -318,11 +169,6 @@ class RolloutManager:
         self._pausing = False
         self._quiet = False  # paused with no engine call in flight
         self._collecting = False
-        # engines that answered a call since the last weight sync (the check before the sync
-        # skips them); the driver clears it at each sync (driver/engine_restart.py)
-        self.heard: set[str] = set()
-        # engines this run goes on without (down, given by URL, out of `engines` since a sync)
-        self.lost: set[str] = set()
         self.clock = time.monotonic  # of the hang probe; tests step a fake one
         self._probe: InFlightProbe | None = None
 
@@ -345,7 +191,7 @@ class RolloutManager:
 
     def partial_groups(self) -> list[CarriedGroup]:
         """rollout.partial: the carried groups themselves (a checkpoint stores them in its carried
-        file, driver/carried.py); not copies, so the caller must not change them."""
+        file, driver/run_state.py); not copies, so the caller must not change them."""
         return list(self._carry)
 
     def load_partial_groups(self, groups: list[CarriedGroup]) -> None:
@@ -370,7 +216,7 @@ class RolloutManager:
         if collecting:
             # abort here rather than wait for the rollout loop's next poll to do it; the loop
             # still aborts any call it dispatched just before it saw the pause
-            self._abort_all([e for e in self.engines if e.name not in self.down])
+            self._abort_all(self.pool.alive())
         with self._cond:
             return self._cond.wait_for(lambda: self._quiet or not self._collecting, timeout_s)
 
@@ -394,7 +240,7 @@ class RolloutManager:
 
     def _collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         cfg = self.cfg
-        ledger = _Ledger([e.name for e in self.engines], cfg.train_batch_size)
+        ledger = Ledger([e.name for e in self.pool], cfg.train_batch_size)
         # rollout.partial: the previous rollout's tail goes first in draw order (it was drawn
         # earlier), so it is used before anything new; self._carry changes only on success, so
         # an abandoned or failed rollout leaves it as it was
@@ -421,10 +267,10 @@ class RolloutManager:
                     "max_num_gen_batches=0 to enable endless trials (or allow_partial_batch=true)."
                 )
             size = self._round_size(cfg.train_batch_size - ledger.prefix_kept)
-            groups = [_Group(ledger.drawn + i, c.prompt, carried=c) for i, c in enumerate(resume)]
+            groups = [Group(ledger.drawn + i, c.prompt, carried=c) for i, c in enumerate(resume)]
             if size > len(resume):
                 prompts = dataset.next_batch(size - len(resume))
-                groups += [_Group(ledger.drawn + len(resume) + i, p) for i, p in enumerate(prompts)]
+                groups += [Group(ledger.drawn + len(resume) + i, p) for i, p in enumerate(prompts)]
             ledger.resumed += len(resume)
             resume = []
             ledger.drawn += len(groups)
@@ -446,9 +292,9 @@ class RolloutManager:
         ledger.check(len(batch_groups))
         if cfg.partial:
             self._carry = ledger.carry_out
-        return RolloutBatch(samples, self._metrics(samples, ledger, wall, weight_version))
+        return RolloutBatch(samples, rollout_metrics(cfg, self.pool, samples, ledger, wall, weight_version))
 
-    def _resumable(self, version: int, ledger: _Ledger) -> list[CarriedGroup]:
+    def _resumable(self, version: int, ledger: Ledger) -> list[CarriedGroup]:
         """The carried groups, each response older than ``partial_max_lag`` started over."""
         lag = self.cfg.partial_max_lag
         out = []
@@ -472,9 +318,9 @@ class RolloutManager:
         want = math.ceil(1.1 * needed / max(self._keep_rate, 1e-6))
         return int(min(max(want, needed), math.ceil(cfg.max_over_sample_factor * needed)))
 
-    def _units(self, groups: list[_Group], version: int) -> deque[_Unit]:
+    def _units(self, groups: list[Group], version: int) -> deque[Unit]:
         cfg = self.cfg
-        units: deque[_Unit] = deque()
+        units: deque[Unit] = deque()
         for start in range(0, len(groups), cfg.groups_per_call):
             chunk = groups[start : start + cfg.groups_per_call]
             requests = [
@@ -487,13 +333,13 @@ class RolloutManager:
                         top_k=cfg.top_k,
                         max_new_tokens=cfg.max_response_length,
                         stop_token_ids=list(cfg.stop_token_ids),
-                        seed=_request_seed(cfg.seed, version, g.serial, j),
+                        seed=request_seed(cfg.seed, version, g.serial, j),
                     ),
                 )
                 for g in chunk
                 for j in range(cfg.n)
             ]
-            unit = _Unit(chunk, requests)
+            unit = Unit(chunk, requests)
             if any(g.carried is not None for g in chunk):
                 for gi, g in enumerate(chunk):
                     for j, s in enumerate(g.carried.samples if g.carried is not None else []):
@@ -506,13 +352,13 @@ class RolloutManager:
             units.append(unit)
         return units
 
-    def _run_round(self, groups: list[_Group], version: int, ledger: _Ledger) -> None:
+    def _run_round(self, groups: list[Group], version: int, ledger: Ledger) -> None:
         """Generate and score ``groups`` until all are done or the batch is decided."""
         queue = self._units(groups, version)
-        calls: dict[Future, _Call] = {}
-        scoring: dict[Future, list[_Group]] = {}
+        calls: dict[Future, Call] = {}
+        scoring: dict[Future, list[Group]] = {}
         gen_pool = ThreadPoolExecutor(
-            max_workers=min(self._slots * len(self.engines), 512), thread_name_prefix="rollout"
+            max_workers=min(self._slots * len(self.pool), 512), thread_name_prefix="rollout"
         )
         score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
         for unit in queue:
@@ -533,8 +379,8 @@ class RolloutManager:
                 paused = self.cfg.partial and self._paused(calls, paused_calls)
                 if not paused:
                     self._dispatch(queue, calls, gen_pool)
-                    if queue and all(e.name in self.down for e in self.engines):
-                        raise NoEngineAliveError(self._down_message())
+                    if queue and not self.pool.alive():
+                        raise NoEngineAliveError(self.pool.down_message())
                 pending = list(calls) + list(scoring) + list(self._zombies) + self._probe.futures()
                 if paused and not pending:  # nothing to collect: sleep until resumed
                     with self._cond:
@@ -562,7 +408,7 @@ class RolloutManager:
             gen_pool.shutdown(wait=False, cancel_futures=True)
             score_pool.shutdown(wait=True)
 
-    def _paused(self, calls: dict[Future, _Call], paused_calls: set[Future]) -> bool:
+    def _paused(self, calls: dict[Future, Call], paused_calls: set[Future]) -> bool:
         """While :meth:`pause` holds: abort each call in flight once, and report quiet once none
         is left. True when the loop must not dispatch now."""
         with self._cond:
@@ -577,7 +423,7 @@ class RolloutManager:
             self._abort_engines(fresh)
         return True
 
-    def _requeue_paused(self, call: _Call, fut: Future, queue: deque[_Unit], ledger: _Ledger) -> bool:
+    def _requeue_paused(self, call: Call, fut: Future, queue: deque[Unit], ledger: Ledger) -> bool:
         """A call a pause aborted: keep what it generated and queue the rest (not a failure, no
         retry counted). False when it finished anyway or failed (the normal path takes it)."""
         if fut.exception() is not None:
@@ -597,7 +443,7 @@ class RolloutManager:
         if self.should_stop is not None and self.should_stop():
             raise RolloutAbandoned("the run is stopping: rollout abandoned")
 
-    def _abort_engines(self, calls: dict[Future, _Call]) -> None:
+    def _abort_engines(self, calls: dict[Future, Call]) -> None:
         self._abort_all({c.engine.name: c.engine for c in calls.values()}.values())
 
     def _abort_all(self, engines) -> None:
@@ -611,10 +457,10 @@ class RolloutManager:
     def _slots(self) -> int:
         return max(1, self.cfg.max_concurrency_per_engine // (self.cfg.n * self.cfg.groups_per_call))
 
-    def _dispatch(self, queue: deque[_Unit], calls: dict[Future, _Call], pool: ThreadPoolExecutor) -> None:
+    def _dispatch(self, queue: deque[Unit], calls: dict[Future, Call], pool: ThreadPoolExecutor) -> None:
         """Start queued units on engines with free slots, least outstanding calls first."""
         while queue:
-            alive = [e for e in self.engines if e.name not in self.down]
+            alive = self.pool.alive()
             load = {e.name: 0 for e in alive}
             for c in [*calls.values(), *self._zombies.values()]:  # a stuck call still holds its slot
                 if c.engine.name in load:
@@ -628,17 +474,17 @@ class RolloutManager:
             engine = free[0]
             if self._probe is not None:  # before the call starts: its silence counts from here
                 self._probe.busy(engine.name)
-            calls[pool.submit(engine.generate, unit.send)] = _Call(unit, engine, time.perf_counter())
+            calls[pool.submit(engine.generate, unit.send)] = Call(unit, engine, time.perf_counter())
 
-    def _finish_call(self, call: _Call, fut: Future, queue, scoring, score_pool, ledger: _Ledger) -> None:
+    def _finish_call(self, call: Call, fut: Future, queue, scoring, score_pool, ledger: Ledger) -> None:
         """Hand a finished call's results to scoring, or retry it."""
         unit, engine = call.unit, call.engine
         error = fut.exception()
         results: list[GenerationResult] = [] if error is not None else fut.result()
         if error is None:
-            error = _check_results(unit, results)
+            error = check_results(unit, results)
         if error is None:
-            self.heard.add(engine.name)
+            self.pool.mark_heard(engine.name)
             ledger.tokens += sum(len(r.output_ids) for r in results)
             self._to_scoring(unit, results, scoring, score_pool)
             return
@@ -648,18 +494,18 @@ class RolloutManager:
             ledger.tokens += unit.fold([r for r in results if isinstance(r, GenerationResult)])
         self._retry(unit, engine, error, queue, ledger)
 
-    def _to_scoring(self, unit: _Unit, results: list[GenerationResult], scoring, score_pool) -> None:
+    def _to_scoring(self, unit: Unit, results: list[GenerationResult], scoring, score_pool) -> None:
         if self.cfg.partial:
             unit.fold(results)  # every answer is complete: all of them are held now
             by_id = {rid: as_result(rid, s) for rid, s in unit.held.items()}
         else:
             by_id = {r.request_id: r for r in results}
-        scoring[score_pool.submit(self._score_unit, unit, by_id)] = unit.groups
+        scoring[score_pool.submit(self.scoring.score, unit, by_id)] = unit.groups
 
-    def _retry(self, unit: _Unit, engine: Any, error: BaseException | str, queue, ledger: _Ledger) -> None:
+    def _retry(self, unit: Unit, engine: Any, error: BaseException | str, queue, ledger: Ledger) -> None:
         groups = [g.serial for g in unit.groups]
-        if not _healthy(engine):
-            self.down[engine.name] = str(error)
+        if not healthy(engine):
+            self.pool.mark_down(engine.name, str(error))
             logger.error("rollout: engine %s is down (%s); re-issuing groups %s", engine.name, error, groups)
         else:
             unit.attempts += 1
@@ -673,7 +519,7 @@ class RolloutManager:
         unit.avoid = engine.name
         queue.appendleft(unit)
 
-    def _expire(self, calls: dict[Future, _Call], queue: deque[_Unit], ledger: _Ledger) -> None:
+    def _expire(self, calls: dict[Future, Call], queue: deque[Unit], ledger: Ledger) -> None:
         now = time.perf_counter()
         for fut, call in list(calls.items()):
             if now - call.start > self.cfg.request_timeout_s:
@@ -688,16 +534,16 @@ class RolloutManager:
                     ledger,
                 )
 
-    def _find_hung(self, calls: dict[Future, _Call], queue: deque[_Unit], ledger: _Ledger) -> None:
+    def _find_hung(self, calls: dict[Future, Call], queue: deque[Unit], ledger: Ledger) -> None:
         """Probe the engines that hold calls and went silent; a failed probe takes one as hung."""
         busy = {c.engine.name: c.engine for c in calls.values()}
-        for engine in self.engines:
+        for engine in self.pool:
             if engine.name not in busy:
                 self._probe.idle(engine.name)
         for engine, silent_s in self._probe.poll(busy):
             self._drop_hung(engine, silent_s, calls, queue, ledger)
 
-    def _drop_hung(self, engine: Any, silent_s: float, calls, queue: deque[_Unit], ledger: _Ledger) -> None:
+    def _drop_hung(self, engine: Any, silent_s: float, calls, queue: deque[Unit], ledger: Ledger) -> None:
         """Mark a hung engine down and put its calls back in the queue, first in line.
 
         Its calls become zombies: their threads return when the server is killed (or answers after
@@ -720,9 +566,9 @@ class RolloutManager:
             else "its health check failed"
         )
         what = f"no reply for {silent_s:.0f}s to {len(stuck)} calls in flight and {failed}"
-        self.down[engine.name] = f"hung ({what})"
+        self.pool.mark_down(engine.name, f"hung ({what})")
         ledger.hung.append(engine.name)
-        alive = [e.name for e in self.engines if e.name not in self.down]
+        alive = [e.name for e in self.pool.alive()]
         knobs = "rollout.health_probe_interval_s, rollout.sglang.health_timeout_s"
         restartable = launched_by_this_run(engine)
         if not alive and not restartable:
@@ -749,7 +595,7 @@ class RolloutManager:
         )
         threading.Thread(target=_abort_quietly, args=(engine,), name="abort-hung", daemon=True).start()
 
-    def _stop(self, queue: deque[_Unit], calls: dict[Future, _Call], scoring, ledger: _Ledger) -> None:
+    def _stop(self, queue: deque[Unit], calls: dict[Future, Call], scoring, ledger: Ledger) -> None:
         """The batch is decided: abort the tail (all of it past the cut) and let it settle, so no
         call of this step still runs when the weights change; ``settle`` counts it as unused."""
         queue.clear()
@@ -764,7 +610,7 @@ class RolloutManager:
             if fut in done:
                 self._record_interval(call, ledger)
             complete = (
-                fut in done and fut.exception() is None and _check_results(call.unit, fut.result()) is None
+                fut in done and fut.exception() is None and check_results(call.unit, fut.result()) is None
             )
             if complete:
                 ledger.generated.update(g.serial for g in call.unit.groups)
@@ -782,7 +628,7 @@ class RolloutManager:
             ledger.generated.update(g.serial for g in groups)
         scoring.clear()
 
-    def _carry_tail(self, ledger: _Ledger) -> None:
+    def _carry_tail(self, ledger: Ledger) -> None:
         """rollout.partial: every group past the cut, with what it generated (finished responses
         whole, aborted ones up to the abort, unstarted ones empty), for the next rollout. A call
         that did not return in time leaves its groups as they were before it (its late answer is
@@ -799,229 +645,18 @@ class RolloutManager:
 
     # -- scoring ------------------------------------------------------------------------------
 
-    def _score_unit(self, unit: _Unit, by_id: dict[str, GenerationResult]) -> list[list[RolloutSample]]:
-        cfg = self.cfg
-        per_group: list[list[tuple[GenerationResult, str]]] = []
-        items = []
-        for gi, g in enumerate(unit.groups):
-            rows = []
-            for j in range(cfg.n):
-                rid = unit.requests[gi * cfg.n + j].request_id
-                res = by_id[rid]
-                text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
-                held = unit.held.get(rid)
-                rows.append((res, text, held.interrupted if held is not None else 0))
-                items.append((g.prompt.data_source, text, g.prompt.ground_truth, g.prompt.extra_info))
-            per_group.append(rows)
-        rewards = self.scorer.score_many(items)
-        lengths = torch.tensor(
-            [len(r.output_ids) for rows in per_group for r, _, _ in rows], dtype=torch.float64
-        )
-        if cfg.overlong_buffer_enable:
-            penalties = overlong_penalty(
-                lengths, cfg.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
-            ).tolist()
-        else:
-            penalties = [0.0] * len(lengths)
-        out, k = [], 0
-        for g, rows in zip(unit.groups, per_group):
-            samples = []
-            for res, text, interrupted in rows:
-                rw, pen = rewards[k], float(penalties[k])
-                k += 1
-                samples.append(
-                    RolloutSample(
-                        group_id=g.serial,
-                        prompt=g.prompt,
-                        response_ids=res.output_ids,
-                        rollout_logprobs=res.logprobs,
-                        response_text=text,
-                        finish_reason=res.finish_reason,
-                        score=float(rw.score),
-                        acc=bool(rw.acc),
-                        pred=rw.pred,
-                        overlong_penalty=pen,
-                        final_reward=float(rw.score) + pen,
-                        weight_version=res.weight_version,
-                        truncated=res.finish_reason == "length",
-                        reward_error=rw.error,
-                        token_versions=res.token_versions,
-                        routed_experts=res.routed_experts,
-                        interrupted=interrupted,
-                    )
-                )
-            out.append(samples)
-        return out
+    # -- scoring and bookkeeping ----------------------------------------------------------------
 
-    def _classify(self, groups: list[_Group], scored: list[list[RolloutSample]], ledger: _Ledger) -> None:
+    def _classify(self, groups: list[Group], scored: list[list[RolloutSample]], ledger: Ledger) -> None:
         for g, samples in zip(groups, scored):
             g.samples = samples
-            spread = bool(self._keep_mask(samples).all())
+            outcome, spread = self.scoring.judge(samples)
             if not spread:
                 ledger.zero_spread_serials.add(g.serial)
-            if not self.cfg.filter_groups_enable or spread:
-                ledger.record(g, "kept")
-            elif all(s.acc for s in samples):
-                ledger.record(g, "all_correct")
-            elif not any(s.acc for s in samples):
-                ledger.record(g, "all_wrong")
-            else:
-                ledger.record(g, "other")
+            ledger.record(g, outcome)
 
-    def _keep_mask(self, samples: list[RolloutSample]) -> torch.Tensor:
-        metric = self.cfg.filter_metric
-        values = [
-            float(s.acc) if metric == "acc" else s.score if metric == "score" else s.final_reward
-            for s in samples
-        ]
-        return mixed_group_mask(torch.tensor(values, dtype=torch.float64), [0] * len(samples))
-
-    # -- bookkeeping ----------------------------------------------------------------------------
-
-    def _record_interval(self, call: _Call, ledger: _Ledger) -> None:
+    def _record_interval(self, call: Call, ledger: Ledger) -> None:
         ledger.intervals[call.engine.name].append((call.start, time.perf_counter()))
-
-    def _down_message(self) -> str:
-        why = "; ".join(f"{name}: {reason}" for name, reason in self.down.items())
-        return f"rollout: all {len(self.engines)} engines are down ({why}); restart them or check their logs"
-
-    def _metrics(
-        self, samples: list[RolloutSample], ledger: _Ledger, wall: float, version: int
-    ) -> dict[str, float]:
-        cfg = self.cfg
-        lengths = [s.response_length for s in samples]
-        all_intervals = [iv for ivs in ledger.intervals.values() for iv in ivs]
-        gen_time = _union_length(all_intervals)
-        busy = [_union_length(ivs) / wall if wall > 0 else 0.0 for ivs in ledger.intervals.values()]
-        m = {
-            "rollout/gen_rounds": ledger.rounds,
-            "rollout/prompts_drawn": ledger.drawn - ledger.resumed,  # new prompts from the data
-            "rollout/groups_in_batch": len(samples) // cfg.n,
-            "rollout/keep_rate": len(ledger.kept) / ledger.scored_groups if ledger.scored_groups else 0.0,
-            "rollout/unused": ledger.surplus + ledger.aborted,
-            "rollout/filtered_all_correct": ledger.filtered["all_correct"],
-            "rollout/filtered_all_wrong": ledger.filtered["all_wrong"],
-            "rollout/filtered_other": ledger.filtered["other"],
-            "rollout/zero_spread_fraction": (
-                ledger.zero_spread / ledger.scored_groups if ledger.scored_groups else 0.0
-            ),
-            "rollout/surplus": ledger.surplus,
-            "rollout/aborted": ledger.aborted,
-            "rollout/retries": ledger.retries,
-            "rollout/engines_down": len(self.down),
-            # found hung this step with calls in flight; and the down engines this run cannot
-            # restart (given by URL), which it goes on without
-            "rollout/engines_hung": len(ledger.hung),
-            "rollout/engines_lost": len(self.lost)
-            + sum(not launched_by_this_run(e) for e in self.engines if e.name in self.down),
-            "rollout/partial_batch": float(len(samples) < cfg.train_batch_size * cfg.n),
-            "rollout/time_s": wall,
-            "rollout/gen_time_s": gen_time,
-            "rollout/wait_time_s": max(wall - gen_time, 0.0),
-            "rollout/engine_busy_fraction": sum(busy) / len(busy),
-            "rollout/tokens_per_s": ledger.tokens / gen_time if gen_time > 0 else 0.0,
-            # every token an engine returned, once (a retried or continued request adds only
-            # what it generated after the tokens kept from before)
-            "rollout/tokens_generated": ledger.tokens,
-        }
-        if cfg.partial:
-            m.update(_partial_metrics(samples, ledger, version))
-        if samples:
-            n = len(samples)
-            m.update(
-                {
-                    "rollout/response_length/mean": sum(lengths) / n,
-                    "rollout/response_length/max": max(lengths),
-                    "rollout/response_length/min": min(lengths),
-                    # verl: share of responses that used the whole budget
-                    "rollout/response_length/clip_ratio": sum(x >= cfg.max_response_length for x in lengths)
-                    / n,
-                    "rollout/truncation_rate": sum(s.truncated for s in samples) / n,
-                    "rollout/reward/mean": sum(s.final_reward for s in samples) / n,
-                    "rollout/score/mean": sum(s.score for s in samples) / n,
-                    "rollout/acc/mean": sum(s.acc for s in samples) / n,
-                    "rollout/overlong_penalty/mean": sum(s.overlong_penalty for s in samples) / n,
-                    "rollout/reward_errors": sum(s.reward_error is not None for s in samples),
-                }
-            )
-        return m
-
-
-def dump_rollouts(batch: RolloutBatch, path: str | Path) -> Path:
-    """Write one JSON line per sample (prompt, response, reward, acc, length, ...) to ``path``.
-
-    The driver calls it with ``run_dir / "rollouts" / f"step_{step}.jsonl"``.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for s in batch.samples:
-            row = {
-                "group_id": s.group_id,
-                "prompt_index": s.prompt.index,
-                "data_source": s.prompt.data_source,
-                "prompt": s.prompt.prompt_text,
-                "response": s.response_text,
-                "ground_truth": s.prompt.ground_truth,
-                "pred": s.pred,
-                "score": s.score,
-                "acc": s.acc,
-                "overlong_penalty": s.overlong_penalty,
-                "reward": s.final_reward,
-                "length": s.response_length,
-                "finish_reason": s.finish_reason,
-                "weight_version": s.weight_version,
-            }
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return path
-
-
-def _partial_metrics(samples: list[RolloutSample], ledger: _Ledger, version: int) -> dict[str, float]:
-    """rollout.partial: groups carried in and out, tokens kept across the cut or dropped as too
-    stale, the share of the batch's responses that were interrupted and continued, and the
-    batch's tokens by how many versions older than this rollout's weights generated them."""
-    m = {
-        "rollout/partial_groups_resumed": float(ledger.resumed),
-        "rollout/partial_groups_carried": float(len(ledger.carry_out)),
-        "rollout/partial_tokens_carried": float(sum(g.tokens() for g in ledger.carry_out)),
-        "rollout/partial_tokens_restarted": float(ledger.restarted_tokens),
-        "rollout/partial_sample_fraction": (
-            sum(s.interrupted > 0 for s in samples) / len(samples) if samples else 0.0
-        ),
-    }
-    unknown = 0
-    for s in samples:
-        if s.token_versions is None:
-            unknown += s.response_length
-            continue
-        for v in s.token_versions:
-            key = f"rollout/tokens_version_lag_{version - v}"
-            m[key] = m.get(key, 0.0) + 1.0
-    m["rollout/tokens_version_unknown"] = float(unknown)
-    return m
-
-
-def _request_seed(seed: int, version: int, serial: int, sample: int) -> int:
-    """A 31-bit seed per (run seed, weight version, group draw position, sample index)."""
-    x = 0
-    for part in (seed, version, serial, sample):
-        x = (x * 1_000_003 + int(part)) % (2**61 - 1)
-    return x % (2**31 - 1)
-
-
-def _check_results(unit: _Unit, results: Any) -> str | None:
-    """None if ``results`` answer every request sent for ``unit`` completely; else what is wrong."""
-    if not isinstance(results, list) or len(results) != len(unit.send):
-        got = len(results) if isinstance(results, list) else type(results).__name__
-        return f"engine returned {got} results for {len(unit.send)} requests"
-    ids = {r.request_id for r in results}
-    missing = [q.request_id for q in unit.send if q.request_id not in ids]
-    if missing:
-        return f"engine results lack request ids {missing[:3]}"
-    aborted = [r.request_id for r in results if r.finish_reason == "abort"]
-    if aborted:
-        return f"engine aborted {len(aborted)} requests (e.g. {aborted[0]}) although the batch was not full"
-    return None
 
 
 def _abort_quietly(engine: Any) -> None:
@@ -1029,20 +664,3 @@ def _abort_quietly(engine: Any) -> None:
         engine.abort()
     except Exception as e:  # noqa: BLE001 - a hung engine may not answer; it is down anyway
         logger.info("rollout: abort on hung engine %s: %s", engine.name, e)
-
-
-def _healthy(engine: Any) -> bool:
-    try:
-        return bool(engine.health())
-    except Exception:
-        return False
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total

@@ -165,7 +165,7 @@ def carry_from_state(state: dict[str, Any]) -> list[CarriedGroup]:
 
 # ---------------------------------------------------------------- the carried file's form
 def carry_to_items(groups: list[CarriedGroup]) -> tuple[list[Any], dict[str, Any]]:
-    """The groups as flat items for the checkpoint's carried file (driver/carried.py: one
+    """The groups as flat items for the checkpoint's carried file (driver/run_state.py: one
     PromptSample per group, then every group's PartialSample rows, so token ids, log-probs and
     versions become flat tensors, not JSON) and the small index the trainer state keeps:
     ``{"groups": G, "samples": [responses per group]}``; ({}, []) when none."""

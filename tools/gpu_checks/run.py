@@ -33,7 +33,7 @@ CUDA_RTOL = 1e-3
 
 
 def _is_timing(key: str) -> bool:
-    from megatron_dapo.rollout.manager import TIMING_DEPENDENT_METRICS
+    from megatron_dapo.rollout.rollout_metrics import TIMING_DEPENDENT_METRICS
 
     return key in TIMING_DEPENDENT_METRICS or key.startswith(TIMING_PREFIXES) or key.endswith(TIMING_SUFFIXES)
 

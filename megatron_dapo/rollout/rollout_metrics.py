@@ -1,0 +1,120 @@
+"""The rollout manager's metrics: what one ``collect`` did (``rollout/*``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from megatron_dapo.rollout.engine_pool import EnginePool
+from megatron_dapo.rollout.ledger import Ledger
+from megatron_dapo.rollout.types import RolloutSample
+
+# rollout metrics that measure time or race the abort; every other one is a function of
+# (seed, config, weights) alone
+TIMING_DEPENDENT_METRICS = (
+    "rollout/surplus",
+    "rollout/aborted",
+    "rollout/retries",
+    "rollout/time_s",
+    "rollout/gen_time_s",
+    "rollout/wait_time_s",
+    "rollout/engine_busy_fraction",
+    "rollout/tokens_per_s",
+    "rollout/tokens_generated",
+)
+
+
+def rollout_metrics(
+    cfg: Any, pool: EnginePool, samples: list[RolloutSample], ledger: Ledger, wall: float, version: int
+) -> dict[str, float]:
+    """The ``rollout/*`` metrics of one ``collect``: the buckets of the ledger, the engines'
+    state, timing and throughput, and the batch's lengths and rewards."""
+    lengths = [s.response_length for s in samples]
+    all_intervals = [iv for ivs in ledger.intervals.values() for iv in ivs]
+    gen_time = union_length(all_intervals)
+    busy = [union_length(ivs) / wall if wall > 0 else 0.0 for ivs in ledger.intervals.values()]
+    m = {
+        "rollout/gen_rounds": ledger.rounds,
+        "rollout/prompts_drawn": ledger.drawn - ledger.resumed,  # new prompts from the data
+        "rollout/groups_in_batch": len(samples) // cfg.n,
+        "rollout/keep_rate": len(ledger.kept) / ledger.scored_groups if ledger.scored_groups else 0.0,
+        "rollout/unused": ledger.surplus + ledger.aborted,
+        "rollout/filtered_all_correct": ledger.filtered["all_correct"],
+        "rollout/filtered_all_wrong": ledger.filtered["all_wrong"],
+        "rollout/filtered_other": ledger.filtered["other"],
+        "rollout/zero_spread_fraction": (
+            ledger.zero_spread / ledger.scored_groups if ledger.scored_groups else 0.0
+        ),
+        "rollout/surplus": ledger.surplus,
+        "rollout/aborted": ledger.aborted,
+        "rollout/retries": ledger.retries,
+        "rollout/engines_down": len(pool.down),
+        # found hung this step with calls in flight; and the down engines this run cannot
+        # restart (given by URL), which it goes on without
+        "rollout/engines_hung": len(ledger.hung),
+        "rollout/engines_lost": pool.lost_count(),
+        "rollout/partial_batch": float(len(samples) < cfg.train_batch_size * cfg.n),
+        "rollout/time_s": wall,
+        "rollout/gen_time_s": gen_time,
+        "rollout/wait_time_s": max(wall - gen_time, 0.0),
+        "rollout/engine_busy_fraction": sum(busy) / len(busy),
+        "rollout/tokens_per_s": ledger.tokens / gen_time if gen_time > 0 else 0.0,
+        # every token an engine returned, once (a retried or continued request adds only
+        # what it generated after the tokens kept from before)
+        "rollout/tokens_generated": ledger.tokens,
+    }
+    if cfg.partial:
+        m.update(partial_metrics(samples, ledger, version))
+    if samples:
+        n = len(samples)
+        m.update(
+            {
+                "rollout/response_length/mean": sum(lengths) / n,
+                "rollout/response_length/max": max(lengths),
+                "rollout/response_length/min": min(lengths),
+                # verl: share of responses that used the whole budget
+                "rollout/response_length/clip_ratio": sum(x >= cfg.max_response_length for x in lengths) / n,
+                "rollout/truncation_rate": sum(s.truncated for s in samples) / n,
+                "rollout/reward/mean": sum(s.final_reward for s in samples) / n,
+                "rollout/score/mean": sum(s.score for s in samples) / n,
+                "rollout/acc/mean": sum(s.acc for s in samples) / n,
+                "rollout/overlong_penalty/mean": sum(s.overlong_penalty for s in samples) / n,
+                "rollout/reward_errors": sum(s.reward_error is not None for s in samples),
+            }
+        )
+    return m
+
+
+def partial_metrics(samples: list[RolloutSample], ledger: Ledger, version: int) -> dict[str, float]:
+    """rollout.partial: groups carried in and out, tokens kept across the cut or dropped as too
+    stale, the share of the batch's responses that were interrupted and continued, and the
+    batch's tokens by how many versions older than this rollout's weights generated them."""
+    m = {
+        "rollout/partial_groups_resumed": float(ledger.resumed),
+        "rollout/partial_groups_carried": float(len(ledger.carry_out)),
+        "rollout/partial_tokens_carried": float(sum(g.tokens() for g in ledger.carry_out)),
+        "rollout/partial_tokens_restarted": float(ledger.restarted_tokens),
+        "rollout/partial_sample_fraction": (
+            sum(s.interrupted > 0 for s in samples) / len(samples) if samples else 0.0
+        ),
+    }
+    unknown = 0
+    for s in samples:
+        if s.token_versions is None:
+            unknown += s.response_length
+            continue
+        for v in s.token_versions:
+            key = f"rollout/tokens_version_lag_{version - v}"
+            m[key] = m.get(key, 0.0) + 1.0
+    m["rollout/tokens_version_unknown"] = float(unknown)
+    return m
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total

@@ -1,0 +1,105 @@
+"""Scoring, the DAPO part of a rollout: the reward of each response, the soft overlong
+punishment added to it, and the group filter of dynamic sampling (a group is kept when its
+filter metric has spread, ``mixed_group_mask``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_dapo.algo import mixed_group_mask, overlong_penalty
+from megatron_dapo.rollout.types import GenerationResult, RolloutSample
+from megatron_dapo.rollout.units import Unit
+
+
+class GroupScoring:
+    """Scores a finished call's groups and judges each for the filter.
+
+    Args:
+        cfg: the manager's config (``n``, the overlong buffer, the filter's switch and metric).
+        scorer: a :class:`~megatron_dapo.rewards.scorer.Scorer` (``score_many``).
+        tokenizer: decodes response ids to text for the reward (``decode(ids, skip_special_tokens=True)``).
+    """
+
+    def __init__(self, cfg: Any, scorer: Any, tokenizer: Any):
+        self.cfg = cfg
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+
+    def score(self, unit: Unit, by_id: dict[str, GenerationResult]) -> list[list[RolloutSample]]:
+        """The scored samples of each of ``unit``'s groups (``by_id``: every request's full
+        response): reward from the text, plus the overlong penalty from the length."""
+        cfg = self.cfg
+        per_group: list[list[tuple[GenerationResult, str]]] = []
+        items = []
+        for gi, g in enumerate(unit.groups):
+            rows = []
+            for j in range(cfg.n):
+                rid = unit.requests[gi * cfg.n + j].request_id
+                res = by_id[rid]
+                text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+                held = unit.held.get(rid)
+                rows.append((res, text, held.interrupted if held is not None else 0))
+                items.append((g.prompt.data_source, text, g.prompt.ground_truth, g.prompt.extra_info))
+            per_group.append(rows)
+        rewards = self.scorer.score_many(items)
+        lengths = torch.tensor(
+            [len(r.output_ids) for rows in per_group for r, _, _ in rows], dtype=torch.float64
+        )
+        if cfg.overlong_buffer_enable:
+            penalties = overlong_penalty(
+                lengths, cfg.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+            ).tolist()
+        else:
+            penalties = [0.0] * len(lengths)
+        out, k = [], 0
+        for g, rows in zip(unit.groups, per_group):
+            samples = []
+            for res, text, interrupted in rows:
+                rw, pen = rewards[k], float(penalties[k])
+                k += 1
+                samples.append(
+                    RolloutSample(
+                        group_id=g.serial,
+                        prompt=g.prompt,
+                        response_ids=res.output_ids,
+                        rollout_logprobs=res.logprobs,
+                        response_text=text,
+                        finish_reason=res.finish_reason,
+                        score=float(rw.score),
+                        acc=bool(rw.acc),
+                        pred=rw.pred,
+                        overlong_penalty=pen,
+                        final_reward=float(rw.score) + pen,
+                        weight_version=res.weight_version,
+                        truncated=res.finish_reason == "length",
+                        reward_error=rw.error,
+                        token_versions=res.token_versions,
+                        routed_experts=res.routed_experts,
+                        interrupted=interrupted,
+                    )
+                )
+            out.append(samples)
+        return out
+
+    def judge(self, samples: list[RolloutSample]) -> tuple[str, bool]:
+        """The group filter: "kept", or why the group is dropped ("all_correct", "all_wrong",
+        "other"); and whether the filter metric has spread (measured whether or not the filter
+        is on)."""
+        spread = bool(self._keep_mask(samples).all())
+        if not self.cfg.filter_groups_enable or spread:
+            return "kept", spread
+        if all(s.acc for s in samples):
+            return "all_correct", spread
+        if not any(s.acc for s in samples):
+            return "all_wrong", spread
+        return "other", spread
+
+    def _keep_mask(self, samples: list[RolloutSample]) -> torch.Tensor:
+        metric = self.cfg.filter_metric
+        values = [
+            float(s.acc) if metric == "acc" else s.score if metric == "score" else s.final_reward
+            for s in samples
+        ]
+        return mixed_group_mask(torch.tensor(values, dtype=torch.float64), [0] * len(samples))
