@@ -195,7 +195,7 @@ class ActorWorker:
 
     def restart_node_server(self, index: int):
         """Under torchrun: restart SGLang engine `index` if this rank's node started it here
-        (driver/sglang_torchrun.py, `NodeServers.restart`); None on every other rank."""
+        (sglang/torchrun.py, `NodeServers.restart`); None on every other rank."""
         servers = getattr(self, "node_servers", None)
         return None if servers is None else servers.restart(index)
 

@@ -123,7 +123,7 @@ class Placement:
         from ray.util.placement_group import placement_group
 
         from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
-        from megatron_dapo.driver.sglang_placement import rank_order
+        from megatron_dapo.sglang.placement import rank_order
 
         self.cfg = cfg
         self.device = device
@@ -169,8 +169,8 @@ class Placement:
         """Servers given by URL, else one per plan on every node of the cluster (`plan_engines`)."""
         import ray
 
-        from megatron_dapo.driver.sglang_engines import launch_planned_engines, start_sglang_engines
-        from megatron_dapo.driver.sglang_placement import EnginePlan, plan_engines
+        from megatron_dapo.sglang.engines import launch_planned_engines, start_sglang_engines
+        from megatron_dapo.sglang.placement import EnginePlan, plan_engines
 
         cfg = self.cfg
         if cfg.rollout.sglang.urls:
@@ -234,7 +234,7 @@ class Placement:
 
     def _stop_sglang(self) -> None:
         if self.engines and not all(hasattr(e, "handle") for e in self.engines):
-            from megatron_dapo.driver.sglang_engines import stop_sglang_engines
+            from megatron_dapo.sglang.engines import stop_sglang_engines
 
             stop_sglang_engines(self.engines)
 

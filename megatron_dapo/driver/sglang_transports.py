@@ -77,7 +77,7 @@ class EngineCalls:
     @property
     def engines(self) -> list:
         if self._engines is None:
-            from megatron_dapo.rollout.sglang_client import SGLangEngine
+            from megatron_dapo.sglang.client import SGLangEngine
 
             self._engines = [
                 SGLangEngine(

@@ -147,7 +147,7 @@ def _patch_reductions_like_sglang() -> None:
 
 
 def push_weights_ipc(engine, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> int:
-    """Colocated update of one :class:`~megatron_dapo.rollout.sglang_client.SGLangEngine`; returns buckets sent."""
+    """Colocated update of one :class:`~megatron_dapo.sglang.client.SGLangEngine`; returns buckets sent."""
     client = engine.client
     engine.run(client.pause_generation("abort"))
     engine.run(client.flush_cache())

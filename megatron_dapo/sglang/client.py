@@ -117,7 +117,7 @@ def parse_routed_experts(meta: dict, shape: tuple[int, int], tokens: int, where:
 
     import numpy as np
 
-    from megatron_dapo.rollout.sglang_server import ROUTED_EXPERTS_FLAG
+    from megatron_dapo.sglang.server import ROUTED_EXPERTS_FLAG
 
     raw = meta.get("routed_experts")
     if raw is None:
