@@ -13,7 +13,7 @@ rank 0 shuts the group down. The torch.distributed world is torchrun's, so
 Engines, chosen like the Ray path (`rollout.engine`, auto = SGLang on GPU, HF on CPU):
 - SGLang: the servers at `rollout.sglang.urls` (started per node by the launch script), or
   servers that each node's LOCAL_RANK 0 launches on that node (sglang/torchrun.py); weights by `trainer.weight_sync.transport`
-  (sglang/engines.py, driver/sglang_transports.py).
+  (sglang/engines.py, sync/sglang_transports.py).
 - HF (CPU): the HF engine inside rank 0's process, weights handed over in memory
   (`DirectTransport`), so the whole torchrun path runs on a laptop.
 
@@ -45,8 +45,8 @@ def build_engines(
     `servers`: the per-node launch (`sglang.torchrun.launch_node_servers`) when no URLs are given;
     `ranks`: the rank group through which another node restarts its servers."""
     if engine_kind == "hf":
-        from megatron_dapo.driver.weight_transport import DirectTransport
         from megatron_dapo.rollout.hf_engine import HFEngine
+        from megatron_dapo.sync.transports import DirectTransport
 
         engines = [
             HFEngine(
@@ -61,8 +61,8 @@ def build_engines(
         return engines, DirectTransport(engines), lambda: None
     import torch
 
-    from megatron_dapo.driver.sglang_transports import sglang_transport
     from megatron_dapo.sglang.engines import start_sglang_engines, stop_sglang_engines
+    from megatron_dapo.sync.sglang_transports import sglang_transport
 
     if servers is not None:
         from megatron_dapo.sglang.torchrun import rank0_engines

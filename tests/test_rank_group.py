@@ -111,8 +111,8 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
     import torch
 
     from megatron_dapo.driver.engine_host import RemoteEngine
-    from megatron_dapo.driver.weight_transport import RayObjectTransport, WeightSyncTimeout
     from megatron_dapo.rollout.engine import EngineError
+    from megatron_dapo.sync.transports import RayObjectTransport, WeightSyncTimeout
 
     handle = ray.remote(SlowEngineHost).options(num_cpus=0, max_concurrency=2).remote()
     ray.get(handle.begin_weight_update.remote(0))  # the actor is up before deadlines start

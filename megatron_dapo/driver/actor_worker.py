@@ -203,7 +203,7 @@ class ActorWorker:
         """Every rank iterates the gather; global rank 0 (a bucket holder) feeds its transport."""
         import torch.distributed as dist
 
-        from megatron_dapo.driver.weight_transport import SyncStats, bucket_nbytes
+        from megatron_dapo.sync.transports import SyncStats, bucket_nbytes
         from megatron_dapo.weights.gather import iter_hf_buckets
 
         sender = getattr(self, "transport", None)

@@ -222,12 +222,12 @@ class Placement:
         return engines
 
     def weight_transport(self):
-        from megatron_dapo.driver.weight_transport import RayObjectTransport
+        from megatron_dapo.sync.transports import RayObjectTransport
 
         timeout = self.cfg.trainer.weight_sync.timeout_s
         if all(hasattr(e, "handle") for e in self.engines):
             return RayObjectTransport([(e.name, e.handle) for e in self.engines], timeout)
-        from megatron_dapo.driver.sglang_transports import sglang_transport
+        from megatron_dapo.sync.sglang_transports import sglang_transport
 
         # gloo carries the distributed update between CPU processes
         return sglang_transport(self.cfg, self.engines, backend="gloo" if self.device == "cpu" else "nccl")

@@ -13,7 +13,7 @@
 With `actor.routing_replay: rollout` every server launched here gets SGLang's routed-experts flag
 and every engine's client asks for and parses the experts, shaped by `routed_experts_shape(cfg)`.
 Launched servers stay attached to their engines (`engine.server`: `stop()`, `alive()`,
-`restart()`); `stop_sglang_engines` ends them. Weight transports are in `sglang_transports`.
+`restart()`); `stop_sglang_engines` ends them. Weight transports are in `sync.sglang_transports`.
 
 Nothing here imports sglang: servers are child processes and talk HTTP.
 """

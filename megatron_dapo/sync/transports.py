@@ -6,7 +6,7 @@ gather in lockstep (`ActorWorker.push_weights`). One transport per placement:
 - `RayObjectTransport`: engines as Ray actors (`EngineHost`), buckets through the object store;
   the CPU path, and small GPU runs with the HF engine.
 - `DiskTransport`: the universal fallback: write an HF checkpoint, engines reload from disk.
-SGLang's NCCL broadcast and CUDA IPC transports live with its client in `rollout/`.
+SGLang's NCCL broadcast, CUDA IPC and disk transports are in `sync/sglang_transports.py`.
 Every wait has a deadline, and a missed deadline names the engine and the bucket
 (`WeightSyncTimeout`) instead of hanging the job.
 """

@@ -32,8 +32,8 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.driver.weight_transport import DiskTransport, WeightSyncTimeout, describe_bucket
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.sync.transports import DiskTransport, WeightSyncTimeout, describe_bucket
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class SGLangIPCTransport:
         self.calls.pause()
 
     def send(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
-        from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
+        from megatron_dapo.sync.sglang_senders import serialize_bucket_for_ipc
 
         what = describe_bucket(index, bucket)
         if any(t.device.type != "cuda" for t in bucket.values()):
@@ -183,7 +183,7 @@ class SGLangIPCTransport:
 
 
 def _serialize_one(bucket: dict[str, torch.Tensor]) -> str:
-    from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
+    from megatron_dapo.sync.sglang_senders import serialize_bucket_for_ipc
 
     return serialize_bucket_for_ipc(bucket, 1)[0]
 
@@ -319,7 +319,7 @@ class SGLangNCCLTransport:
 
     def _form_group(self) -> None:
         from megatron_dapo.ports import free_port
-        from megatron_dapo.rollout.sglang_weight_sync import init_custom_group
+        from megatron_dapo.sync.sglang_senders import init_custom_group
 
         eps = self.calls.endpoints
         addr = self.master_address or route_address(eps[0].url)
@@ -380,7 +380,7 @@ class SGLangNCCLTransport:
         self.calls.pause()
 
     def send(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
-        from megatron_dapo.rollout.sglang_weight_sync import WeightSyncTimeoutError, broadcast_bucket
+        from megatron_dapo.sync.sglang_senders import WeightSyncTimeoutError, broadcast_bucket
 
         what = describe_bucket(index, bucket)
         futures = [
