@@ -87,7 +87,7 @@ def run_rank0(cfg, worker, inputs, engine_kind: str, stop, servers=None) -> dict
     ranks = SPMDRankGroup(worker)  # pairs with the followers' group: the first collective after setup
     engines, transport, stop_engines = build_engines(cfg, engine_kind, servers, ranks)
     try:
-        if getattr(transport, "every_rank", False):
+        if transport.every_rank:
             # colocated CUDA IPC: each engine TP rank's payload is made by the rank on its GPU
             ranks.call("attach_transport", transport, timeout_s=300)
         else:

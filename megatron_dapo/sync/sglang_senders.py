@@ -34,18 +34,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.rollout.engine import EngineError
-
-
-class WeightSyncTimeoutError(EngineError):
-    """A collective or an engine's answer missed its deadline; names the engine and the bucket."""
-
-
-def describe(index: int, bucket: dict[str, torch.Tensor]) -> str:
-    names = list(bucket)
-    span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-    nbytes = sum(t.numel() * t.element_size() for t in bucket.values())
-    return f"bucket {index} ({len(names)} tensors, {nbytes / 2**20:.1f} MiB: {span})"
+from megatron_dapo.sync.protocol import WeightSyncTimeoutError, describe_bucket
 
 
 def broadcast_bucket(
@@ -70,12 +59,12 @@ def broadcast_bucket(
             ok = work.wait(timeout=timedelta(seconds=remaining))
         except RuntimeError as e:
             raise WeightSyncTimeoutError(
-                f"weight sync to engine {engine}: broadcast of {describe(bucket_index, bucket)} failed at "
+                f"weight sync to engine {engine}: broadcast of {describe_bucket(bucket_index, bucket)} failed at "
                 f"{name!r} within {timeout_s:g}s: {e}"
             ) from e
         if ok is False:
             raise WeightSyncTimeoutError(
-                f"weight sync to engine {engine}: broadcast of {describe(bucket_index, bucket)} timed out at "
+                f"weight sync to engine {engine}: broadcast of {describe_bucket(bucket_index, bucket)} timed out at "
                 f"{name!r} after {timeout_s:g}s"
             )
 
@@ -192,7 +181,7 @@ def push_weights_distributed(
                     fut.result(timeout=max(deadline - time.monotonic(), 0.001))
                 except TimeoutError as e:
                     raise WeightSyncTimeoutError(
-                        f"weight sync: engine {name} did not confirm {describe(index, bucket)} within {timeout_s:g}s"
+                        f"weight sync: engine {name} did not confirm {describe_bucket(index, bucket)} within {timeout_s:g}s"
                     ) from e
             sent += 1
     finally:
