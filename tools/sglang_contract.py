@@ -28,7 +28,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "sglang"
 
-# The routes the project calls (sglang/client.py, rollout/health.py).
+# The routes the project calls (sglang/client.py, sglang/health.py).
 ROUTES = [
     "/health",
     "/health_generate",

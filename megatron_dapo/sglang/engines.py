@@ -31,7 +31,7 @@ import torch
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.health import poll_health
+from megatron_dapo.sglang.health import poll_health
 from megatron_dapo.sglang.placement import engine_gpu_ids, local_actor_gpus
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.health import poll_health
+from megatron_dapo.sglang.health import poll_health
 
 # SGLang 0.5.23's server flag (ServerArgs.enable_return_routed_experts, arg_groups/fields/exec_.py)
 # without which it allocates no RoutedExpertsCapturer and no reply carries meta_info.routed_experts.
