@@ -73,6 +73,7 @@ test:
 lint: setup
 	$(BIN)/ruff check megatron_dapo tests tools
 	$(BIN)/ruff format --check megatron_dapo tests tools
+	$(BIN)/python tools/check_imports.py
 
 lock:
 	rm -rf .venv-lock && $(PY) -m venv .venv-lock

@@ -41,7 +41,11 @@ def _actor(hf_dir, load_weights, lr=1e-6):
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
     cfg = ActorConfig(ppo_mini_batch_size=2, micro_batch_max_tokens=64, shuffle=False, seed=1)
-    optim = OptimizerSettings(lr=lr, weight_decay=0.0, adam_eps=1e-8)
+    # The non-distributed mixed-precision optimizer (Float16OptimizerWithFloat16Params) is the
+    # one under test; the distributed one keeps its masters elsewhere (test_checkpoint_distributed_optimizer).
+    optim = OptimizerSettings(
+        lr=lr, weight_decay=0.0, adam_eps=1e-8, lr_warmup_steps=0, use_distributed_optimizer=False
+    )
     return build_actor(
         hf_dir, cfg, optim, total_updates=4, params_dtype=torch.bfloat16, load_weights=load_weights
     )

@@ -34,7 +34,8 @@ def hand_batch(dtype=torch.float64):
         ("token-mean", (sum(ROW0) + sum(ROW1)) / 7),
         ("seq-mean-token-sum", (sum(ROW0) + sum(ROW1)) / 2),
         ("seq-mean-token-mean", (sum(ROW0) / 3 + sum(ROW1) / 4) / 2),
-        ("seq-mean-token-sum-norm", (sum(ROW0) + sum(ROW1)) / 4),
+        # Dr. GRPO: each row's token sum over the constant norm_len (here T=4), averaged over rows
+        ("seq-mean-token-sum-norm", (sum(ROW0) / 4 + sum(ROW1) / 4) / 2),
     ],
 )
 def test_hand_values_each_mode(mode, expected):
@@ -54,7 +55,7 @@ def test_hand_values_each_mode(mode, expected):
 def test_norm_len_constant():
     new, old, adv, mask = hand_batch()
     loss, _ = policy_loss(new, old, adv, mask, loss_agg_mode="seq-mean-token-sum-norm", norm_len=10)
-    assert loss.item() == pytest.approx((sum(ROW0) + sum(ROW1)) / 10, rel=1e-12)
+    assert loss.item() == pytest.approx((sum(ROW0) + sum(ROW1)) / 10 / 2, rel=1e-12)
 
 
 def test_dual_clip_and_gradient():
@@ -194,8 +195,9 @@ def test_sum_norm_split_sums_to_unsplit(batch):
     loss_mat = torch.randn(b, t, generator=g, dtype=torch.float64)
     mask = torch.rand(b, t, generator=g) > 0.3
     full = agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", norm_len=t)
+    n_seq = int((mask.sum(-1) > 0).sum())
     parts = sum(
-        agg_loss(loss_mat[lo:hi], mask[lo:hi], "seq-mean-token-sum-norm", norm_len=t).item()
+        agg_loss(loss_mat[lo:hi], mask[lo:hi], "seq-mean-token-sum-norm", num_seqs=n_seq, norm_len=t).item()
         for lo, hi in zip(bounds[:-1], bounds[1:])
     )
     assert abs(parts - full.item()) <= 1e-12
@@ -231,6 +233,6 @@ def test_sequence_weights_aggregate_a_per_sequence_value_like_agg_loss(mode):
         "token-mean": [3 / 7, 4 / 7, 0],
         "seq-mean-token-sum": [3 / 2, 4 / 2, 0],
         "seq-mean-token-mean": [1 / 2, 1 / 2, 0],
-        "seq-mean-token-sum-norm": [3 / 4, 4 / 4, 0],
+        "seq-mean-token-sum-norm": [3 / 4 / 2, 4 / 4 / 2, 0],
     }[mode]
     assert sequence_weights(mask, mode).tolist() == pytest.approx(hand, rel=1e-12)

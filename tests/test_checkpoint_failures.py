@@ -24,7 +24,7 @@ def _actor(hf_dir):
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
     cfg = ActorConfig(ppo_mini_batch_size=2, micro_batch_max_tokens=24, seed=3)
-    return build_actor(hf_dir, cfg, OptimizerSettings(lr=1e-2), total_updates=4)
+    return build_actor(hf_dir, cfg, OptimizerSettings(lr=1e-2, lr_warmup_steps=0), total_updates=4)
 
 
 def _save_with_failure(rank, world, hf_dir, root, failing_rank, where):

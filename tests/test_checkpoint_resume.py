@@ -47,8 +47,16 @@ def _actor(hf_dir, load_weights=True):
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
     cfg = ActorConfig(ppo_mini_batch_size=2, micro_batch_max_tokens=24, shuffle=True, seed=3)
+    # fully_reshardable: the resume below changes TP/PP (dp_reshardable refuses that;
+    # test_checkpoint_distributed_optimizer covers it).
     optim = OptimizerSettings(
-        lr=1e-2, lr_warmup_steps=2, lr_scheduler="cosine", min_lr=1e-3, weight_decay=0.1, adam_eps=1e-3
+        lr=1e-2,
+        lr_warmup_steps=2,
+        lr_scheduler="cosine",
+        min_lr=1e-3,
+        weight_decay=0.1,
+        adam_eps=1e-3,
+        checkpoint_format="fully_reshardable",
     )
     return build_actor(hf_dir, cfg, optim, total_updates=12, load_weights=load_weights)
 

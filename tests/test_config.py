@@ -43,6 +43,7 @@ def test_overrides_are_typed():
         ("rollout.top_p=0", "rollout.top_p"),
         ("model.fp8=e4m3", "model.fp8 needs Transformer Engine"),
         ("rollout.n", "not of the form key=value"),
+        ("actor.logprob_chunk_tokens=0", "actor.logprob_chunk_tokens=0 must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key_and_fix(override, expected):
@@ -150,3 +151,9 @@ def test_cli_config_prints_and_fails_cleanly(capsys):
     assert "'n': 5" in capsys.readouterr().out
     assert main(["config", "model.path=/m", "rollout.nn=5"]) == 2
     assert "did you mean 'rollout.n'" in capsys.readouterr().err
+
+
+def test_logprob_chunk_default_is_the_kernels():
+    from megatron_dapo.actor.logprobs import DEFAULT_CHUNK_TOKENS
+
+    assert _load().actor.logprob_chunk_tokens == DEFAULT_CHUNK_TOKENS

@@ -25,7 +25,7 @@ import torch
 from helpers import hf_state_dict
 
 from megatron_dapo.actor.spawn import run_ranks
-from megatron_dapo.weights.convert import hf_to_megatron, megatron_to_hf
+from megatron_dapo.convert import hf_to_megatron, megatron_to_hf
 
 REL = 2.0**-4  # each bf16 forward vs the fp32 forward, relative to |h| @ |W|^T (module docstring)
 
@@ -43,8 +43,9 @@ def _bf16_checkpoint(src: Path, out: Path) -> Path:
 
 
 def _logits_rank(rank, world, hf_dir, megatron_dir):
-    from megatron_dapo.actor.model import build_gpt_model, forward_logits, load_hf_config
+    from megatron_dapo.actor.model import build_gpt_model, forward_logits
     from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
+    from megatron_dapo.arch import load_hf_config
     from megatron_dapo.commands.verify_model import fixed_batch
     from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
 

@@ -8,9 +8,9 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from megatron_dapo.actor.model import ModelConfigError
+from megatron_dapo.arch import ModelConfigError
 from megatron_dapo.cli import main as cli
-from megatron_dapo.weights.convert import hf_to_megatron, megatron_to_hf
+from megatron_dapo.convert import hf_to_megatron, megatron_to_hf
 from megatron_dapo.weights.hf_io import CheckpointError
 
 

@@ -14,7 +14,7 @@ from helpers import hf_state_dict
 
 from megatron_dapo.actor.spawn import run_ranks
 from megatron_dapo.cli import main as cli
-from megatron_dapo.weights.convert import hf_to_megatron, megatron_to_hf
+from megatron_dapo.convert import hf_to_megatron, megatron_to_hf
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,8 +85,9 @@ def _write_training_checkpoint(rank, world, hf_dir, ckpt_dir):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from megatron_dapo.actor.model import build_gpt_model, load_hf_config
+    from megatron_dapo.actor.model import build_gpt_model
     from megatron_dapo.actor.parallel import init_parallel
+    from megatron_dapo.arch import load_hf_config
     from megatron_dapo.weights.dist_ckpt import save_model_checkpoint
     from megatron_dapo.weights.load import load_hf_weights
 

@@ -29,7 +29,9 @@ class ExactScorer:
 
 def _problems():
     # the AIME layout repeats each problem; the runner must de-duplicate by prompt
-    return [EvalProblem(f"p{i % 2}", f"prompt {i % 2}", [1, 2], "aime", str(i % 2), {}) for i in range(6)]
+    return [
+        EvalProblem(f"p{i % 2}", f"prompt {i % 2}", [1, 10 + i % 2], "aime", str(i % 2), {}) for i in range(6)
+    ]
 
 
 def test_evaluate_dedupes_and_aggregates():
@@ -57,18 +59,19 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _Handler.calls["n"] += 1
-        if body["prompt"] == "prompt 1" and _Handler.calls.get("failed") is None:
+        # the prompt arrives as token ids: [1, 10 + answer]
+        if body["prompt"] == [1, 11] and _Handler.calls.get("failed") is None:
             _Handler.calls["failed"] = True
             self.send_response(500)
             self.end_headers()
             return
-        if body["prompt"] == "broken":
+        if body["prompt"] == [99]:
             self.send_response(200)
             self.end_headers()
             self.wfile.write(b"not json")
             return
         assert body["temperature"] == 1.0 and body["top_p"] == 0.7 and body["max_tokens"] == 16
-        ans = body["prompt"].split()[-1]
+        ans = str(body["prompt"][-1] - 10)
         choices = [{"index": i, "text": ans, "finish_reason": "stop"} for i in range(body["n"])]
         payload = json.dumps({"choices": choices}).encode()
         self.send_response(200)
@@ -91,9 +94,18 @@ def server():
 
 
 def test_endpoint_generator_retries_and_scores(server):
-    gen = make_endpoint_generator(server, model="m", temperature=1.0, top_p=0.7, max_tokens=16, timeout_s=10)
+    gen = make_endpoint_generator(
+        server,
+        model="m",
+        temperature=1.0,
+        top_p=0.7,
+        max_tokens=16,
+        count_text=len,
+        timeout_s=10,
+        backoff_s=0,
+    )
     m = evaluate(_problems(), gen, ExactScorer(), k=3)
     assert m["val/avg@3"] == 1.0
-    bad = [EvalProblem("b", "broken", [], "aime", "0", {})]
+    bad = [EvalProblem("b", "broken", [99], "aime", "0", {})]
     with pytest.raises(EndpointError, match="problem b failed after 3 tries"):
         gen(bad, 2)

@@ -1,6 +1,8 @@
 """tools/gpu_check.sh and its checks (tools/gpu_checks): the shell parses, the CPU dry mode runs
-the checks that need no CUDA (bf16 vs fp32 update, defect 1) and reports the CUDA ones NOT RUN, a
-failure stops the run naming the check, and the MFU FLOP count matches a hand computation."""
+the checks that need no CUDA (bf16 vs fp32 update, defect 1, the torchrun run through a
+checkpoint, a resume and the HF export, the actor benchmark) and reports the CUDA ones NOT RUN;
+each check runs in its own process, a failure does not stop the others, checks that need TE or
+SGLang are UNAVAILABLE where those do not import, and the MFU FLOP count matches a hand computation."""
 
 from __future__ import annotations
 
@@ -40,96 +42,114 @@ def test_dry_mode_runs_the_cpu_checks(tmp_path):
     assert {n for n, c in checks.items() if c["status"] == "NOT RUN"} == CUDA_ONLY
     assert {n for n, c in checks.items() if c["status"] == "PASS"} == set(checks) - CUDA_ONLY
     assert checks["load_then_step_keeps_weights"]["values"]["max_moved"] == 0.0
-    assert checks["bf16_step_vs_fp32"]["values"]["relative_update_error"] < 0.1
-    # the budget timers were armed around every check that ran (and recorded for every check)
+    # bf16 really ran: its update differs from fp32's (0.0095 here, 0.073 on an H200), and not by much
+    assert 1e-3 < checks["bf16_step_vs_fp32"]["values"]["relative_update_error"] < 0.1
+    torchrun = checks["dapo_torchrun_checkpoint_resume"]["values"]
+    assert "step_00000002" in torchrun["checkpoints"] and torchrun["export"] == "step_3"
+    assert torchrun["compared_keys"] > 20
+    assert checks["bench_actor"]["values"]["ratios"]["update_over_bare_mfu"] > 0
     assert all(c["budget_s"] > 0 for c in checks.values())
     for name in checks:
         assert f"{name}" in proc.stdout
 
 
-def test_first_failure_stops_and_is_named(tmp_path):
-    from tools.gpu_checks.runner import Check, CheckFailed, Figure, run_checks
+def _result(name, status, summary="", values=None):
+    from tools.gpu_checks.runner import Result
 
-    def bad(ctx):
-        raise CheckFailed("figure 3.0 > bound 1.0")
+    return Result(name, status, summary, 0.1, values or {})
 
-    ran = []
+
+def test_a_failure_does_not_stop_the_others_and_missing_pieces_are_unavailable(tmp_path):
+    from tools.gpu_checks.runner import Check, Figure, run_checks
+
+    started = []
+
+    def runner(c, work, budget, dry, cwd):
+        started.append((c.name, budget))
+        return (
+            _result(c.name, "FAIL", "figure 3.0 > bound 1.0")
+            if c.name == "b"
+            else _result(c.name, "PASS", "ok")
+        )
+
     checks = [
-        Check("a", False, lambda ctx: Figure("ok", {"x": 1})),
-        Check("b", False, bad),
-        Check("c", False, lambda ctx: ran.append(1) or Figure("ok")),
-        Check("d", True, lambda ctx: Figure("ok")),
+        Check("a", False, lambda ctx: Figure("ok"), 5),
+        Check("b", False, lambda ctx: Figure("ok"), 6),
+        Check("c", False, lambda ctx: Figure("ok"), 7),
+        Check("te", True, lambda ctx: Figure("ok"), 8, needs=("te",)),
+        Check("sg", False, lambda ctx: Figure("ok"), 9, needs=("te", "sglang")),
+        Check("cuda", True, lambda ctx: Figure("ok"), 10),
     ]
     lines = []
     results = run_checks(
-        None, checks, tmp_path / "f.json", dry=False, print_fn=lambda s, **k: lines.append(s)
-    )
-    assert [r.status for r in results] == ["PASS", "FAIL", "NOT RUN", "NOT RUN"] and not ran
+        tmp_path, checks, tmp_path / "f.json", dry=False, print_fn=lambda s, **k: lines.append(s),
+        runner=runner, importable=lambda module: module == "sglang",
+    )  # fmt: skip
+    assert [r.status for r in results] == ["PASS", "FAIL", "PASS", "UNAVAILABLE", "UNAVAILABLE", "PASS"]
+    assert started == [("a", 5), ("b", 6), ("c", 7), ("cuda", 10)]
+    assert results[3].summary == "UNAVAILABLE (needs Transformer Engine: the project's image)"
+    assert results[4].summary == "UNAVAILABLE (needs Transformer Engine: the project's image)"
     assert "figure 3.0 > bound 1.0" in lines[1] and lines[1].startswith("FAIL")
     saved = json.loads((tmp_path / "f.json").read_text())
-    assert saved["checks"][0]["values"] == {"x": 1}
+    assert [c["status"] for c in saved["checks"]] == [r.status for r in results]
 
 
-def test_budgets_fit_the_ten_minutes(tmp_path):
-    """Every check has a budget, they sum to what the runner promises, and that leaves a minute
-    of the script's 600 s for the interpreter and imports."""
+def test_budgets_fit_eight_minutes_on_a_bare_machine(tmp_path):
+    """Every check has a budget; those a bare GPU machine runs (no TE, no SGLang) sum to at most
+    the 8 minutes the acceptance promises, under the script's 10-minute limit."""
     from tools.gpu_checks import checks  # noqa: F401 - registers the checks
     from tools.gpu_checks.runner import CHECKS, TOTAL_BUDGET_S
 
-    assert sum(c.budget_s for c in CHECKS) <= TOTAL_BUDGET_S <= 600 - 60
+    assert sum(c.budget_s for c in CHECKS if not c.needs) <= TOTAL_BUDGET_S <= 8 * 60
     assert all(c.budget_s > 0 for c in CHECKS)
     assert "timeout --kill-after=10 600" in (REPO / "tools" / "gpu_check.sh").read_text()
 
 
-def test_a_check_past_its_budget_fails_and_stops_the_run(tmp_path):
-    import threading
-
-    from tools.gpu_checks.runner import Check, Figure, run_checks, time_left
-
-    seen = []
-
-    def hangs(ctx):
-        seen.append(time_left())
-        threading.Event().wait()  # never set: only the budget's alarm ends it
-
-    checks = [Check("hangs", False, hangs, budget_s=0.5), Check("next", False, lambda ctx: Figure("ok"), 5)]
-    results = run_checks(None, checks, tmp_path / "f.json", dry=False, print_fn=lambda s, **k: None)
-    assert [r.status for r in results] == ["FAIL", "NOT RUN"]
-    assert "ran past its budget of 0.5 s" in results[0].summary
-    assert 0 < seen[0] <= 1.0  # what the check may still wait: its budget, floored at 1 s
-
-
-def test_a_check_stuck_in_native_code_ends_the_run_with_figures(tmp_path, monkeypatch):
-    """A hang the alarm cannot interrupt (here: one that swallows it, as a native call would
-    never return to Python): the watchdog writes the figures so far and exits."""
-    import threading
-
+def test_each_check_runs_in_its_own_process_killed_at_its_budget(tmp_path, monkeypatch):
+    """The real child runner: a check that crashes its process, one that hangs (killed at the
+    budget), then one that passes: each in a fresh process, the next one unaffected."""
     import tools.gpu_checks.runner as runner
 
-    monkeypatch.setattr(runner, "HARD_GRACE_S", 0.2)
-    released = threading.Event()
-    exits = []
+    argv_of = {
+        "crash": [sys.executable, "-c", "import os; os._exit(3)"],
+        "hang": [sys.executable, "-c", "import time; time.sleep(60)"],
+    }
 
-    def stuck(ctx):
-        try:
-            released.wait(120)
-        except runner.CheckTimeout:
-            released.wait(120)  # ignores the interrupt
-        raise RuntimeError("released by the test's stand-in exit")
+    def fake_argv(c, work, out, dry):
+        if c.name in argv_of:
+            return argv_of[c.name]
+        code = f"import json; json.dump(dict(name={c.name!r}, status='PASS', summary='ok', seconds=0.0, values={{'pid': __import__('os').getpid()}}), open({str(out)!r}, 'w'))"
+        return [sys.executable, "-c", code]
 
-    def fake_exit(code):
-        exits.append((code, json.loads((tmp_path / "f.json").read_text())))
-        released.set()
-
-    checks = [runner.Check("first", False, lambda ctx: runner.Figure("ok", {"x": 2}), 5),
-              runner.Check("stuck", False, stuck, budget_s=0.3)]  # fmt: skip
-    runner.run_checks(
-        None, checks, tmp_path / "f.json", dry=False, print_fn=lambda s, **k: None, exit_fn=fake_exit
+    monkeypatch.setattr(runner, "child_argv", fake_argv)
+    checks = [runner.Check(n, False, None, b) for n, b in (("crash", 30), ("hang", 1.5), ("ok", 30))]
+    results = runner.run_checks(
+        tmp_path, checks, tmp_path / "f.json", dry=False, print_fn=lambda s, **k: None
     )
-    code, saved = exits[0]
-    assert code == 1
-    assert [(c["name"], c["status"]) for c in saved["checks"]] == [("first", "PASS"), ("stuck", "FAIL")]
-    assert "native code" in saved["checks"][1]["summary"] and saved["checks"][0]["values"]["x"] == 2
+    assert [r.status for r in results] == ["FAIL", "FAIL", "PASS"]
+    assert "exited with 3 and no result" in results[0].summary
+    assert "ran past its budget of 1.5 s (killed)" in results[1].summary and results[1].seconds < 30
+    assert results[2].values["pid"] != os.getpid()
+
+
+def test_resume_differences_leave_out_timing_and_use_the_tolerance():
+    from tools.gpu_checks.run import resume_differences
+
+    full = {
+        "step": 3,
+        "actor/pg_loss": 0.5,
+        "rollout/time_s": 1.0,
+        "critic/score/mean": 0.25,
+        "x": float("nan"),
+    }
+    same = {**full, "rollout/time_s": 9.0}
+    assert resume_differences(full, same, 0.0) == []
+    off = {**same, "actor/pg_loss": 0.5001}
+    assert resume_differences(full, off, 0.0) == ["actor/pg_loss: 0.5 != 0.5001"]
+    assert resume_differences(full, off, 1e-3) == []
+    assert resume_differences(full, {**same, "critic/score/mean": 0.5}, 1e-3) == [
+        "critic/score/mean: 0.25 != 0.5"
+    ]
 
 
 @pytest.mark.parametrize("size", ["0.5B", "1.5B"])

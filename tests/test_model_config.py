@@ -7,13 +7,8 @@ import torch
 from helpers import tiny_hf_config
 
 from megatron_dapo.actor import compat
-from megatron_dapo.actor.model import (
-    ModelConfigError,
-    arch_spec,
-    load_hf_config,
-    padded_vocab_size,
-    transformer_config_from_hf,
-)
+from megatron_dapo.actor.model import padded_vocab_size, transformer_config_from_hf
+from megatron_dapo.arch import ModelConfigError, arch_spec, load_hf_config
 
 
 def test_qwen2_fields_map_onto_transformer_config():

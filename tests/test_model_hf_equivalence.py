@@ -35,8 +35,9 @@ def _ids(vocab: int) -> torch.Tensor:
 
 
 def _rank_run(rank, world, model_dirs):
-    from megatron_dapo.actor.model import build_gpt_model, forward_logits, load_hf_config
+    from megatron_dapo.actor.model import build_gpt_model, forward_logits
     from megatron_dapo.actor.parallel import init_parallel
+    from megatron_dapo.arch import load_hf_config
     from megatron_dapo.weights.gather import is_bucket_holder, iter_hf_buckets
     from megatron_dapo.weights.load import load_hf_weights
 

@@ -49,8 +49,9 @@ LAYOUTS = [(1, 1), (1, 2), (2, 1)]  # (tp, ep) on 2 ranks; TP2 splits the shared
 
 
 def _rank_run(rank, world, model_dirs):
-    from megatron_dapo.actor.model import build_gpt_model, forward_logits, load_hf_config
+    from megatron_dapo.actor.model import build_gpt_model, forward_logits
     from megatron_dapo.actor.parallel import init_parallel
+    from megatron_dapo.arch import load_hf_config
     from megatron_dapo.weights.gather import iter_hf_buckets
     from megatron_dapo.weights.load import load_hf_weights
 
@@ -101,7 +102,7 @@ def test_qwen2_moe_logits_and_buckets_equal_hf(runs, checkpoints, name, tp, ep):
 def test_qwen2_moe_expected_shapes_equal_hfs(checkpoints):
     from helpers import hf_state_dict
 
-    from megatron_dapo.actor.model import load_hf_config
+    from megatron_dapo.arch import load_hf_config
     from megatron_dapo.weights.plan import expected_hf_names, expected_hf_shapes
 
     path = checkpoints["raw-topk"]

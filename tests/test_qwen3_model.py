@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from helpers import QWEN3_HEAD_DIM, hf_state_dict, tiny_hf_config
 
-from megatron_dapo.actor.model import ModelConfigError, arch_spec, transformer_config_from_hf
+from megatron_dapo.actor.model import transformer_config_from_hf
+from megatron_dapo.arch import ModelConfigError, arch_spec
 from megatron_dapo.weights.plan import expected_hf_shapes
 
 
@@ -36,7 +37,7 @@ def test_qwen3_with_attention_bias_or_sliding_window_is_refused():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_qwen3_expected_names_and_shapes_equal_hfs_state_dict(tiny_hf_checkpoint, tied):
-    from megatron_dapo.actor.model import load_hf_config
+    from megatron_dapo.arch import load_hf_config
 
     path = tiny_hf_checkpoint(family="qwen3", tie_word_embeddings=tied, num_layers=2, seed=21)
     state = hf_state_dict(path)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from helpers import hf_forward_reference, hf_state_dict, random_hf_model, tiny_hf_config
 
-from megatron_dapo.actor.model import ModelConfigError, arch_spec, transformer_config_from_hf
+from megatron_dapo.actor.model import transformer_config_from_hf
 from megatron_dapo.actor.spawn import run_ranks
+from megatron_dapo.arch import ModelConfigError, arch_spec
 
 MODELS = ("norm-topk", "tied-raw-topk")  # untied with norm_topk_prob; tied without
 LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 1)]  # (tp, pp, ep) on 2 ranks; tp=pp=1 is DP 2
@@ -35,8 +36,9 @@ def _checkpoint(path, seed, norm_topk, tied):
 
 
 def _rank_run(rank, world, model_dirs):
-    from megatron_dapo.actor.model import build_gpt_model, forward_logits, load_hf_config
+    from megatron_dapo.actor.model import build_gpt_model, forward_logits
     from megatron_dapo.actor.parallel import init_parallel
+    from megatron_dapo.arch import load_hf_config
     from megatron_dapo.weights.gather import iter_hf_buckets
     from megatron_dapo.weights.load import load_hf_weights
 
@@ -104,7 +106,7 @@ def test_moe_sync_buckets_equal_hf_state_dict(runs, hf_reference, model, tp, pp,
 
 
 def test_moe_expected_shapes_equal_hfs(checkpoints):
-    from megatron_dapo.actor.model import load_hf_config
+    from megatron_dapo.arch import load_hf_config
     from megatron_dapo.weights.plan import expected_hf_shapes
 
     for path in checkpoints.values():
@@ -169,7 +171,7 @@ def test_moe_converts_hf_to_megatron_to_hf_bit_exact_and_verify_model(
     tiny_hf_checkpoint, tmp_path, capsys, tp, pp, ep, verify
 ):
     from megatron_dapo.cli import main as cli
-    from megatron_dapo.weights.convert import hf_to_megatron, megatron_to_hf
+    from megatron_dapo.convert import hf_to_megatron, megatron_to_hf
     from megatron_dapo.weights.dist_ckpt import read_layout
 
     src = tiny_hf_checkpoint(family="qwen3_moe", num_layers=4, seed=33)

@@ -158,7 +158,7 @@ def test_a_reset_read_before_the_killed_peer_shows_as_dead_still_names_it():
     import subprocess
     import sys
 
-    from megatron_dapo.driver.rank_group import dead_peers, dead_peers_after_failure
+    from megatron_dapo.driver.rank_failures import dead_peers, dead_peers_after_failure
 
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     peers = [(socket.gethostname(), os.getpid()), (socket.gethostname(), child.pid)]

@@ -23,6 +23,7 @@ from rollout_fakes import (
     manager_config,
 )
 
+from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.manager import (
     TIMING_DEPENDENT_METRICS,
@@ -265,10 +266,14 @@ def test_dump_rollouts_writes_one_line_per_sample(tmp_path):
 
 
 def test_config_validation_names_the_field():
-    with pytest.raises(ValueError, match="filter_metric"):
-        RolloutManagerConfig(filter_metric="reward")
-    with pytest.raises(ValueError, match="overlong_buffer_len"):
-        RolloutManagerConfig(max_response_length=100, overlong_buffer_len=200)
+    # the manager's config is built from a loaded config; its ranges are checked at load
+    base = ["model.path=/nonexistent"]
+    with pytest.raises(ConfigError, match="algorithm.filter_groups.metric"):
+        load_config(None, [*base, "algorithm.filter_groups.metric=reward"])
+    with pytest.raises(ConfigError, match="algorithm.overlong_buffer.len"):
+        load_config(None, [*base, "data.max_response_length=100", "algorithm.overlong_buffer.len=200"])
+    cfg = load_config(None, [*base, "rollout.n=3", "trainer.mode=sync"])
+    assert RolloutManagerConfig.from_config(cfg).n == 3
 
 
 def test_manager_with_the_hf_engine_end_to_end(tiny_hf_checkpoint):

@@ -168,7 +168,7 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
             shuffle=False,
             routing_replay=mode,
         )
-        actor = build_actor(trainer_dir, cfg, OptimizerSettings(lr=1e-3), total_updates=1)
+        actor = build_actor(trainer_dir, cfg, OptimizerSettings(lr=1e-3, lr_warmup_steps=0), total_updates=1)
         tokens_seen, maps = [], []
 
         def see_tokens(_m, args):
@@ -382,10 +382,12 @@ def test_routing_replay_bad_inputs():
 
     from megatron_dapo.actor.actor import ActorConfig
     from megatron_dapo.actor.batch import BatchError, make_actor_batch
+    from megatron_dapo.config import ConfigError, load_config
     from megatron_dapo.rollout.hf_engine import HFEngine
 
-    with pytest.raises(ValueError, match="routing_replay='yes'"):
-        ActorConfig(routing_replay="yes")
+    # the actor's config is built from a loaded config; the choice is checked at load
+    with pytest.raises(ConfigError, match="actor.routing_replay='always' is not one of none, rollout"):
+        load_config(None, ["model.path=/nonexistent", "actor.routing_replay=always"])
     with pytest.raises(
         BatchError, match=r"routed_experts\[0\] must be an integer \[tokens, layers, k\] tensor with 3 or 4"
     ):

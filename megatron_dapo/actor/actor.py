@@ -46,7 +46,6 @@ from megatron_dapo.actor.optimizer import (
     zero_grads,
 )
 from megatron_dapo.actor.parallel import ParallelLayout
-from megatron_dapo.actor.routing_replay import ROUTING_REPLAY_MODES
 from megatron_dapo.actor.routing_replay import check_supported as check_replay_supported
 from megatron_dapo.actor.train_step import (
     N_STATS,
@@ -58,7 +57,8 @@ from megatron_dapo.actor.train_step import (
     finish_stats,
     score_micro_batches,
 )
-from megatron_dapo.algo import LOSS_AGG_MODES, RolloutCorrection
+from megatron_dapo.algo import RolloutCorrection
+from megatron_dapo.config.knobs import from_config, knob
 
 log = logging.getLogger(__name__)
 
@@ -69,51 +69,45 @@ class TrainingDivergedError(RuntimeError):
 
 @dataclass
 class ActorConfig:
-    """Actor knobs, named as in verl (``ppo_mini_batch_size`` counts prompts, i.e. groups)."""
+    """Actor knobs, named as in verl (``ppo_mini_batch_size`` counts prompts, i.e. groups); each
+    ``knob`` takes its default from the config schema and its range is checked by ``config/validate.py``."""
 
-    ppo_mini_batch_size: int = 32
-    ppo_epochs: int = 1
-    micro_batch_max_tokens: int = 16384
-    shuffle: bool = True
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float | None = None
-    loss_agg_mode: str = "token-mean"
+    ppo_mini_batch_size: int = knob("actor.ppo_mini_batch_size")
+    ppo_epochs: int = knob("actor.ppo_epochs")
+    micro_batch_max_tokens: int = knob("actor.micro_batch_max_tokens")
+    shuffle: bool = knob("actor.shuffle")
+    clip_ratio_low: float = knob("algorithm.clip_ratio_low")
+    clip_ratio_high: float = knob("algorithm.clip_ratio_high")
+    clip_ratio_c: float | None = knob("algorithm.clip_ratio_c")
+    loss_agg_mode: str = knob("algorithm.loss_agg_mode")
     # Divisor of seq-mean-token-sum-norm; None = the rollout step's longest response.
     loss_norm_len: int | None = None
     # Truncated importance sampling cap (needs rollout log-probs); None disables TIS.
     tis_cap: float | None = None
     # algorithm.rollout_correction (algo/rollout_correction.py); None = no correction.
     rollout_correction: RolloutCorrection | None = None
-    max_consecutive_skips: int = 3
-    seed: int = 1
-    temperature: float = 1.0
+    max_consecutive_skips: int = knob("actor.max_consecutive_skips")
+    seed: int = knob("trainer.seed")
+    temperature: float = knob("rollout.temperature")
     pad_token_id: int = 0
     # MoE: "rollout" replays the experts the rollout engine chose (actor/routing_replay.py).
-    routing_replay: str = "none"
+    routing_replay: str = knob("actor.routing_replay")
     # MoE load-balancing loss coefficient (actor/moe_aux_loss.py); None: the HF config's
     # router_aux_loss_coef when its output_router_logits is true, else 0 (measured, not trained).
-    moe_aux_loss_coeff: float | None = None
+    moe_aux_loss_coeff: float | None = knob("actor.moe_aux_loss_coeff")
+    # Tokens per chunk of the output layer fused with the log-prob (actor/fused_output.py).
+    logprob_chunk_tokens: int = knob("actor.logprob_chunk_tokens")
 
-    def __post_init__(self) -> None:
-        if self.ppo_mini_batch_size < 1:
-            raise ValueError(f"ppo_mini_batch_size must be >= 1, got {self.ppo_mini_batch_size}")
-        if self.ppo_epochs < 1:
-            raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(
-                f"loss_agg_mode={self.loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}"
-            )
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.max_consecutive_skips < 1:
-            raise ValueError(f"max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
-        if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
-            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
-        if self.routing_replay not in ROUTING_REPLAY_MODES:
-            raise ValueError(
-                f"routing_replay={self.routing_replay!r}; choose one of {', '.join(ROUTING_REPLAY_MODES)}"
-            )
+    @classmethod
+    def from_config(cls, cfg: Any) -> ActorConfig:
+        """Build from the run's config (a DictConfig or its plain dict), validated when it was loaded."""
+        alg = cfg["algorithm"]
+        return from_config(
+            cls,
+            cfg,
+            tis_cap=alg["tis"]["cap"] if alg["tis"]["enable"] else None,
+            rollout_correction=RolloutCorrection(**alg["rollout_correction"]),
+        )
 
 
 @dataclass
@@ -136,9 +130,19 @@ class Actor:
         optimizer / scheduler: megatron-core optimizer and OptimizerParamScheduler over them.
         layout: this rank's :class:`ParallelLayout`.
         cfg: :class:`ActorConfig`.
+        optimizer_checkpoint_format: how checkpoints write the distributed optimizer's state
+            (``optimizer.OPTIMIZER_CHECKPOINT_FORMATS``).
     """
 
-    def __init__(self, model_chunks, optimizer, scheduler, layout: ParallelLayout, cfg: ActorConfig):
+    def __init__(
+        self,
+        model_chunks,
+        optimizer,
+        scheduler,
+        layout: ParallelLayout,
+        cfg: ActorConfig,
+        optimizer_checkpoint_format: str = "dp_reshardable",
+    ):
         from megatron_dapo.weights.model_io import unwrap
 
         config = model_chunks[0].config
@@ -152,6 +156,7 @@ class Actor:
         self.scheduler = scheduler
         self.layout = layout
         self.cfg = cfg
+        self.optimizer_checkpoint_format = optimizer_checkpoint_format
         self.state = ActorState()
         last = unwrap(model_chunks[-1])
         self.vocab_size = int(getattr(last, "hf_vocab_size", None) or last.vocab_size)
@@ -264,7 +269,12 @@ class Actor:
         temperature = self.cfg.temperature if temperature is None else temperature
         micros = self._my_micro_batches(batch, list(range(len(batch))))
         scored = score_micro_batches(
-            self.model, micros, temperature=temperature, vocab_size=self.vocab_size, with_entropy=with_entropy
+            self.model,
+            micros,
+            temperature=temperature,
+            vocab_size=self.vocab_size,
+            with_entropy=with_entropy,
+            chunk_tokens=self.cfg.logprob_chunk_tokens,
         )
         out = torch.zeros(2 if with_entropy else 1, len(batch), batch.max_response_len, dtype=torch.float32)
         for micro, (lp, ent) in zip(micros, scored):
@@ -323,6 +333,7 @@ class Actor:
             num_seqs=num_seqs,
             norm_len=norm_len,
             moe_aux_loss_coeff=self._aux_coeff,
+            logprob_chunk_tokens=self.cfg.logprob_chunk_tokens,
         )
         micros = self._my_micro_batches(batch, indices)
         zero_grads(self.model, self.optimizer)
@@ -466,7 +477,7 @@ def _moe_aux_loss_coeff(asked: float | None, config: Any, hf_config: Any) -> flo
             )
         return None
     if asked is None:
-        from megatron_dapo.actor.model import arch_spec
+        from megatron_dapo.arch import arch_spec
 
         asked = arch_spec(hf_config).router_aux_loss_coef if hf_config is not None else 0.0
     if getattr(config, "recompute_granularity", None):
@@ -537,4 +548,4 @@ def build_actor(
     )
     optimizer = build_optimizer(chunks, optim)
     scheduler = build_scheduler(optimizer, optim, total_updates)
-    return Actor(chunks, optimizer, scheduler, layout, cfg)
+    return Actor(chunks, optimizer, scheduler, layout, cfg, optim.checkpoint_format)

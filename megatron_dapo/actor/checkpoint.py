@@ -23,10 +23,17 @@ checkpoints that verify. The model always reshards into the current TP/PP layout
 optimizer state reshards where megatron-core supports it (the non-distributed optimizer does),
 otherwise a :class:`CheckpointError` says so. RNG states are per rank and are restored only into
 the layout they were saved from (a resharded run is reseeded, with a warning).
+
+The distributed optimizer's state is written in the format ``parallel.optimizer_checkpoint_format``
+names (``actor/optimizer.py``, OPTIMIZER_CHECKPOINT_FORMATS), recorded in the checkpoint and read
+back in that format whatever the current setting. ``dp_reshardable`` resumes at another DP size
+only; a resume that changes the model-parallel layout is refused with one line naming both
+layouts, before anything is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +41,7 @@ import random
 import re
 import shutil
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -252,6 +260,139 @@ def _layout_key(actor) -> dict[str, int]:
     }
 
 
+_MODEL_PARALLEL = ("tp", "pp", "vpp", "cp", "ep")
+
+
+def _optimizer_record(actor) -> dict[str, Any]:
+    """Which optimizer wrote the checkpoint's "optimizer" entry, and in which format."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    distributed = any(isinstance(o, DistributedOptimizer) for o in inner)
+    return {"distributed": distributed, "format": actor.optimizer_checkpoint_format if distributed else None}
+
+
+def _allocate_torch_adam_state(actor) -> None:
+    """Give a distributed optimizer that has not stepped yet the Adam state it would have.
+
+    Without Transformer Engine or apex, megatron-core 0.16.1 steps a torch AdamW, whose state
+    (and its "step") appears only at its first step, and ``DistributedOptimizer.state_dict()``,
+    which every save and ``sharded_state_dict(is_loading=True)`` call, asserts on the missing
+    step: a checkpoint before the first update, and every resume, would fail. The state made here
+    is exactly what torch's AdamW makes at its first step (step 0, zero moments), so a later
+    update is unchanged, and a load overwrites it."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        if not isinstance(inner, distrib_optimizer.DistributedOptimizer):
+            continue
+        adam = inner.optimizer
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+@contextlib.contextmanager
+def _step_kept_from_common_state(actor) -> Iterator[None]:
+    """Load distributed-optimizer state into a torch AdamW (no Transformer Engine or apex).
+
+    megatron-core 0.16.1 restores torch Adam's per-parameter "step" from the checkpoint's common
+    state, then copies each parameter's tensors over it, and neither format carries the step
+    there: ``load_parameter_state_from_fully_reshardable`` leaves it out on purpose ("handled
+    separately", so the copy fails with KeyError('step')), and dp_reshardable's 0-dim step is not
+    read back, so the copy writes the placeholder step of the optimizer the load started from
+    (the resumed Adam's bias correction would restart). For the duration of the load the step is
+    the common state's."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        yield
+        return
+
+    def set_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            tensors = {**tensors, "step": self.optimizer.state[main_param]["step"]}
+        return original(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        cls._set_main_param_and_optimizer_states = original
+
+
+def _unshare_torch_adam_steps(actor) -> None:
+    """After a load into a torch AdamW (no Transformer Engine or apex): megatron-core 0.16.1 gives
+    every parameter's state the same "step" tensor object, and torch's AdamW increments each
+    parameter's step in place, so one update would advance the shared count once per parameter
+    and skew Adam's bias correction from then on. Each parameter gets its own copy."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for inner in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        if isinstance(inner, distrib_optimizer.DistributedOptimizer):
+            for state in inner.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+
+
+def _optimizer_metadata(record: dict[str, Any]) -> dict[str, Any] | None:
+    if not record["distributed"]:
+        return None
+    # mem_efficient: fully_reshardable gathers over the gloo DP group into host memory on DP rank
+    # 0 only; without it megatron all-gathers every shard's whole state on every GPU.
+    return {
+        "distrib_optim_sharding_type": record["format"],
+        "distrib_optim_fully_reshardable_mem_efficient": True,
+    }
+
+
+def optimizer_resume_error(
+    saved: dict[str, Any], current: dict[str, Any], saved_layout, layout
+) -> str | None:
+    """Why the optimizer state saved as ``saved`` (an :func:`_optimizer_record`) with layout
+    ``saved_layout`` cannot be loaded into an optimizer ``current`` at ``layout`` (None: it can)."""
+    if saved["distributed"] != current["distributed"]:
+        kind = {True: "the distributed optimizer", False: "the non-distributed optimizer"}
+        return (
+            f"it was saved by {kind[saved['distributed']]} and this run uses {kind[current['distributed']]}; "
+            f"resume with parallel.use_distributed_optimizer={str(saved['distributed']).lower()}"
+        )
+    if saved["format"] == "dp_reshardable":
+        saved_mp = {k: saved_layout.get(k, 1) for k in _MODEL_PARALLEL}
+        mp = {k: layout[k] for k in _MODEL_PARALLEL}
+        if saved_mp != mp:
+            return (
+                f"its distributed-optimizer state was written as dp_reshardable at {_fmt_layout(saved_layout)}, "
+                f"which reshards only over data parallel, and this run is {_fmt_layout(layout)}; resume at "
+                f"TP={saved_mp['tp']} PP={saved_mp['pp']} CP={saved_mp['cp']} EP={saved_mp['ep']} (any DP size), "
+                "or save with parallel.optimizer_checkpoint_format=fully_reshardable"
+            )
+    return None
+
+
+def _fmt_layout(layout: dict[str, int]) -> str:
+    tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
+    dp = layout.get("world", 1) // max(1, tp * pp * cp)
+    parts = [f"TP={tp}", f"PP={pp}", f"CP={cp}", f"EP={layout.get('ep', 1)}", f"DP={dp}"]
+    if layout.get("vpp", 1) > 1:
+        parts.append(f"VPP={layout['vpp']}")
+    return " ".join(parts)
+
+
 def same_layout(saved: dict[str, int], current: dict[str, int]) -> bool:
     """Whether a checkpoint's per-rank state (RNG) means the same on every rank now. CP and EP change
     what a rank holds at the same world size (cp=2 vs dp=2), so they are part of it. A checkpoint that does not
@@ -288,8 +429,10 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     model_sd = model_sharded_state_dict(actor.model)
+    optimizer = _optimizer_record(actor)
+    _allocate_torch_adam_state(actor)
     extra = {
-        "optimizer": actor.optimizer.sharded_state_dict(model_sd),
+        "optimizer": actor.optimizer.sharded_state_dict(model_sd, metadata=_optimizer_metadata(optimizer)),
         "scheduler": actor.scheduler.state_dict(),
         "rng": _rng_sharded(rng_state()),
         "trainer": {
@@ -297,6 +440,7 @@ def save_checkpoint(
             "actor_state": asdict(actor.state),
             "trainer_state": dict(trainer_state or {}),
             "layout": _layout_key(actor),
+            "optimizer": optimizer,
         },
     }
     error = None
@@ -395,7 +539,17 @@ def load_checkpoint(
     model_sd = model_sharded_state_dict(actor.model)
     request: dict[str, Any] = dict(model_sd)
     if load_optimizer:
-        request["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=True)
+        # Checkpoints from before the record was kept were all written by the non-distributed one.
+        saved_optimizer = record.get("optimizer", {"distributed": False, "format": None})
+        why = optimizer_resume_error(
+            saved_optimizer, _optimizer_record(actor), record["layout"], _layout_key(actor)
+        )
+        if why is not None:
+            raise CheckpointError(f"cannot resume the optimizer from checkpoint {found}: {why}")
+        _allocate_torch_adam_state(actor)
+        request["optimizer"] = actor.optimizer.sharded_state_dict(
+            model_sd, is_loading=True, metadata=_optimizer_metadata(saved_optimizer)
+        )
     if layout_unchanged:
         request["rng"] = _rng_sharded(None)
     try:
@@ -411,7 +565,11 @@ def load_checkpoint(
     for key, chunk in zip(model_keys(len(actor.model)), actor.model):
         unwrap(chunk).load_state_dict(loaded[key])
     if load_optimizer:
-        actor.optimizer.load_state_dict(loaded["optimizer"])
+        # no_grad: with fp32 params the distributed optimizer's main params are views of the
+        # model's leaf parameters, which an in-place copy under autograd refuses.
+        with torch.no_grad(), _step_kept_from_common_state(actor):
+            actor.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_torch_adam_steps(actor)
         actor.scheduler.load_state_dict(common["scheduler"])
     else:
         # Model-only load: the fp32 master params still hold the old weights.

@@ -73,8 +73,14 @@ Patches (all installed together, once per process):
    those two calls, only when given split sizes, pad every piece to the largest and all-gather
    equal pieces, or all-reduce the whole input and keep this rank's rows: the same values.
 
-Not patched, because the CPU path does not use them: the distributed optimizer (the CPU path uses
-megatron's non-distributed optimizer), CUDA graphs, NCCL user buffers, overlapped grad reduce /
+11. The distributed optimizer (``use_distributed_optimizer``, the GPU default, so the CPU runs it
+   too and its checkpoints are tested here). ``DistributedOptimizer.__init__`` asserts CUDA tensor
+   type strings for the model parameters (``_build_model_and_main_param_groups``) and when it
+   marks 16-bit parameters' main params as sharded: it runs under the ``Tensor.type()`` rewrite of
+   patch 5. Its buffers are created on ``torch.cuda.current_device()`` (patch 1); its
+   reduce-scatter of gradients and all-gather of parameters are gloo's, which implements both.
+
+Not patched, because the CPU path does not use them: CUDA graphs, NCCL user buffers, overlapped grad reduce /
 param gather streams, ``tensor_parallel.data.broadcast_data``.
 """
 
@@ -302,6 +308,8 @@ def apply_cpu_compat() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = wrapped_clip
     f16 = optimizer.Float16OptimizerWithFloat16Params
     f16.__init__ = _within(_tensor_type_reports_cuda, f16.__init__)
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer
+    distrib.__init__ = _within(_tensor_type_reports_cuda, distrib.__init__)
 
     from megatron.core.models.common.language_module.language_module import LanguageModule
 

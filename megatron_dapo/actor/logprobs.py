@@ -27,6 +27,12 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_BYTES = 256 << 20
+# Tokens per chunk of the fused output layer + log-prob. Measured on CPU only (2048 tokens x 32768
+# vocab x 256 hidden, fp32, `tools/bench_logprobs.py --chunks 128,256,512,2048` on a loaded
+# 2-core machine): 128-512 ran 0.30-0.70x naive's time, 1024-2048 0.66-0.78x, memory growing with
+# the chunk. At Qwen2.5's 151936 vocabulary one chunk of 512 is ~0.3 GiB of float32 logits (a
+# few such buffers live at once); the GPU default is not measured.
+DEFAULT_CHUNK_TOKENS = 512
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -46,6 +52,66 @@ def _add_entropy_term(
     (its own function so tests can see whether the backward paid for it)."""
     logp.add_(entropy.unsqueeze(-1)).mul_(g_h.unsqueeze(-1))
     logp.add_(g_lp.unsqueeze(-1))
+
+
+def _chunk_forward(
+    x: torch.Tensor, local_t: torch.Tensor, owns: torch.Tensor, group, tp: int, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-prob, entropy, max and log-normaliser of one chunk of token rows. ``x``: this rank's
+    ``[rows, valid]`` scaled logits ``logits / T`` in the compute dtype, a copy it overwrites. The
+    only collectives of the kernels: one MAX and one SUM all-reduce over the TP group."""
+    rows, valid = x.shape
+    if valid:
+        m = x.max(dim=-1).values
+    else:
+        m = torch.full((rows,), float("-inf"), dtype=x.dtype, device=x.device)
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    x.sub_(m.unsqueeze(-1))
+    # Partial sums of this rank: [sum e^(x-m), sum e^(x-m)(x-m), target's (x-m) if owned].
+    parts = torch.zeros(3, rows, dtype=x.dtype, device=x.device)
+    if valid:
+        tgt = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+        parts[2] = torch.where(owns, tgt, torch.zeros_like(tgt))
+        e = x.exp()
+        parts[0] = e.sum(dim=-1)
+        if with_entropy:
+            parts[1] = e.mul_(x).sum(dim=-1)
+        del e
+    if tp > 1:
+        dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
+    log_z = parts[0].log()
+    return parts[2] - log_z, log_z - parts[1] / parts[0], m, log_z
+
+
+def _logit_grad(
+    x: torch.Tensor,
+    maxes: torch.Tensor,
+    log_zs: torch.Tensor,
+    entropy: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_h: torch.Tensor | None,
+    tgt: torch.Tensor,
+    hit: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """d loss / d logits of a tile of ``[rows, cols]`` scaled logits ``x`` (a compute-dtype copy it
+    overwrites and returns), from the saved global max and log-normaliser, so no collective:
+    ``dL/dx_j = -p_j (g_lp + g_h (log p_j + H)) + g_lp 1[j == t]``, then ``/ T``. ``tgt``: each
+    row's target column within the tile where ``hit``, any valid column elsewhere."""
+    logp = x.sub_(maxes.unsqueeze(-1)).sub_(log_zs.unsqueeze(-1))
+    p = logp.exp()
+    if g_h is not None:
+        _add_entropy_term(logp, entropy, g_h, g_lp)
+    else:
+        logp.copy_(g_lp.unsqueeze(-1).expand_as(logp))
+    gx = logp.mul_(p).neg_()
+    del p
+    own = torch.where(hit, g_lp, torch.zeros_like(g_lp))
+    gx.scatter_add_(-1, tgt.unsqueeze(-1), own.unsqueeze(-1))
+    if temperature != 1.0:
+        gx.div_(temperature)
+    return gx
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
@@ -72,31 +138,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
             x = logits[lo:hi, :valid].to(cdtype, copy=True)
             if temperature != 1.0:
                 x.div_(temperature)
-            if valid:
-                m = x.max(dim=-1).values
-            else:
-                m = torch.full((hi - lo,), float("-inf"), dtype=cdtype, device=x.device)
-            if tp > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            x.sub_(m.unsqueeze(-1))
-            # Partial sums of this rank: [sum e^(x-m), sum e^(x-m)(x-m), target's (x-m) if owned].
-            parts = torch.zeros(3, hi - lo, dtype=cdtype, device=x.device)
-            if valid:
-                tgt = x.gather(-1, local_t[lo:hi].unsqueeze(-1)).squeeze(-1)
-                parts[2] = torch.where(owns[lo:hi], tgt, torch.zeros_like(tgt))
-                e = x.exp()
-                parts[0] = e.sum(dim=-1)
-                if with_entropy:
-                    parts[1] = e.mul_(x).sum(dim=-1)
-                del e
-            del x
-            if tp > 1:
-                dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
-            log_z = parts[0].log()
-            logprobs[lo:hi] = parts[2] - log_z
-            entropy[lo:hi] = log_z - parts[1] / parts[0]
-            maxes[lo:hi] = m
-            log_zs[lo:hi] = log_z
+            stats = _chunk_forward(x, local_t[lo:hi], owns[lo:hi], group, tp, with_entropy)
+            logprobs[lo:hi], entropy[lo:hi], maxes[lo:hi], log_zs[lo:hi] = stats
         # Outputs nothing differentiates through get None grads instead of zero tensors: the
         # entropy is usually computed for metrics only, and a zero grad_entropy would make the
         # backward pay for the entropy term of every logit.
@@ -125,26 +168,39 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         rows = _chunk_rows(local_vocab, ctx.chunk_bytes)
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
-            logp = logits[lo:hi, :valid].to(cdtype, copy=True)
+            x = logits[lo:hi, :valid].to(cdtype, copy=True)
             if temperature != 1.0:
-                logp.div_(temperature)
-            logp.sub_(maxes[lo:hi].unsqueeze(-1)).sub_(log_zs[lo:hi].unsqueeze(-1))
-            p = logp.exp()
-            # dL/dx_j = g_lp (1[j==t] - p_j) - g_h p_j (log p_j + H)
-            #         = -p_j (g_lp + g_h (log p_j + H)) + g_lp 1[j==t]
-            if g_h is not None:
-                _add_entropy_term(logp, entropy[lo:hi], g_h[lo:hi], g_lp[lo:hi])
-            else:
-                logp.copy_(g_lp[lo:hi].unsqueeze(-1).expand_as(logp))
-            gx = logp.mul_(p).neg_()
-            del p
-            own = torch.where(owns[lo:hi], g_lp[lo:hi], torch.zeros_like(g_lp[lo:hi]))
-            gx.scatter_add_(-1, local_t[lo:hi].unsqueeze(-1), own.unsqueeze(-1))
-            if temperature != 1.0:
-                gx.div_(temperature)
+                x.div_(temperature)
+            rows_ = slice(lo, hi)
+            gx = _logit_grad(
+                x, maxes[rows_], log_zs[rows_], entropy[rows_], g_lp[rows_],
+                None if g_h is None else g_h[rows_], local_t[rows_], owns[rows_], temperature,
+            )  # fmt: skip
             grad[lo:hi, :valid] = gx
             del gx
         return grad, None, None, None, None, None, None
+
+
+def _checked_vocab(targets, temperature: float, vocab_size: int | None, local_vocab: int, tp: int) -> int:
+    """The real vocabulary (default ``V_local * TP``), after checking the arguments both kernels
+    share."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if vocab_size is None:
+        vocab_size = local_vocab * tp
+    if not 0 < vocab_size <= local_vocab * tp:
+        raise ValueError(
+            f"vocab_size={vocab_size} must be in (0, V_local * TP = {local_vocab} * {tp}]; pass the "
+            "model's real (unpadded) vocabulary"
+        )
+    if targets.numel():
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"target ids must be in [0, {vocab_size}), got min {lo} max {hi}; padding positions "
+                "need a valid id (e.g. the pad token), masked out later"
+            )
+    return int(vocab_size)
 
 
 def vocab_parallel_logprobs(
@@ -177,8 +233,6 @@ def vocab_parallel_logprobs(
         logits). Both are differentiable with respect to ``logits``; every TP rank gets the same
         values.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"targets shape {tuple(targets.shape)} must equal logits shape without the vocab dim "
@@ -186,28 +240,174 @@ def vocab_parallel_logprobs(
         )
     tp, _ = _group_size_rank(tp_group)
     local_vocab = logits.shape[-1]
-    if vocab_size is None:
-        vocab_size = local_vocab * tp
-    if not 0 < vocab_size <= local_vocab * tp:
-        raise ValueError(
-            f"vocab_size={vocab_size} must be in (0, V_local * TP = {local_vocab} * {tp}]; pass the "
-            "model's real (unpadded) vocabulary"
-        )
-    if targets.numel():
-        lo, hi = int(targets.min()), int(targets.max())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(
-                f"target ids must be in [0, {vocab_size}), got min {lo} max {hi}; padding positions "
-                "need a valid id (e.g. the pad token), masked out later"
-            )
+    vocab_size = _checked_vocab(targets, temperature, vocab_size, local_vocab, tp)
     shape = targets.shape
     lp, ent = _VocabParallelLogprobEntropy.apply(
         logits.reshape(-1, local_vocab),
         targets.reshape(-1).long(),
         float(temperature),
-        int(vocab_size),
+        vocab_size,
         tp_group if tp > 1 else None,
         int(chunk_bytes),
+        bool(with_entropy),
+    )
+    return lp.reshape(shape), ent.reshape(shape)
+
+
+def _vocab_block(valid: int, hidden_size: int, chunk_tokens: int) -> int:
+    """Output-weight rows per backward block when the weight's gradient is accumulated apart
+    (half precision): the float32 accumulator of a block (``block x hidden``) is at most one
+    chunk's float32 logits (``chunk_tokens x valid``)."""
+    return max(1, min(valid, chunk_tokens * valid // max(hidden_size, 1)))
+
+
+class _FusedLinearLogprobEntropy(torch.autograd.Function):
+    """``vocab_parallel_logprobs(hidden @ weight.T, ...)`` without the ``[tokens, V_local]``
+    logits: each chunk of tokens computes its logits, reduces them and drops them; the backward
+    computes them again, tile by tile."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, vocab_size, group, chunk_tokens, with_entropy):
+        tp, rank = _group_size_rank(group)
+        n = hidden.shape[0]
+        local_vocab = weight.shape[0]
+        start = rank * local_vocab
+        valid = max(0, min(local_vocab, vocab_size - start))
+        cdtype = torch.promote_types(hidden.dtype, torch.float32)
+        local_t = targets - start
+        owns = (local_t >= 0) & (local_t < valid)
+        local_t = torch.where(owns, local_t, torch.zeros_like(local_t))
+        # rows: log-prob, entropy, max, log-normaliser (kept apart as in the logits kernel)
+        out = torch.empty(4, n, dtype=cdtype, device=hidden.device)
+        w = weight[:valid]
+        for lo in range(0, n, chunk_tokens):
+            hi = min(n, lo + chunk_tokens)
+            # The logits in the model's dtype, as the output layer would hand them over, then the
+            # logits kernel's upcast: the same numbers as the unfused path.
+            x = (hidden[lo:hi] @ w.t()).to(cdtype)
+            if temperature != 1.0:
+                x.div_(temperature)
+            stats = _chunk_forward(x, local_t[lo:hi], owns[lo:hi], group, tp, with_entropy)
+            del x
+            for row, value in enumerate(stats):
+                out[row, lo:hi] = value
+        logprobs, entropy, maxes, log_zs = out
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, local_t, owns, maxes, log_zs, entropy)
+        ctx.temperature = temperature
+        ctx.valid = valid
+        ctx.chunk_tokens = chunk_tokens
+        ctx.with_entropy = with_entropy
+        if not with_entropy:
+            entropy = torch.zeros_like(entropy)
+        return logprobs.clone(), entropy.clone()
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, local_t, owns, maxes, log_zs, entropy = ctx.saved_tensors
+        temperature, valid, chunk = ctx.temperature, ctx.valid, ctx.chunk_tokens
+        want_h, want_w = ctx.needs_input_grad[:2]
+        n, hidden_size = hidden.shape
+        cdtype = maxes.dtype
+        nones = (None,) * 6
+        grad_w = torch.zeros_like(weight) if want_w else None  # padded rows stay zero
+        if valid == 0 or (grad_logprobs is None and grad_entropy is None):
+            return (torch.zeros_like(hidden) if want_h else None), grad_w, *nones
+        g_lp = torch.zeros(n, dtype=cdtype, device=maxes.device) if grad_logprobs is None else grad_logprobs
+        g_lp = g_lp.to(cdtype)
+        g_h = None if grad_entropy is None or not ctx.with_entropy else grad_entropy.to(cdtype)
+        # Both gradients are sums over tiles, accumulated in float32 (or wider) and rounded to the
+        # parameters' dtype once, as one matmul over the whole logits gradient would.
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        grad_h = torch.zeros(n, hidden_size, dtype=acc_dtype, device=hidden.device) if want_h else None
+        direct = grad_w is not None and grad_w.dtype == acc_dtype
+        block = valid if direct or not want_w else _vocab_block(valid, hidden_size, chunk)
+        for v0 in range(0, valid, block):
+            v1 = min(valid, v0 + block)
+            w_blk = weight[v0:v1]
+            if want_w:
+                acc = (
+                    grad_w[v0:v1]
+                    if direct
+                    else torch.zeros(v1 - v0, hidden_size, dtype=acc_dtype, device=weight.device)
+                )
+            hit = owns & (local_t >= v0) & (local_t < v1)
+            tgt = torch.where(hit, local_t - v0, torch.zeros_like(local_t))
+            for lo in range(0, n, chunk):
+                r = slice(lo, min(n, lo + chunk))
+                x = (hidden[r] @ w_blk.t()).to(cdtype)
+                if temperature != 1.0:
+                    x.div_(temperature)
+                gx = _logit_grad(
+                    x, maxes[r], log_zs[r], entropy[r], g_lp[r],
+                    None if g_h is None else g_h[r], tgt[r], hit[r], temperature,
+                )  # fmt: skip
+                gx = gx.to(hidden.dtype)  # the logits' gradient in their dtype, as unfused
+                if want_h:
+                    grad_h[r] += gx @ w_blk
+                if want_w:
+                    acc += gx.t() @ hidden[r]
+                del gx
+            if want_w and not direct:
+                grad_w[v0:v1] = acc
+        return (grad_h.to(hidden.dtype) if want_h else None), grad_w, *nones
+
+
+def fused_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    tp_group=None,
+    with_entropy: bool = True,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vocab_parallel_logprobs` of the logits ``hidden @ weight.T`` (the output layer,
+    megatron's vocab-parallel ``ColumnParallelLinear``), never holding them: the output layer
+    and the log-prob run together on ``chunk_tokens`` tokens at a time, and the backward
+    recomputes each chunk's logits (as fused linear cross-entropy kernels do). Only the
+    forward talks to the other TP ranks.
+
+    Args:
+        hidden: ``[..., h]`` the final hidden states, the output layer's input as every TP rank
+            sees it (sequence-parallel shards already gathered).
+        weight: ``[V_local, h]`` this rank's rows of the output layer (the word embeddings when
+            tied), in ``hidden``'s dtype.
+        chunk_tokens: tokens per chunk; the working set is about ``chunk_tokens * V_local``
+            float32 values.
+        the rest: as :func:`vocab_parallel_logprobs`.
+
+    Returns:
+        ``(logprobs, entropy)`` of shape ``targets.shape``, differentiable with respect to
+        ``hidden`` and ``weight``. ``hidden``'s gradient is this rank's share (its vocabulary
+        slice's); the caller sums it over the TP ranks the way ColumnParallelLinear's input
+        mapping does (``copy_to_tensor_model_parallel_region``, or the sequence-parallel gather).
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden shape without the hidden dim "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"weight {tuple(weight.shape)} {weight.dtype} must be [V_local, {hidden.shape[-1]}] in the "
+            f"hidden states' dtype {hidden.dtype}"
+        )
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    tp, _ = _group_size_rank(tp_group)
+    vocab_size = _checked_vocab(targets, temperature, vocab_size, weight.shape[0], tp)
+    shape = targets.shape
+    lp, ent = _FusedLinearLogprobEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1).long(),
+        float(temperature),
+        vocab_size,
+        tp_group if tp > 1 else None,
+        int(chunk_tokens),
         bool(with_entropy),
     )
     return lp.reshape(shape), ent.reshape(shape)

@@ -13,9 +13,10 @@ the token count in ``finalize_model_grads``, is disabled by :func:`finalize_grad
 because our loss is already normalised (and seq-mean modes normalise by sequences, not tokens).
 The resulting gradient is exactly that of the unsplit mini-batch loss.
 
-CPU vs GPU: on CPU the non-distributed optimizer is used (megatron's distributed optimizer
-asserts CUDA tensors); on GPU ``use_distributed_optimizer`` shards the fp32 main params and Adam
-state over DP. bf16 params get fp32 main params in either optimizer.
+``use_distributed_optimizer`` shards the fp32 main params and Adam state over DP, on GPU and on
+CPU alike (compat patch 11 lets megatron's DistributedOptimizer run on gloo), so the CPU suite
+trains and checkpoints the optimizer GPU runs use. bf16 params get fp32 main params in either
+optimizer.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_dapo.actor import compat
-
-LR_SCHEDULES = ("constant", "cosine")
+from megatron_dapo.config.knobs import from_config, knob
 
 
 def training_config_overrides() -> dict[str, Any]:
@@ -60,7 +60,7 @@ def wrap_ddp(
             "the model config needs calculate_per_token_loss=True so DDP sums gradients; build it with "
             "build_gpt_model(..., config_overrides=optimizer.training_config_overrides())"
         )
-    distributed = use_distributed_optimizer and not compat.on_cpu()
+    distributed = use_distributed_optimizer
     overlap = gpu_settings.ddp_overlap(
         not compat.on_cpu(), distributed, overlap_grad_reduce, overlap_param_gather
     )
@@ -96,23 +96,37 @@ def finalize_grads_without_token_scaling(model, num_tokens=None, pg_collection=N
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """AdamW and LR-schedule settings (verl/megatron names)."""
+    """AdamW and LR-schedule settings: config.optim's keys, with the schema's defaults."""
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_scheduler: str = "constant"
+    lr: float = knob("optim.lr")
+    min_lr: float = knob("optim.min_lr")
+    weight_decay: float = knob("optim.weight_decay")
+    adam_beta1: float = knob("optim.adam_beta1")
+    adam_beta2: float = knob("optim.adam_beta2")
+    adam_eps: float = knob("optim.adam_eps")
+    clip_grad: float = knob("optim.clip_grad")
+    lr_warmup_steps: int = knob("optim.lr_warmup_steps")
+    lr_scheduler: str = knob("optim.lr_scheduler")
     # Optimizer updates the cosine decays over (after warmup ends it reaches min_lr here).
     lr_decay_steps: int | None = None
-    use_distributed_optimizer: bool = True
+    use_distributed_optimizer: bool = knob("parallel.use_distributed_optimizer")
+    # How checkpoints write the distributed optimizer's state (megatron-core's
+    # ``distrib_optim_sharding_type``). megatron-core 0.16.1's default, fully_sharded_model_space,
+    # builds ShardedTensors with flattened ranges that its own dist-checkpointing refuses at save
+    # ("ShardedTensor.flattened_range is not supported"), so it is not offered.
+    # - dp_reshardable: every rank writes its own buckets, no gather and no extra memory; the
+    #   state is bucket-shaped, so a resume may change the DP size but not TP/PP/CP/EP/VPP.
+    # - fully_reshardable: each model-parallel shard's state is gathered on its DP rank 0 (host
+    #   memory: 12 bytes per parameter of the shard) and written per parameter; any layout.
+    checkpoint_format: str = knob("parallel.optimizer_checkpoint_format")
     # None: the machine's default (gpu_settings.ddp_overlap).
-    overlap_grad_reduce: bool | None = None
-    overlap_param_gather: bool | None = None
+    overlap_grad_reduce: bool | None = knob("parallel.overlap_grad_reduce")
+    overlap_param_gather: bool | None = knob("parallel.overlap_param_gather")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> OptimizerSettings:
+        """Build from the run's config (a DictConfig or its plain dict), validated when it was loaded."""
+        return from_config(cls, cfg)
 
 
 def build_optimizer(model_chunks: list[Any], settings: OptimizerSettings) -> Any:
@@ -133,7 +147,7 @@ def build_optimizer(model_chunks: list[Any], settings: OptimizerSettings) -> Any
         bf16=model_config.bf16,
         fp16=model_config.fp16,
         params_dtype=model_config.params_dtype,
-        use_distributed_optimizer=settings.use_distributed_optimizer and not compat.on_cpu(),
+        use_distributed_optimizer=settings.use_distributed_optimizer,
         decoupled_weight_decay=True,
     )
     return get_megatron_optimizer(config, model_chunks)
@@ -144,8 +158,6 @@ def build_scheduler(optimizer: Any, settings: OptimizerSettings, total_updates: 
     then constant, or cosine to ``min_lr`` at ``lr_decay_steps`` (default ``total_updates``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    if settings.lr_scheduler not in LR_SCHEDULES:
-        raise ValueError(f"lr_scheduler={settings.lr_scheduler!r}; choose one of {', '.join(LR_SCHEDULES)}")
     decay_steps = settings.lr_decay_steps or max(total_updates, settings.lr_warmup_steps + 1)
     if decay_steps <= settings.lr_warmup_steps:
         raise ValueError(

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-ROUTING_REPLAY_MODES = ("none", "rollout")
-
 
 class RoutingReplayError(ValueError):
     """Recorded experts that do not fit the model or the batch."""

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.actor import compat, moe_aux_loss, routing_replay
+from megatron_dapo.actor import compat, fused_output, moe_aux_loss, routing_replay
 from megatron_dapo.actor.context_parallel import cp_gather, cp_row_sum, cp_split_micro
-from megatron_dapo.actor.logprobs import vocab_parallel_logprobs
+from megatron_dapo.actor.logprobs import DEFAULT_CHUNK_TOKENS
 from megatron_dapo.actor.micro_batches import MicroBatch
 from megatron_dapo.algo import RolloutCorrection, policy_loss, sequence_weights
 
@@ -65,6 +65,8 @@ class LossSettings:
     rollout_correction: RolloutCorrection | None = None  # None / mode none: today's loss
     # MoE load-balancing loss (actor/moe_aux_loss.py): None off (dense); 0 measured, not trained
     moe_aux_loss_coeff: float | None = None
+    # tokens per chunk of the fused output layer + log-prob (actor.logprob_chunk_tokens)
+    logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 def _cp_group():
@@ -124,6 +126,7 @@ def score_micro_batches(
     temperature: float,
     vocab_size: int,
     with_entropy: bool = False,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Forward-only log-probs and entropy ``[b, L]`` per micro-batch (CPU tensors, whole rows
     gathered over context parallelism), in order, on the last pipeline stage; an empty list
@@ -135,21 +138,24 @@ def score_micro_batches(
     def forward_step(data_iterator, model):
         micro = _to_device(next(data_iterator))
         routing_replay.apply(model, micro.routed_experts, micro.score_mask)
-        output = model(micro.tokens, micro.position_ids, None)
+        with fused_output.hidden_states_out(model):
+            output = model(micro.tokens, micro.position_ids, None)
 
-        def collect(logits):
-            lp, ent = vocab_parallel_logprobs(
-                logits,
+        def collect(hidden):
+            lp, ent = fused_output.logprobs(
+                model,
+                hidden,
                 micro.labels,
                 vocab_size=vocab_size,
                 temperature=temperature,
                 tp_group=tp_group,
                 with_entropy=with_entropy,
+                chunk_tokens=chunk_tokens,
             )
             if cp_group is not None:
                 lp, ent = cp_gather(lp.float(), cp_group, dim=1), cp_gather(ent.float(), cp_group, dim=1)
             out.append((lp.float().cpu(), ent.float().cpu()))
-            zero = logits.sum() * 0
+            zero = hidden.sum() * 0
             return zero, torch.zeros((), dtype=torch.int, device=zero.device), {}
 
         return output, collect
@@ -262,16 +268,19 @@ def backward_micro_batches(
             )
             real = micro.position_ids < micro.seq_lens[:, None]
             moe_aux_loss.prepare(model, real, weights, settings.moe_aux_loss_coeff)
-        output = model(micro.tokens, micro.position_ids, None)
+        with fused_output.hidden_states_out(model):
+            output = model(micro.tokens, micro.position_ids, None)
 
-        def loss_func(logits):
+        def loss_func(hidden):
             nonlocal totals
-            lp, ent = vocab_parallel_logprobs(
-                logits,
+            lp, ent = fused_output.logprobs(
+                model,
+                hidden,
                 micro.labels,
                 vocab_size=settings.vocab_size,
                 temperature=settings.temperature,
                 tp_group=tp_group,
+                chunk_tokens=settings.logprob_chunk_tokens,
             )
             loss, stats = micro_batch_loss(lp, ent, micro, settings, row_sum)
             totals = combine_stats(totals, stats.cpu())

@@ -23,6 +23,7 @@ def agg_loss(
     *,
     norm_len: int | float | None = None,
     row_sum: RowSum | None = None,
+    row_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Aggregate ``loss_mat`` (B, T) over the tokens where ``mask`` is set.
 
@@ -31,9 +32,11 @@ def agg_loss(
     - ``token-mean``: sum of masked token losses / ``num_tokens`` (DAPO's token-level loss).
     - ``seq-mean-token-sum``: each sequence's token sum, averaged over ``num_seqs`` sequences.
     - ``seq-mean-token-mean``: each sequence's token mean, averaged over ``num_seqs`` sequences.
-    - ``seq-mean-token-sum-norm``: sum over all sequences of their token sums, divided by the
-      constant ``norm_len`` (Dr.GRPO; default ``mask.shape[-1]``). No division by the number
-      of sequences, exactly as verl.
+    - ``seq-mean-token-sum-norm``: each sequence's token sum divided by the constant
+      ``norm_len`` (default ``mask.shape[-1]``), averaged over ``num_seqs`` sequences: Dr. GRPO's
+      ``1/G * sum_i sum_t l_it / L`` (Liu et al. 2025, arXiv:2503.20783; ``L`` the generation
+      budget), and verl's mode of that name since verl 0.7.1 (``loss_scale_factor`` is
+      ``norm_len``). Before, verl (and this function) left out the ``1/num_seqs``.
 
     Sequences with no unmasked token are excluded from the ``seq-mean-*`` averages.
 
@@ -49,7 +52,9 @@ def agg_loss(
     ``row_sum``: when a row is cut across ranks (context parallelism), sums a per-row count over
     them. The ``seq-mean-*`` modes then use each whole sequence's token count (for its mean and
     for "is it empty"), while the numerator stays this rank's part: the ranks' losses add up to
-    the loss of the whole rows, and so do their gradients.
+    the loss of the whole rows, and so do their gradients. ``row_tokens`` (B,): the whole rows'
+    token counts, when the caller already has them (rows cut into chunks computed one after the
+    other, where no collective can sum them); it replaces the local count and ``row_sum``.
 
     Differs from verl in one detail: ``seq-mean-token-mean`` divides a sequence's token sum by
     its exact token count, where verl divides by ``count + 1e-8``.
@@ -69,17 +74,15 @@ def agg_loss(
         return masked.sum() / _positive(denom, "num_tokens", loss_mat)
 
     seq_sums = masked.sum(dim=-1)
-    if mode == "seq-mean-token-sum-norm":
-        divisor = mask.shape[-1] if norm_len is None else norm_len
-        if divisor <= 0:
-            raise ValueError(f"norm_len must be > 0, got {divisor}")
-        return seq_sums.sum() / divisor
-
-    if row_sum is not None:
+    if row_tokens is not None:
+        token_counts = _row_tokens(row_tokens, mask)
+    elif row_sum is not None:
         token_counts = row_sum(token_counts)
     nonempty = token_counts > 0
     if mode == "seq-mean-token-mean":
         seq_losses = seq_sums / token_counts.clamp(min=1).to(loss_mat.dtype)
+    elif mode == "seq-mean-token-sum-norm":
+        seq_losses = seq_sums / _norm_len(norm_len, mask)
     else:
         seq_losses = seq_sums
     denom = nonempty.sum() if num_seqs is None else num_seqs
@@ -103,8 +106,8 @@ def sequence_weights(
     MoE load-balancing loss) so they are aggregated exactly like it.
 
     token-mean: tokens / num_tokens; seq-mean-token-mean: 1 / num_seqs for each non-empty row;
-    seq-mean-token-sum: tokens / num_seqs; seq-mean-token-sum-norm: tokens / norm_len. Token
-    counts are whole rows' (``row_sum`` over context-parallel pieces).
+    seq-mean-token-sum: tokens / num_seqs; seq-mean-token-sum-norm: tokens / (num_seqs *
+    norm_len). Token counts are whole rows' (``row_sum`` over context-parallel pieces).
     """
     if mask.dim() != 2:
         raise ValueError(f"mask must be (B, T), got {tuple(mask.shape)}")
@@ -116,15 +119,28 @@ def sequence_weights(
     counts = counts.to(torch.float64)
     if mode == "token-mean":
         return counts / _positive(counts.sum() if num_tokens is None else num_tokens, "num_tokens", counts)
-    if mode == "seq-mean-token-sum-norm":
-        divisor = mask.shape[-1] if norm_len is None else norm_len
-        if divisor <= 0:
-            raise ValueError(f"norm_len must be > 0, got {divisor}")
-        return counts / divisor
     nonempty = counts > 0
     denom = _positive(nonempty.sum() if num_seqs is None else num_seqs, "num_seqs", counts)
-    per_row = nonempty.to(torch.float64) if mode == "seq-mean-token-mean" else counts
-    return per_row / denom
+    if mode == "seq-mean-token-mean":
+        return nonempty.to(torch.float64) / denom
+    if mode == "seq-mean-token-sum-norm":
+        return counts / _norm_len(norm_len, mask) / denom
+    return counts / denom
+
+
+def _norm_len(norm_len: int | float | None, mask: torch.Tensor) -> int | float:
+    divisor = mask.shape[-1] if norm_len is None else norm_len
+    if divisor <= 0:
+        raise ValueError(f"norm_len must be > 0, got {divisor}")
+    return divisor
+
+
+def _row_tokens(row_tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if row_tokens.shape != mask.shape[:1]:
+        raise ValueError(
+            f"row_tokens must hold one count per row, shape {tuple(mask.shape[:1])}, got {tuple(row_tokens.shape)}"
+        )
+    return row_tokens
 
 
 def _positive(denom, name: str, like: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ def _report_errors(fn):
 
 @_report_errors
 def _hf_to_megatron(args: argparse.Namespace):
-    from megatron_dapo.weights.convert import hf_to_megatron
+    from megatron_dapo.convert import hf_to_megatron
 
     return hf_to_megatron(
         args.hf_dir,
@@ -75,7 +75,7 @@ def _hf_to_megatron(args: argparse.Namespace):
 
 @_report_errors
 def _megatron_to_hf(args: argparse.Namespace):
-    from megatron_dapo.weights.convert import megatron_to_hf
+    from megatron_dapo.convert import megatron_to_hf
 
     return megatron_to_hf(
         args.megatron_dir,

@@ -2,7 +2,10 @@
 
 Sources: an HF checkpoint (`--hf-dir`: the HF engine on CPU, an SGLang server on GPU) or any
 running OpenAI-compatible endpoint (`--url`: SGLang, vLLM, Ray Serve). Defaults follow the DAPO
-AIME protocol: k=32 samples per problem at temperature 1.0, top_p 0.7.
+AIME protocol: k=32 samples per problem at temperature 1.0, top_p 0.7. `--run RUN_DIR` builds the
+prompts as that run did (data template, chat template, prompt and response lengths, data files
+and reward from its config.yaml); flags given explicitly override it. Every prompt is checked
+against the prompt budget and the model's context before anything is sampled.
 """
 
 from __future__ import annotations
@@ -10,7 +13,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from pathlib import Path
+
+DEFAULT_DATA = "data/aime-2024.parquet"
+# The CLI's own defaults, used where neither a flag nor --run gives a value.
+DEFAULTS = {
+    "template": "auto",
+    "apply_chat_template": True,
+    "max_prompt_length": 2048,
+    "max_response_length": 20480,
+}
+FLAGS = {
+    "template": "--template",
+    "apply_chat_template": "--no-chat-template",
+    "max_prompt_length": "--max-prompt-length",
+    "max_response_length": "--max-tokens",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,39 +42,143 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="HF checkpoint to sample from")
     src.add_argument("--url", help="base URL of an OpenAI-compatible server, e.g. http://host:30000")
+    p.add_argument(
+        "--run",
+        metavar="RUN_DIR",
+        help="a run directory: its config.yaml gives the data template, chat template, lengths, "
+        "validation files and reward",
+    )
     p.add_argument("--model", default="default", help="model name sent to the endpoint (--url)")
-    p.add_argument("--tokenizer", help="tokenizer dir for the chat template (default: --hf-dir)")
+    p.add_argument(
+        "--tokenizer",
+        help="the model's tokenizer dir: prompts are sent as its ids, responses counted in its tokens "
+        "(default: the run's model, else --hf-dir; --url needs one of them)",
+    )
     p.add_argument(
         "--data",
-        default="data/aime-2024.parquet",
-        help="eval set (verl parquet/jsonl; default: the DAPO AIME 2024 file)",
+        nargs="+",
+        help=f"eval set(s) (verl parquet/jsonl; default: the run's data.val_files, else {DEFAULT_DATA})",
     )
     p.add_argument("--k", type=int, default=32, help="samples per problem (avg@k)")
     p.add_argument("--pass-k", type=int, nargs="*", default=[1, 8, 16], help="k values for pass@k / maj@k")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=0.7)
-    p.add_argument("--max-tokens", type=int, default=20480, help="max response tokens")
-    p.add_argument("--max-prompt-length", type=int, default=2048)
-    p.add_argument("--no-chat-template", action="store_true", help="send the prompt contents as they are")
-    p.add_argument("--template", default="auto", help="prompt template for bare problems: auto | dapo | none")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help="max response tokens (default: the run's rollout.val.max_response_length or "
+        f"data.max_response_length, else {DEFAULTS['max_response_length']})",
+    )
+    p.add_argument(
+        "--max-prompt-length",
+        type=int,
+        help=f"max prompt tokens (default: the run's data.max_prompt_length, else {DEFAULTS['max_prompt_length']})",
+    )
+    p.add_argument(
+        "--chat-template",
+        dest="chat_template",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="render prompts with the tokenizer's chat template (default: the run's "
+        "data.apply_chat_template, else on); --no-chat-template sends the prompt contents as they are",
+    )
+    p.add_argument(
+        "--template",
+        help="prompt template for bare problems: auto | dapo | none | a string with {problem} "
+        "(default: the run's data.template, else auto)",
+    )
     p.add_argument("--limit", type=int, help="evaluate only the first N distinct problems")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the metrics as JSON here")
-    p.add_argument("--dump", help="write every response as JSONL here")
+    p.add_argument("--dump", help="write every response (text, tokens, score) as JSONL here")
     p.set_defaults(func=run)
 
 
-def _problems(args, tokenizer):
+class EvalInputError(ValueError):
+    """Bad input to `eval`: printed as one line, exit status 2."""
+
+
+def _load_run(run_dir: str):
+    """The run's config (read with the config loader) and the path it was read from."""
+    from megatron_dapo.config import ConfigError, load_config
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise EvalInputError(
+            f"--run {run_dir} has no config.yaml; point it at a run directory (runs/NAME) that train wrote"
+        )
+    try:
+        return load_config(path), path
+    except ConfigError as e:
+        raise EvalInputError(f"--run {path}: {e}") from e
+
+
+def _settings(args, cfg, cfg_path):
+    """Prompt settings: an explicit flag, else the run's config, else the CLI's default."""
+    from megatron_dapo.eval.prompt_fit import PromptSettings
+
+    flags = {
+        "template": args.template,
+        "apply_chat_template": args.chat_template,
+        "max_prompt_length": args.max_prompt_length,
+        "max_response_length": args.max_tokens,
+    }
+    from_run = {}
+    if cfg is not None:
+        from_run = {
+            "template": ("data.template", cfg.data.template),
+            "apply_chat_template": ("data.apply_chat_template", cfg.data.apply_chat_template),
+            "max_prompt_length": ("data.max_prompt_length", cfg.data.max_prompt_length),
+            "max_response_length": (
+                ("rollout.val.max_response_length", cfg.rollout.val.max_response_length)
+                if cfg.rollout.val.max_response_length
+                else ("data.max_response_length", cfg.data.max_response_length)
+            ),
+        }
+    values, origin = {}, {}
+    for key, flag_value in flags.items():
+        if flag_value is not None:
+            values[key], origin[key] = flag_value, FLAGS[key]
+        elif key in from_run:
+            name, value = from_run[key]
+            values[key], origin[key] = value, f"{name} in {cfg_path}"
+        else:
+            values[key], origin[key] = DEFAULTS[key], f"{FLAGS[key]} (default)"
+    if values["apply_chat_template"] is True and origin["apply_chat_template"] == "--no-chat-template":
+        origin["apply_chat_template"] = "--chat-template"
+    for key in ("max_prompt_length", "max_response_length"):
+        if values[key] < 1:
+            raise EvalInputError(f"{origin[key]}={values[key]} must be >= 1")
+    return PromptSettings(origin=origin, **values)
+
+
+def _problems(files, settings, tokenizer, layout_cfg, limit):
+    """Deduplicated problems; ``layout_cfg``: the run whose column layout the files have."""
     from megatron_dapo.data.dataset import PromptDataset
     from megatron_dapo.data.loading import load_prompt_rows
     from megatron_dapo.eval.runner import EvalProblem, dedupe_problems
 
-    rows = load_prompt_rows(args.data, template=args.template)
+    read = {}
+    if layout_cfg is not None:
+        data = layout_cfg.data
+        read = {
+            "format": data.format,
+            "prompt_key": data.prompt_key,
+            "answer_key": data.answer_key,
+            "skip_bad_rows": data.skip_bad_rows,
+        }
+    rows: list[dict] = []
+    for f in files:
+        part = load_prompt_rows(str(f), template=settings.template, **read)
+        offset = len(rows)  # row indices stay unique across files
+        rows.extend({**r, "index": r["index"] + offset} for r in part)
     ds = PromptDataset(
         rows,
         tokenizer,
-        max_prompt_length=args.max_prompt_length,
-        apply_chat_template=not args.no_chat_template,
+        # keep every prompt here: an eval that dropped the long ones would measure a different
+        # set; check_prompts_fit stops on them instead
+        max_prompt_length=sys.maxsize,
+        apply_chat_template=settings.apply_chat_template,
         seed=0,
         shuffle=False,
     )
@@ -67,10 +190,50 @@ def _problems(args, tokenizer):
             for s in ds.samples
         ]
     )
-    return problems[: args.limit] if args.limit else problems
+    return problems[:limit] if limit else problems
 
 
-def _hf_generator(args, tokenizer):
+def _checkpoint_context(model_dir) -> int | None:
+    """``max_position_embeddings`` of an HF checkpoint's config.json (or its text config)."""
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (hf, hf.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _context(args, cards, tok_path) -> tuple[int | None, str]:
+    """The model's context length and where it was read."""
+    if args.url:
+        from megatron_dapo.eval.openai_endpoint import models_url, served_context_length
+
+        served = served_context_length(cards, args.model)
+        if served is not None:
+            return served, f"max_model_len at {models_url(args.url)}"
+        model_dir = tok_path
+    else:
+        model_dir = args.hf_dir
+    value = _checkpoint_context(model_dir)
+    return value, f"max_position_embeddings in {Path(model_dir) / 'config.json'}"
+
+
+def _token_counter(tokenizer):
+    """The tokenizer's count of a text's tokens; one call at a time (a fast tokenizer's settings
+    are changed per call, and concurrent calls can fail with "Already borrowed")."""
+    lock = threading.Lock()
+
+    def count(text: str) -> int:
+        with lock:
+            return len(tokenizer.encode(text, add_special_tokens=False))
+
+    return count
+
+
+def _hf_generator(args, tokenizer, max_tokens: int):
     """An engine for the checkpoint: SGLang when a GPU and sglang are there, else the HF engine."""
     import torch
 
@@ -80,7 +243,7 @@ def _hf_generator(args, tokenizer):
     sampling = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
-        max_new_tokens=args.max_tokens,
+        max_new_tokens=max_tokens,
         stop_token_ids=[] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)],
     )
     cleanup = []
@@ -110,37 +273,71 @@ def _hf_generator(args, tokenizer):
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except EvalInputError as e:
+        print(f"eval: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.data.types import DataError
+    from megatron_dapo.eval.prompt_fit import PromptTooLong, check_prompts_fit
     from megatron_dapo.eval.runner import evaluate
     from megatron_dapo.rewards.scorer import Scorer
 
+    cards: list[dict] = []
     if args.url:
         from megatron_dapo.eval.openai_endpoint import check_reachable
 
-        check_reachable(args.url)  # before the data and tokenizer: a wrong port is the usual mistake
-    tok_path = args.tokenizer or args.hf_dir
-    if tok_path is None and not args.no_chat_template:
-        print("eval: --url needs --tokenizer (for the chat template) or --no-chat-template", file=sys.stderr)
-        return 2
-    if not Path(args.data).exists():
-        print(
-            f"eval: --data {args.data} not found; point it at the AIME 2024 parquet (DAPO layout)",
-            file=sys.stderr,
+        # before the data and tokenizer: a wrong port is the usual mistake
+        cards = check_reachable(args.url)
+    cfg, cfg_path = _load_run(args.run) if args.run else (None, None)
+    settings = _settings(args, cfg, cfg_path)
+    run_tokenizer = (cfg.model.tokenizer_path or cfg.model.path) if cfg is not None else None
+    tok_path = args.tokenizer or run_tokenizer or args.hf_dir
+    if tok_path is None:
+        raise EvalInputError(
+            "--url needs --tokenizer (the served model's tokenizer: prompts are sent as its token ids "
+            "and responses counted in its tokens) or --run RUN_DIR"
         )
-        return 2
+    files = args.data or (list(cfg.data.val_files) if cfg is not None else [DEFAULT_DATA])
+    if not files:
+        raise EvalInputError(f"the run's data.val_files in {cfg_path} is empty; give --data")
+    for f in files:
+        if not Path(f).exists():
+            raise EvalInputError(f"--data {f} not found; point it at the AIME 2024 parquet (DAPO layout)")
     if not args.url and not (Path(args.hf_dir) / "config.json").is_file():
+        raise EvalInputError(
+            f"--hf-dir {args.hf_dir} has no config.json; point it at an HF checkpoint directory"
+        )
+    try:
+        tokenizer = load_tokenizer(tok_path)
+    except (OSError, ValueError) as e:
+        named = "--tokenizer" if args.tokenizer else "the run's model" if run_tokenizer else "--hf-dir"
+        raise EvalInputError(
+            f"{named} {tok_path}: no tokenizer there ({e}); point it at the model's checkpoint directory"
+        ) from e
+    # check_prompts_fit below names over-long prompts with their template and the model's real
+    # context; the tokenizer's own warning (against its model_max_length) would only precede it
+    tokenizer.model_max_length = sys.maxsize
+    try:
+        # the run's column layout applies to the run's own files, not to --data
+        problems = _problems(files, settings, tokenizer, None if args.data else cfg, args.limit)
+    except DataError as e:
+        raise EvalInputError(str(e)) from e
+    context, context_from = _context(args, cards, tok_path)
+    if context is None:
         print(
-            f"eval: --hf-dir {args.hf_dir} has no config.json; point it at an HF checkpoint directory",
+            f"eval: the model's context length is unknown ({context_from} not found); prompts are "
+            f"checked against {settings.name('max_prompt_length')} only",
             file=sys.stderr,
         )
-        return 2
-    tokenizer = load_tokenizer(tok_path) if tok_path else _PlainTokenizer()
     try:
-        problems = _problems(args, tokenizer)
-    except DataError as e:
-        print(f"eval: {e}", file=sys.stderr)
-        return 2
+        check_prompts_fit(problems, settings, context, context_from)
+    except PromptTooLong as e:
+        raise EvalInputError(str(e)) from e
     cleanup = []
     if args.url:
         from megatron_dapo.eval.openai_endpoint import make_endpoint_generator
@@ -150,11 +347,18 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             temperature=args.temperature,
             top_p=args.top_p,
-            max_tokens=args.max_tokens,
+            max_tokens=settings.max_response_length,
+            count_text=_token_counter(tokenizer),
         )
     else:
-        generate, cleanup = _hf_generator(args, tokenizer)
-    with Scorer() as scorer:
+        generate, cleanup = _hf_generator(args, tokenizer, settings.max_response_length)
+    if cfg is not None:
+        from megatron_dapo.driver.datasets import make_scorer
+
+        scorer = make_scorer(cfg)  # the run's reward (custom function, boxed fallback)
+    else:
+        scorer = Scorer()
+    with scorer:
         try:
             metrics = evaluate(
                 problems,
@@ -173,15 +377,3 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     return 0
-
-
-class _PlainTokenizer:
-    """Stands in for a tokenizer when an endpoint gets plain prompt text (no ids needed)."""
-
-    eos_token_id = None
-
-    def __call__(self, texts, add_special_tokens=True):
-        return {"input_ids": [[0] for _ in texts]}
-
-    def encode(self, text, add_special_tokens=True):
-        return [0]

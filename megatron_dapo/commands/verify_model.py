@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_dapo.arch import load_hf_config
+from megatron_dapo.errors import report
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify-model", help="compare Megatron and HF transformers logits for a checkpoint")
@@ -45,7 +48,7 @@ def verify_rank(rank, world, hf_dir, megatron_dir, tp, pp, vpp, batch, seq_len, 
     """One rank: Megatron logits, and on the last stage's TP-0 DP-0 rank the diff against HF."""
     import torch
 
-    from megatron_dapo.actor.model import build_gpt_model, forward_logits, load_hf_config
+    from megatron_dapo.actor.model import build_gpt_model, forward_logits
     from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
 
     layout = init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep)
@@ -93,8 +96,6 @@ def run(args: argparse.Namespace) -> int:
             args.ep,
         )
     except RankFailed as e:
-        from megatron_dapo.errors import report
-
         status, line = report(e)
         print(line, file=sys.stderr)
         return status

@@ -16,11 +16,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DAPOConfig
+from megatron_dapo.config.validate import validate
 
-
-class ConfigError(ValueError):
-    """A config value is missing, unknown, mistyped or inconsistent; the message says the fix."""
+__all__ = ["ConfigError", "all_keys", "load_config", "nearest_key", "to_container", "to_yaml"]
 
 
 def all_keys(cls: type = DAPOConfig, prefix: str = "") -> list[str]:
@@ -85,8 +85,6 @@ def _parse_overrides(overrides: list[str]) -> list[str]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Schema defaults <- YAML chain <- overrides; returns a validated, read-only DictConfig."""
-    from megatron_dapo.config.validate import validate
-
     cfg = OmegaConf.structured(DAPOConfig)
     layers = _read_yaml_chain(Path(path)) if path else []
     for source, data in layers:

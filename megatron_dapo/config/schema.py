@@ -42,6 +42,11 @@ class ParallelConfig:
     # Actor world size; data parallel = world / (tp * pp * cp).
     actor_world_size: int = 1
     use_distributed_optimizer: bool = True
+    # How checkpoints write the distributed optimizer's state (actor/optimizer.py says more):
+    # dp_reshardable (every rank writes its own shard; a resume may change only the DP size) or
+    # fully_reshardable (gathered per model-parallel shard on DP rank 0's host memory; resumes into
+    # any TP/PP/CP/EP layout).
+    optimizer_checkpoint_format: str = "dp_reshardable"
     # DP communication overlap on GPU (ignored on CPU); null = the default: grad reduce on, param
     # gather on with the distributed optimizer (it needs both; see actor/gpu_settings.py).
     overlap_grad_reduce: Optional[bool] = None
@@ -217,6 +222,10 @@ class ActorConfig:
     ppo_epochs: int = 1
     # Token budget of one micro-batch (dynamic batch size): sequences are packed up to it.
     micro_batch_max_tokens: int = 16384
+    # Tokens per chunk of the output layer fused with the log-prob and entropy: the [tokens x
+    # vocab] logits never exist, one chunk's do (~chunk x vocab/TP float32 values, a few at once).
+    # Default measured on CPU only (tools/bench_logprobs.py --chunks); not measured on GPU.
+    logprob_chunk_tokens: int = 512
     shuffle: bool = True
     max_consecutive_skips: int = 3
     # MoE: none | rollout. rollout replays the experts the engines chose (the engines record them)

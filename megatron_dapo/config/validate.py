@@ -1,4 +1,8 @@
-"""Cross-field checks of a merged config. Each failure names the key(s) and spells out the fix.
+"""Range and cross-field checks of a merged config. Each failure names the key(s) and spells out the fix.
+
+The only place a knob's range is checked: the runtime configs built from the schema
+(`config/knobs.py`) hold values checked here. One function per section; a check that relates two
+sections lives with the section whose key it names first.
 
 Model-shape checks (heads divisible by TP, layers by PP) read `model.path/config.json` when it
 exists; they never import transformers or megatron, so validation stays instant.
@@ -12,7 +16,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from megatron_dapo.config.loader import ConfigError
+from megatron_dapo.actor.gpu_settings import GpuSettingsError, ddp_overlap
+from megatron_dapo.config.errors import ConfigError
 
 CHOICES: dict[str, tuple] = {
     "model.dtype": ("fp32", "bf16", "fp16"),
@@ -32,6 +37,7 @@ CHOICES: dict[str, tuple] = {
     "algorithm.filter_groups.metric": ("acc", "score", "seq_final_reward"),
     "optim.lr_scheduler": ("constant", "cosine"),
     "trainer.device": ("auto", "cpu", "cuda"),
+    "parallel.optimizer_checkpoint_format": ("dp_reshardable", "fully_reshardable"),
     "trainer.placement": ("colocated", "disaggregated"),
     "actor.routing_replay": ("none", "rollout"),
     "trainer.mode": ("sync", "one_step_off", "async"),
@@ -57,6 +63,7 @@ POSITIVE_INTS = (
     "actor.ppo_mini_batch_size",
     "actor.ppo_epochs",
     "actor.micro_batch_max_tokens",
+    "actor.logprob_chunk_tokens",
     "actor.max_consecutive_skips",
     "trainer.train_batch_size",
     "trainer.total_steps",
@@ -102,8 +109,20 @@ def validate(cfg: DictConfig) -> None:
         value = _get(cfg, key)
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    check_algorithm(cfg)
+    check_trainer(cfg)
+    check_rollout(cfg)
+    check_parallel(cfg)
+    check_actor(cfg)
+    check_model(cfg)
+    check_optim(cfg)
+    hf = _hf_config(cfg)
+    if hf:
+        check_model_config(cfg, hf)
 
-    alg = cfg.algorithm
+
+def check_algorithm(cfg: DictConfig) -> None:
+    alg, ro = cfg.algorithm, cfg.rollout
     if not 0.0 <= alg.clip_ratio_low < 1.0:
         raise ConfigError(f"algorithm.clip_ratio_low={alg.clip_ratio_low} must be in [0, 1) (DAPO: 0.2)")
     if not 0.0 <= alg.clip_ratio_high <= 10.0:
@@ -121,13 +140,11 @@ def validate(cfg: DictConfig) -> None:
             "algorithm.tis is deprecated: use algorithm.rollout_correction.mode=tis "
             f"algorithm.rollout_correction.threshold={alg.tis.cap:g} (same loss) and tis.enable=false",
             FutureWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     if alg.filter_groups.max_num_gen_batches < 0:
         raise ConfigError("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = unlimited)")
     _check_rollout_correction(alg)
-    _check_mode(cfg.trainer)
-
     data = cfg.data
     ob = alg.overlong_buffer
     if ob.enable:
@@ -139,7 +156,60 @@ def validate(cfg: DictConfig) -> None:
             )
         if ob.penalty_factor < 0:
             raise ConfigError(f"algorithm.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
+    if not alg.filter_groups.enable and alg.allow_partial_batch:
+        raise ConfigError(
+            "algorithm.allow_partial_batch only applies with algorithm.filter_groups.enable=true"
+        )
+    if (
+        alg.filter_groups.enable
+        and not alg.allow_partial_batch
+        and alg.filter_groups.max_num_gen_batches > 0
+        and (not ro.over_sample or alg.filter_groups.max_num_gen_batches == 1)
+        and alg.filter_groups.max_num_gen_batches * ro.gen_batch_size < cfg.trainer.train_batch_size
+    ):
+        budget = alg.filter_groups.max_num_gen_batches * ro.gen_batch_size
+        raise ConfigError(
+            f"algorithm.filter_groups.max_num_gen_batches={alg.filter_groups.max_num_gen_batches} x "
+            f"rollout.gen_batch_size={ro.gen_batch_size} = {budget} prompts can never fill "
+            f"trainer.train_batch_size={cfg.trainer.train_batch_size}; raise max_num_gen_batches (0 = unlimited) "
+            "or rollout.gen_batch_size, or algorithm.allow_partial_batch=true"
+        )
 
+
+def check_trainer(cfg: DictConfig) -> None:
+    trainer = cfg.trainer
+    if trainer.mode == "async" and trainer.max_staleness < 1:
+        raise ConfigError(
+            f"trainer.max_staleness={trainer.max_staleness} must be >= 1 with trainer.mode=async "
+            "(the engines generate that many batches ahead; 0 is trainer.mode=sync)"
+        )
+    if trainer.mode in ("one_step_off", "async") and trainer.placement == "colocated":
+        # the next rollout runs while the actor trains: both need the devices at once
+        raise ConfigError(
+            f"trainer.mode={trainer.mode} overlaps generation with training, which colocated engines cannot "
+            "(they share the actor's devices); set trainer.placement=disaggregated (with trainer.rollout_gpus) "
+            "or trainer.mode=sync"
+        )
+    tb, mb = trainer.train_batch_size, cfg.actor.ppo_mini_batch_size
+    if tb % mb:
+        raise ConfigError(
+            f"trainer.train_batch_size={tb} must be a multiple of actor.ppo_mini_batch_size={mb} "
+            f"(prompts); e.g. actor.ppo_mini_batch_size={_largest_divisor_at_most(tb, mb)}"
+        )
+    if trainer.placement == "disaggregated" and trainer.device == "cuda" and trainer.rollout_gpus < 1:
+        raise ConfigError("trainer.placement=disaggregated needs trainer.rollout_gpus >= 1 for the engines")
+    for name, value in trainer.call_timeout.items():
+        if value <= 0:
+            raise ConfigError(
+                f"trainer.call_timeout.{name}={value} must be > 0 (seconds the driver waits on one call to the ranks)"
+            )
+    if trainer.stop_timeout_s <= 0:
+        raise ConfigError(
+            f"trainer.stop_timeout_s={trainer.stop_timeout_s} must be > 0 (seconds a SIGTERM stop may take)"
+        )
+
+
+def check_rollout(cfg: DictConfig) -> None:
     ro = cfg.rollout
     for prefix, s in (("rollout", ro), ("rollout.val", ro.val)):
         if s.temperature <= 0:
@@ -150,7 +220,27 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{prefix}.top_k={s.top_k} must be -1 (off) or >= 1")
     if ro.max_over_sample_factor < 1:
         raise ConfigError(f"rollout.max_over_sample_factor={ro.max_over_sample_factor} must be >= 1")
+    if ro.max_retries < 0:
+        raise ConfigError(
+            f"rollout.max_retries={ro.max_retries} must be >= 0 (engine calls retried elsewhere)"
+        )
+    if ro.request_timeout_s <= 0:
+        raise ConfigError(
+            f"rollout.request_timeout_s={ro.request_timeout_s} must be > 0 (seconds one engine call may take)"
+        )
+    if ro.sglang.health_timeout_s <= 0:
+        raise ConfigError(
+            f"rollout.sglang.health_timeout_s={ro.sglang.health_timeout_s} must be > 0 "
+            "(seconds a running SGLang server may take to answer GET /health before it is restarted)"
+        )
+    if ro.health_probe_interval_s <= 0:
+        raise ConfigError(
+            f"rollout.health_probe_interval_s={ro.health_probe_interval_s} must be > 0 "
+            "(seconds an engine holding requests may stay silent before its health is checked)"
+        )
 
+
+def check_parallel(cfg: DictConfig) -> None:
     par = cfg.parallel
     tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
     model_parallel = tp * pp * cp
@@ -168,8 +258,6 @@ def validate(cfg: DictConfig) -> None:
         )
     if par.overlap_param_gather:
         # The same refusal as actor/gpu_settings.ddp_overlap, before any rank starts.
-        from megatron_dapo.actor.gpu_settings import GpuSettingsError, ddp_overlap
-
         try:
             ddp_overlap(True, par.use_distributed_optimizer, par.overlap_grad_reduce, True)
         except GpuSettingsError as e:
@@ -192,108 +280,59 @@ def validate(cfg: DictConfig) -> None:
             "interleaved schedule is wrong on CPU/gloo); set it to null with trainer.device=cpu"
         )
 
-    tb, mb = cfg.trainer.train_batch_size, cfg.actor.ppo_mini_batch_size
-    if tb % mb:
+
+def check_actor(cfg: DictConfig) -> None:
+    par, mb, n = cfg.parallel, cfg.actor.ppo_mini_batch_size, cfg.rollout.n
+    dp = par.actor_world_size // (
+        par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.context_parallel_size
+    )
+    if (mb * n) % dp:
         raise ConfigError(
-            f"trainer.train_batch_size={tb} must be a multiple of actor.ppo_mini_batch_size={mb} "
-            f"(prompts); e.g. actor.ppo_mini_batch_size={_largest_divisor_at_most(tb, mb)}"
-        )
-    if (mb * ro.n) % dp:
-        raise ConfigError(
-            f"actor.ppo_mini_batch_size * rollout.n = {mb * ro.n} responses must split evenly over the "
+            f"actor.ppo_mini_batch_size * rollout.n = {mb * n} responses must split evenly over the "
             f"{dp} data-parallel ranks (actor_world_size / (tp*pp*cp)); change the mini-batch or the layout"
         )
-    if alg.filter_groups.enable and ro.gen_batch_size < 1:
-        raise ConfigError("rollout.gen_batch_size must be >= 1")
-    if not alg.filter_groups.enable and alg.allow_partial_batch:
-        raise ConfigError(
-            "algorithm.allow_partial_batch only applies with algorithm.filter_groups.enable=true"
-        )
+    aux = cfg.actor.moe_aux_loss_coeff
+    if aux is not None and not aux >= 0:
+        raise ConfigError(f"actor.moe_aux_loss_coeff={aux} must be >= 0 (or null: the HF config's)")
 
+
+def check_model(cfg: DictConfig) -> None:
     if cfg.model.fp8 is not None and cfg.model.transformer_impl == "local":
         raise ConfigError(
             "model.fp8 needs Transformer Engine layers; set model.transformer_impl=auto or transformer_engine "
             "(and install the `gpu` extra), or model.fp8=null"
         )
-    if (
-        cfg.trainer.placement == "disaggregated"
-        and cfg.trainer.device == "cuda"
-        and cfg.trainer.rollout_gpus < 1
-    ):
-        raise ConfigError("trainer.placement=disaggregated needs trainer.rollout_gpus >= 1 for the engines")
-    if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
-        raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0 and 0 <= optim.min_lr <= optim.lr")
-    for name, value in cfg.trainer.call_timeout.items():
-        if value <= 0:
-            raise ConfigError(
-                f"trainer.call_timeout.{name}={value} must be > 0 (seconds the driver waits on one call to the ranks)"
-            )
-    if cfg.rollout.sglang.health_timeout_s <= 0:
-        raise ConfigError(
-            f"rollout.sglang.health_timeout_s={cfg.rollout.sglang.health_timeout_s} must be > 0 "
-            "(seconds a running SGLang server may take to answer GET /health before it is restarted)"
-        )
-    if cfg.rollout.health_probe_interval_s <= 0:
-        raise ConfigError(
-            f"rollout.health_probe_interval_s={cfg.rollout.health_probe_interval_s} must be > 0 "
-            "(seconds an engine holding requests may stay silent before its health is checked)"
-        )
-    if cfg.trainer.stop_timeout_s <= 0:
-        raise ConfigError(
-            f"trainer.stop_timeout_s={cfg.trainer.stop_timeout_s} must be > 0 (seconds a SIGTERM stop may take)"
-        )
-    if (
-        alg.filter_groups.enable
-        and not alg.allow_partial_batch
-        and alg.filter_groups.max_num_gen_batches > 0
-        and (not ro.over_sample or alg.filter_groups.max_num_gen_batches == 1)
-        and alg.filter_groups.max_num_gen_batches * ro.gen_batch_size < cfg.trainer.train_batch_size
-    ):
-        budget = alg.filter_groups.max_num_gen_batches * ro.gen_batch_size
-        raise ConfigError(
-            f"algorithm.filter_groups.max_num_gen_batches={alg.filter_groups.max_num_gen_batches} x "
-            f"rollout.gen_batch_size={ro.gen_batch_size} = {budget} prompts can never fill "
-            f"trainer.train_batch_size={cfg.trainer.train_batch_size}; raise max_num_gen_batches (0 = unlimited) "
-            "or rollout.gen_batch_size, or algorithm.allow_partial_batch=true"
-        )
-    if cfg.optim.clip_grad < 0 or cfg.optim.lr_warmup_steps < 0:
+
+
+def check_optim(cfg: DictConfig) -> None:
+    optim = cfg.optim
+    if optim.lr <= 0 or optim.min_lr < 0 or optim.min_lr > optim.lr:
+        raise ConfigError(f"optim.lr={optim.lr} must be > 0 and 0 <= optim.min_lr <= optim.lr")
+    if optim.clip_grad < 0 or optim.lr_warmup_steps < 0:
         raise ConfigError("optim.clip_grad and optim.lr_warmup_steps must be >= 0")
 
+
+def check_model_config(cfg: DictConfig, hf: dict) -> None:
+    """The checks that read the model's HF config.json."""
+    par = cfg.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    _check_model_shape(hf, tp, pp, par.virtual_pipeline_model_parallel_size, cfg.model.path)
     aux = cfg.actor.moe_aux_loss_coeff
-    if aux is not None and not aux >= 0:
-        raise ConfigError(f"actor.moe_aux_loss_coeff={aux} must be >= 0 (or null: the HF config's)")
-    hf = _hf_config(cfg)
-    if hf:
-        _check_model_shape(hf, tp, pp, vpp, cfg.model.path)
-        if aux and not hf.get("num_experts"):
-            raise ConfigError(
-                f"actor.moe_aux_loss_coeff={aux} is for MoE models; {cfg.model.path} has no experts (set it to null)"
-            )
-        if aux is None and hf.get("num_experts") and hf.get("output_router_logits"):
-            aux = hf.get("router_aux_loss_coef") or 0.0  # the actor's default (HF trains with it)
-        if aux and cfg.model.recompute:
-            raise ConfigError(
-                f"actor.moe_aux_loss_coeff={aux} (null: the HF config's) does not support activation "
-                "recomputation (model.recompute); set model.recompute=false or actor.moe_aux_loss_coeff=0"
-            )
-
-
-def _check_mode(trainer) -> None:
-    if trainer.mode == "async" and trainer.max_staleness < 1:
+    if aux and not hf.get("num_experts"):
         raise ConfigError(
-            f"trainer.max_staleness={trainer.max_staleness} must be >= 1 with trainer.mode=async "
-            "(the engines generate that many batches ahead; 0 is trainer.mode=sync)"
+            f"actor.moe_aux_loss_coeff={aux} is for MoE models; {cfg.model.path} has no experts (set it to null)"
         )
-    if trainer.mode in ("one_step_off", "async") and trainer.placement == "colocated":
-        # the next rollout runs while the actor trains: both need the devices at once
+    if aux is None and hf.get("num_experts") and hf.get("output_router_logits"):
+        aux = hf.get("router_aux_loss_coef") or 0.0  # the actor's default (HF trains with it)
+    if aux and cfg.model.recompute:
         raise ConfigError(
-            f"trainer.mode={trainer.mode} overlaps generation with training, which colocated engines cannot "
-            "(they share the actor's devices); set trainer.placement=disaggregated (with trainer.rollout_gpus) "
-            "or trainer.mode=sync"
+            f"actor.moe_aux_loss_coeff={aux} (null: the HF config's) does not support activation "
+            "recomputation (model.recompute); set model.recompute=false or actor.moe_aux_loss_coeff=0"
         )
 
 
 def _check_rollout_correction(alg: DictConfig) -> None:
+    # algo/ imports torch (1.5 s); loading a config (`megatron-dapo config`, `plan`) does not
     from megatron_dapo.algo.rollout_correction import RolloutCorrection
 
     rc = alg.rollout_correction

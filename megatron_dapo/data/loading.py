@@ -55,10 +55,14 @@ def load_prompt_rows(
 
     Raises:
         DataError: naming the file, row/line and field of the first bad row (unless skipped),
-        or the file/dataset that could not be read.
+        the file/dataset that could not be read, or one that holds no rows (or only bad ones).
     """
     check_template(template)
     records, where = read_records(path_or_name, format)
+    if not records:
+        raise DataError(
+            f"{path_or_name}: no rows (the file is empty); give a file with prompts or leave it out"
+        )
     rows, skipped = [], []
     for index, (record, loc) in enumerate(zip(records, where)):
         try:
@@ -68,6 +72,8 @@ def load_prompt_rows(
             if not skip_bad_rows:
                 raise DataError(message + " (set data.skip_bad_rows=true to skip such rows)") from None
             skipped.append(message)
+    if skipped and not rows:
+        raise DataError(f"{path_or_name}: all {len(records)} rows are malformed; first: {skipped[0]}")
     if skipped:
         logger.warning("skipped %d malformed rows of %s; first: %s", len(skipped), path_or_name, skipped[0])
     if stats is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_dapo.demo.sft import prompt_ids
 from megatron_dapo.demo.task import Problem
 from megatron_dapo.rewards.math_dapo import compute_score
 
@@ -39,8 +40,6 @@ def generate_responses(
 
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-
-    from megatron_dapo.demo.sft import prompt_ids
 
     prompts = [prompt_ids(tokenizer, q) for q in questions for _ in range(n)]
     out: list[list[int]] = []

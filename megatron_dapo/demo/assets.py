@@ -7,7 +7,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron_dapo.demo.accuracy import sampled_accuracy, worked_line_accuracy
+from megatron_dapo.demo.model import create_model, save_checkpoint
 from megatron_dapo.demo.recipe import DEMO_RECIPE, DemoRecipe
+from megatron_dapo.demo.sft import SFTConfig, supervised_warm_start
+from megatron_dapo.demo.task import make_problems, to_rows, write_parquet
+from megatron_dapo.demo.tokenizer import build_tokenizer
+from megatron_dapo.driver.progress import heartbeat
 
 # Bump when the task, tokenizer, model or warm start change, so cached assets are rebuilt.
 ASSETS_VERSION = 3
@@ -112,13 +118,6 @@ def prepare_demo_assets(
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from megatron_dapo.demo.accuracy import sampled_accuracy, worked_line_accuracy
-    from megatron_dapo.demo.model import create_model, save_checkpoint
-    from megatron_dapo.demo.sft import SFTConfig, supervised_warm_start
-    from megatron_dapo.demo.task import make_problems, to_rows, write_parquet
-    from megatron_dapo.demo.tokenizer import build_tokenizer
-    from megatron_dapo.driver.progress import heartbeat
 
     console = console or Console()
     root = Path(out_dir)

@@ -20,39 +20,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def actor_config_from(cfg: dict) -> Any:
     from megatron_dapo.actor.actor import ActorConfig
-    from megatron_dapo.algo import RolloutCorrection
 
-    alg, act = cfg["algorithm"], cfg["actor"]
-    return ActorConfig(
-        ppo_mini_batch_size=act["ppo_mini_batch_size"],
-        ppo_epochs=act["ppo_epochs"],
-        micro_batch_max_tokens=act["micro_batch_max_tokens"],
-        shuffle=act["shuffle"],
-        clip_ratio_low=alg["clip_ratio_low"],
-        clip_ratio_high=alg["clip_ratio_high"],
-        clip_ratio_c=alg["clip_ratio_c"],
-        loss_agg_mode=alg["loss_agg_mode"],
-        tis_cap=alg["tis"]["cap"] if alg["tis"]["enable"] else None,
-        rollout_correction=RolloutCorrection(**alg["rollout_correction"]),
-        max_consecutive_skips=act["max_consecutive_skips"],
-        routing_replay=act["routing_replay"],
-        moe_aux_loss_coeff=act.get("moe_aux_loss_coeff"),
-        seed=cfg["trainer"]["seed"],
-        temperature=cfg["rollout"]["temperature"],
-    )
+    return ActorConfig.from_config(cfg)
 
 
 def optimizer_settings_from(cfg: dict) -> Any:
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
-    # config.optim's keys are OptimizerSettings' names on purpose
-    par = cfg["parallel"]
-    return OptimizerSettings(
-        **cfg["optim"],
-        use_distributed_optimizer=par["use_distributed_optimizer"],
-        overlap_grad_reduce=par.get("overlap_grad_reduce"),
-        overlap_param_gather=par.get("overlap_param_gather"),
-    )
+    return OptimizerSettings.from_config(cfg)
 
 
 def total_updates(cfg: dict) -> int:

@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 from megatron_dapo.config import ConfigError
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.loading import load_prompt_rows
+from megatron_dapo.data.types import DataError
 from megatron_dapo.eval.runner import EvalProblem
 from megatron_dapo.rewards.scorer import Scorer
 
@@ -30,15 +31,18 @@ def _rows(files, cfg: DictConfig, what: str) -> tuple[list[dict], dict]:
     rows: list[dict] = []
     stats: dict = {}
     for f in files:
-        part = load_prompt_rows(
-            f,
-            format=cfg.data.format,
-            prompt_key=cfg.data.prompt_key,
-            answer_key=cfg.data.answer_key,
-            template=cfg.data.template,
-            skip_bad_rows=cfg.data.skip_bad_rows,
-            stats=stats,
-        )
+        try:
+            part = load_prompt_rows(
+                f,
+                format=cfg.data.format,
+                prompt_key=cfg.data.prompt_key,
+                answer_key=cfg.data.answer_key,
+                template=cfg.data.template,
+                skip_bad_rows=cfg.data.skip_bad_rows,
+                stats=stats,
+            )
+        except DataError as e:
+            raise DataError(f"data.{what}_files: {e}") from None
         # keep row indices unique across files so dumps and logs identify prompts
         offset = len(rows)
         rows.extend({**r, "index": r["index"] + offset} for r in part)
@@ -47,34 +51,32 @@ def _rows(files, cfg: DictConfig, what: str) -> tuple[list[dict], dict]:
 
 def train_dataset(cfg: DictConfig, tokenizer) -> PromptDataset:
     rows, _ = _rows(cfg.data.train_files, cfg, "train")
-    ds = PromptDataset(
-        rows,
-        tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        apply_chat_template=cfg.data.apply_chat_template,
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-    )
-    if len(ds) == 0:
-        raise ConfigError(
-            f"no training prompt fits data.max_prompt_length={cfg.data.max_prompt_length} "
-            f"(longest: {ds.stats.get('longest_prompt_tokens')} tokens); raise it"
+    return _dataset(rows, tokenizer, cfg, "train", seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+
+
+def _dataset(
+    rows: list[dict], tokenizer, cfg: DictConfig, what: str, seed: int, shuffle: bool
+) -> PromptDataset:
+    try:
+        return PromptDataset(
+            rows,
+            tokenizer,
+            max_prompt_length=cfg.data.max_prompt_length,
+            apply_chat_template=cfg.data.apply_chat_template,
+            seed=seed,
+            shuffle=shuffle,
         )
-    return ds
+    except DataError as e:
+        # every row was read: what is left is about the prompts of these files
+        files = ", ".join(map(str, cfg.data[f"{what}_files"]))
+        raise DataError(f"data.{what}_files ({files}): {e}") from None
 
 
 def val_problems(cfg: DictConfig, tokenizer) -> list[EvalProblem]:
     if not cfg.data.val_files:
         return []
     rows, _ = _rows(cfg.data.val_files, cfg, "val")
-    ds = PromptDataset(
-        rows,
-        tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        apply_chat_template=cfg.data.apply_chat_template,
-        seed=0,
-        shuffle=False,
-    )
+    ds = _dataset(rows, tokenizer, cfg, "val", seed=0, shuffle=False)
     problems = [
         EvalProblem(
             problem_id=str(s.index),

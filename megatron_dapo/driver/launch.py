@@ -331,7 +331,7 @@ def _fail_if_a_rank_died(ranks: Any, trainer: DAPOTrainer) -> None:
     """Under torchrun a worker's death makes the agent SIGTERM the others: rank 0 may take that for
     a preemption and stop cleanly before any collective shows the death. Name the dead rank, and
     where a resume continues, instead of going on to the export with it."""
-    from megatron_dapo.driver.rank_group import RankCallError, dead_peers, rank_died
+    from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
 
     peers = getattr(ranks, "peers", None)
     dead = dead_peers(peers) if peers else []

@@ -43,6 +43,8 @@ import time
 import traceback
 from typing import Any
 
+from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
+
 POLL_S = 0.5
 # How long a dead peer may go unreported while rank 0 is still inside the call: the main thread
 # reports a broken collective in milliseconds; torchrun's agent SIGKILLs rank 0 30 s after a
@@ -158,8 +160,6 @@ class CallWatchdog:
         _exit_with(line)
 
     def _watch_peers(self, peers: list[tuple[str, int]], grace_s: float) -> None:
-        from megatron_dapo.driver.rank_group import dead_peers
-
         first_seen: tuple[int, float] | None = None  # (call, when a dead peer was first seen in it)
         while not self._closed.wait(PEER_POLL_S):
             active = self._active
@@ -177,7 +177,6 @@ class CallWatchdog:
                     self._report_dead(*self._active[1:], dead)
 
     def _report_dead(self, method: str, context: str, dead: list[tuple[int, int]]) -> None:
-        from megatron_dapo.driver.rank_group import RankCallError, rank_died
         from megatron_dapo.errors import report
 
         causes = [rank_died(rank, pid, method) for rank, pid in dead]

@@ -16,7 +16,8 @@ from megatron_dapo.eval.metrics import ProblemSamples, aggregate
 
 @dataclass
 class Completion:
-    """One sampled response: its text, token count and whether it hit the length limit."""
+    """One sampled response: its text, its length in tokens (the stop token included when it
+    stopped on one, as the trainer counts a response) and whether it hit the length limit."""
 
     text: str
     num_tokens: int
@@ -77,7 +78,14 @@ def evaluate(
             samples.truncated.append(c.truncated)
             if dump_path:
                 dump.append(
-                    {"problem": prob.problem_id, "response": c.text, "acc": bool(r.acc), "pred": r.pred}
+                    {
+                        "problem": prob.problem_id,
+                        "response": c.text,
+                        "tokens": c.num_tokens,
+                        "truncated": c.truncated,
+                        "acc": bool(r.acc),
+                        "pred": r.pred,
+                    }
                 )
         per_problem.append(samples)
         by_source.setdefault(prob.data_source, []).append(samples)

@@ -5,39 +5,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_dapo.config.knobs import config_keys, from_config, knob
+
 
 @dataclass(frozen=True)
 class PlanInputs:
-    """The config values that size memory and time (names follow the config keys)."""
+    """The config values that size memory and time; each field is a config key, with its default."""
 
-    model_path: str
-    dtype: str = "bf16"
-    recompute: bool = False
-    make_vocab_size_divisible_by: int = 128
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1  # expert parallel (MoE): experts split over this many of the DP x CP ranks
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = True
-    actor_world_size: int = 1
-    max_prompt_length: int = 2048
-    max_response_length: int = 20480
-    n: int = 16
-    gen_batch_size: int = 1536
-    filter_groups: bool = True
-    max_num_gen_batches: int = 10
-    engine_tp: int = 1
-    num_engines: int = 1
-    mem_fraction_static: float = 0.7
-    train_batch_size: int = 512
-    ppo_mini_batch_size: int = 32
-    ppo_epochs: int = 1
-    micro_batch_max_tokens: int = 16384
-    placement: str = "colocated"
-    rollout_gpus: int = 0
-    mode: str = "sync"  # trainer.mode: one_step_off/async overlap rollout and training
+    model_path: str = knob("model.path")
+    dtype: str = knob("model.dtype")
+    recompute: bool = knob("model.recompute")
+    make_vocab_size_divisible_by: int = knob("model.make_vocab_size_divisible_by")
+    tp: int = knob("parallel.tensor_model_parallel_size")
+    pp: int = knob("parallel.pipeline_model_parallel_size")
+    vpp: int | None = knob("parallel.virtual_pipeline_model_parallel_size")
+    cp: int = knob("parallel.context_parallel_size")
+    # expert parallel (MoE): experts split over this many of the DP x CP ranks
+    ep: int = knob("parallel.expert_model_parallel_size")
+    sequence_parallel: bool = knob("parallel.sequence_parallel")
+    use_distributed_optimizer: bool = knob("parallel.use_distributed_optimizer")
+    actor_world_size: int = knob("parallel.actor_world_size")
+    max_prompt_length: int = knob("data.max_prompt_length")
+    max_response_length: int = knob("data.max_response_length")
+    n: int = knob("rollout.n")
+    gen_batch_size: int = knob("rollout.gen_batch_size")
+    filter_groups: bool = knob("algorithm.filter_groups.enable")
+    max_num_gen_batches: int = knob("algorithm.filter_groups.max_num_gen_batches")
+    engine_tp: int = knob("rollout.tensor_parallel_size")
+    num_engines: int = knob("rollout.num_engines")
+    mem_fraction_static: float = knob("rollout.sglang.mem_fraction_static")
+    train_batch_size: int = knob("trainer.train_batch_size")
+    ppo_mini_batch_size: int = knob("actor.ppo_mini_batch_size")
+    ppo_epochs: int = knob("actor.ppo_epochs")
+    micro_batch_max_tokens: int = knob("actor.micro_batch_max_tokens")
+    placement: str = knob("trainer.placement")
+    rollout_gpus: int = knob("trainer.rollout_gpus")
+    mode: str = knob("trainer.mode")  # one_step_off/async overlap rollout and training
 
     @property
     def max_seq_len(self) -> int:
@@ -49,48 +52,12 @@ class PlanInputs:
 
 
 # Config key of each PlanInputs field, so a fix can be printed as overrides.
-CONFIG_KEYS: dict[str, str] = {
-    "model_path": "model.path",
-    "dtype": "model.dtype",
-    "recompute": "model.recompute",
-    "make_vocab_size_divisible_by": "model.make_vocab_size_divisible_by",
-    "tp": "parallel.tensor_model_parallel_size",
-    "pp": "parallel.pipeline_model_parallel_size",
-    "vpp": "parallel.virtual_pipeline_model_parallel_size",
-    "cp": "parallel.context_parallel_size",
-    "ep": "parallel.expert_model_parallel_size",
-    "sequence_parallel": "parallel.sequence_parallel",
-    "use_distributed_optimizer": "parallel.use_distributed_optimizer",
-    "actor_world_size": "parallel.actor_world_size",
-    "max_prompt_length": "data.max_prompt_length",
-    "max_response_length": "data.max_response_length",
-    "n": "rollout.n",
-    "gen_batch_size": "rollout.gen_batch_size",
-    "filter_groups": "algorithm.filter_groups.enable",
-    "max_num_gen_batches": "algorithm.filter_groups.max_num_gen_batches",
-    "engine_tp": "rollout.tensor_parallel_size",
-    "num_engines": "rollout.num_engines",
-    "mem_fraction_static": "rollout.sglang.mem_fraction_static",
-    "train_batch_size": "trainer.train_batch_size",
-    "ppo_mini_batch_size": "actor.ppo_mini_batch_size",
-    "ppo_epochs": "actor.ppo_epochs",
-    "micro_batch_max_tokens": "actor.micro_batch_max_tokens",
-    "placement": "trainer.placement",
-    "rollout_gpus": "trainer.rollout_gpus",
-    "mode": "trainer.mode",
-}
-
-
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
+CONFIG_KEYS: dict[str, str] = config_keys(PlanInputs)
 
 
 def inputs_from_config(cfg: Any) -> PlanInputs:
     """PlanInputs from a loaded config (a DictConfig or a nested dict)."""
-    return PlanInputs(**{name: _get(cfg, key) for name, key in CONFIG_KEYS.items()})
+    return from_config(PlanInputs, cfg)
 
 
 def as_overrides(changes: dict[str, Any]) -> list[str]:

@@ -17,9 +17,10 @@ import json
 import os
 import sys
 
+from megatron_dapo.rewards.registry import builtin_reward, load_custom_fn, reward_fields
+
 
 def _score_one(item, custom_fn, boxed_fallback: bool) -> dict:
-    from megatron_dapo.rewards.registry import builtin_reward, reward_fields
 
     data_source, solution_str, ground_truth, extra_info = item
     try:
@@ -56,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     custom_fn = None
     if args.custom_fn:
         try:
-            from megatron_dapo.rewards.registry import load_custom_fn
-
             custom_fn = load_custom_fn(args.custom_fn)
         except Exception as e:
             send({"ready": False, "error": f"{type(e).__name__}: {e}"})

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.algo import mixed_group_mask, overlong_penalty
+from megatron_dapo.config.knobs import from_config, knob
 from megatron_dapo.rollout.engine import EngineError, launched_by_this_run
 from megatron_dapo.rollout.engine_probe import InFlightProbe
 from megatron_dapo.rollout.partial import (
@@ -71,7 +72,6 @@ from megatron_dapo.rollout.types import (
 
 logger = logging.getLogger(__name__)
 
-FILTER_METRICS = ("acc", "score", "seq_final_reward")
 # rollout metrics that measure time or race the abort; every other one is a function of
 # (seed, config, weights) alone
 TIMING_DEPENDENT_METRICS = (
@@ -115,89 +115,38 @@ class RolloutManagerConfig:
     batches must not hold tokens older than the version they are generated with.
     """
 
-    n: int = 16
-    gen_batch_size: int = 1536
-    train_batch_size: int = 512
-    max_num_gen_batches: int = 10
-    filter_groups_enable: bool = True
-    filter_metric: str = "acc"
-    allow_partial_batch: bool = False
-    overlong_buffer_enable: bool = True
-    overlong_buffer_len: int = 4096
-    overlong_penalty_factor: float = 1.0
-    max_response_length: int = 20480
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    n: int = knob("rollout.n")
+    gen_batch_size: int = knob("rollout.gen_batch_size")
+    train_batch_size: int = knob("trainer.train_batch_size")
+    max_num_gen_batches: int = knob("algorithm.filter_groups.max_num_gen_batches")
+    filter_groups_enable: bool = knob("algorithm.filter_groups.enable")
+    filter_metric: str = knob("algorithm.filter_groups.metric")
+    allow_partial_batch: bool = knob("algorithm.allow_partial_batch")
+    overlong_buffer_enable: bool = knob("algorithm.overlong_buffer.enable")
+    overlong_buffer_len: int = knob("algorithm.overlong_buffer.len")
+    overlong_penalty_factor: float = knob("algorithm.overlong_buffer.penalty_factor")
+    max_response_length: int = knob("data.max_response_length")
+    temperature: float = knob("rollout.temperature")
+    top_p: float = knob("rollout.top_p")
+    top_k: int = knob("rollout.top_k")
     stop_token_ids: list[int] = field(default_factory=list)
-    seed: int = 1
-    over_sample: bool = True
-    max_over_sample_factor: float = 3.0
-    max_concurrency_per_engine: int = 1024
-    groups_per_call: int = 1
-    request_timeout_s: float = 1800.0
-    max_retries: int = 2
+    seed: int = knob("trainer.seed")
+    over_sample: bool = knob("rollout.over_sample")
+    max_over_sample_factor: float = knob("rollout.max_over_sample_factor")
+    max_concurrency_per_engine: int = knob("rollout.max_concurrency_per_engine")
+    groups_per_call: int = knob("rollout.groups_per_call")
+    request_timeout_s: float = knob("rollout.request_timeout_s")
+    max_retries: int = knob("rollout.max_retries")
     abort_timeout_s: float = 60.0
-    partial: bool = False
+    partial: bool = knob("rollout.partial")
     partial_max_lag: int | None = None
     # an engine with calls in flight that returned nothing for this long is asked health() once
-    health_probe_interval_s: float = 60.0
-
-    def __post_init__(self):
-        for name in ("n", "gen_batch_size", "train_batch_size", "max_response_length", "groups_per_call"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout manager: {name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_gen_batches < 0:
-            raise ValueError(
-                f"max_num_gen_batches must be >= 0 (0 = unlimited), got {self.max_num_gen_batches}"
-            )
-        if self.filter_metric not in FILTER_METRICS:
-            raise ValueError(f"filter_metric must be one of {FILTER_METRICS}, got {self.filter_metric!r}")
-        if self.max_over_sample_factor < 1:
-            raise ValueError(f"max_over_sample_factor must be >= 1, got {self.max_over_sample_factor}")
-        if self.max_retries < 0 or self.request_timeout_s <= 0:
-            raise ValueError("max_retries must be >= 0 and request_timeout_s > 0")
-        if self.health_probe_interval_s <= 0:
-            raise ValueError(
-                f"rollout.health_probe_interval_s={self.health_probe_interval_s} must be > 0 "
-                "(seconds an engine holding requests may stay silent before its health is checked)"
-            )
-        if self.overlong_buffer_enable and not 0 < self.overlong_buffer_len <= self.max_response_length:
-            raise ValueError(
-                f"overlong_buffer_len={self.overlong_buffer_len} must be in (0, max_response_length="
-                f"{self.max_response_length}]"
-            )
+    health_probe_interval_s: float = knob("rollout.health_probe_interval_s")
 
     @classmethod
     def from_config(cls, cfg: Any) -> RolloutManagerConfig:
-        """Build from the run's ``DAPOConfig`` (see ``megatron_dapo.config.schema``)."""
-        ro, alg = cfg.rollout, cfg.algorithm
-        return cls(
-            n=ro.n,
-            gen_batch_size=ro.gen_batch_size,
-            train_batch_size=cfg.trainer.train_batch_size,
-            max_num_gen_batches=alg.filter_groups.max_num_gen_batches,
-            filter_groups_enable=alg.filter_groups.enable,
-            filter_metric=alg.filter_groups.metric,
-            allow_partial_batch=alg.allow_partial_batch,
-            overlong_buffer_enable=alg.overlong_buffer.enable,
-            overlong_buffer_len=alg.overlong_buffer.len,
-            overlong_penalty_factor=alg.overlong_buffer.penalty_factor,
-            max_response_length=cfg.data.max_response_length,
-            temperature=ro.temperature,
-            top_p=ro.top_p,
-            top_k=ro.top_k,
-            seed=cfg.trainer.seed,
-            over_sample=ro.over_sample,
-            max_over_sample_factor=ro.max_over_sample_factor,
-            max_concurrency_per_engine=ro.max_concurrency_per_engine,
-            groups_per_call=ro.groups_per_call,
-            request_timeout_s=ro.request_timeout_s,
-            max_retries=ro.max_retries,
-            partial=bool(ro.partial),
-            partial_max_lag=None if cfg.trainer.mode == "sync" else 0,
-            health_probe_interval_s=ro.health_probe_interval_s,
-        )
+        """Build from the run's ``DAPOConfig``, validated when it was loaded (``config/validate.py``)."""
+        return from_config(cls, cfg, partial_max_lag=None if cfg.trainer.mode == "sync" else 0)
 
 
 @dataclass

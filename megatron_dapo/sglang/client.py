@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import torch
 
+from megatron_dapo.http_errors import http_error
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 
@@ -69,6 +70,12 @@ def check_supported_version(version: tuple[int, ...], engine: str) -> None:
 
 class SGLangError(EngineError):
     """A call to an SGLang server failed; names the engine and the endpoint."""
+
+
+def _request_named(payload: Any) -> str | None:
+    """``request <rid>`` for an error line, when the call carried a request id."""
+    rid = payload.get("rid") if isinstance(payload, dict) else None
+    return f"request {rid}" if rid else None
 
 
 # -- payloads (pure) -----------------------------------------------------------------------
@@ -363,14 +370,14 @@ class SGLangClient:
                     break
                 continue
             if r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                last = http_error(r, _request_named(payload))
                 if not idempotent:
                     last += NOT_RETRIED
                     break
                 continue
             if r.status_code >= 400:
                 raise SGLangError(
-                    f"sglang engine {self.name}: {method} {endpoint} -> HTTP {r.status_code}: {r.text[:300]}"
+                    f"sglang engine {self.name}: {method} {endpoint} -> {http_error(r, _request_named(payload))}"
                 )
             if not expect_json:
                 return r.text

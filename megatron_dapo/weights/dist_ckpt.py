@@ -22,9 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.arch import arch_spec
 from megatron_dapo.weights.hf_io import CheckpointError
 from megatron_dapo.weights.hf_io import copy_hf_metadata as _copy_hf_metadata
 from megatron_dapo.weights.model_io import hf_config_of, unwrap
+from megatron_dapo.weights.orphan_guard import exit_with_parent
 
 LAYOUT_FILE = "megatron_dapo_model.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -50,8 +52,6 @@ def copy_hf_metadata(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> 
 
 def _layout_record(model_chunks: list[Any]) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
-
-    from megatron_dapo.actor.model import arch_spec
 
     first = unwrap(model_chunks[0])
     dtype = next(first.parameters()).dtype
@@ -106,8 +106,6 @@ def _guard_writer_results_queue() -> None:
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from megatron_dapo.weights.orphan_guard import exit_with_parent
 
     if getattr(filesystem_async, "_results_queue", "absent") is not None:
         return  # already made (by us or by megatron), or a megatron-core without it

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.arch import arch_spec, load_hf_config
 from megatron_dapo.weights.hf_io import CheckpointError, SafetensorsReader
 from megatron_dapo.weights.layout import READERS
 from megatron_dapo.weights.model_io import hf_config_of, padded_vocab_of
@@ -26,7 +27,6 @@ _CHECKED_FIELDS = (
 
 def check_same_architecture(model_config: Any, ckpt_config: Any, where: str) -> None:
     """Raise CheckpointError naming the first field where the checkpoint's config differs."""
-    from megatron_dapo.actor.model import arch_spec
 
     a, b = arch_spec(model_config).architecture, arch_spec(ckpt_config).architecture
     if a != b:
@@ -50,8 +50,6 @@ def load_hf_weights(
     unreadable safetensors file (naming it).
     """
     from megatron.core import parallel_state as ps
-
-    from megatron_dapo.actor.model import load_hf_config
 
     model_config = hf_config_of(model_chunks)
     check_same_architecture(model_config, load_hf_config(hf_dir), str(hf_dir))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.arch import arch_spec
 from megatron_dapo.weights.families import Rule, family_map
 from megatron_dapo.weights.layout import Dims
 from megatron_dapo.weights.model_io import unwrap
@@ -33,7 +34,6 @@ class Binding:
 
 
 def dims_of(hf_config: Any, padded_vocab_size: int) -> Dims:
-    from megatron_dapo.actor.model import arch_spec
 
     spec = arch_spec(hf_config)
     return Dims(
@@ -46,7 +46,6 @@ def dims_of(hf_config: Any, padded_vocab_size: int) -> Dims:
 
 
 def _switches(hf_config: Any) -> set[str]:
-    from megatron_dapo.actor.model import arch_spec
 
     spec = arch_spec(hf_config)
     on = set()
@@ -64,7 +63,6 @@ def _index(rules: tuple[Rule, ...], on: set[str]) -> dict[str, Rule]:
 def bind(model_chunks: list[Any], hf_config: Any) -> list[Binding]:
     """Bindings of every parameter of ``model_chunks`` in model order; raises naming any parameter
     the family map does not cover (an unknown layer spec) or any HF tensor left unbound."""
-    from megatron_dapo.actor.model import arch_spec
 
     spec = arch_spec(hf_config)
     fmap = family_map(spec.architecture)
@@ -115,7 +113,6 @@ def is_expert(binding: Binding) -> bool:
 
 def expected_hf_names(hf_config: Any) -> list[str]:
     """Every tensor name of the HF checkpoint of ``hf_config``, in HF's order."""
-    from megatron_dapo.actor.model import arch_spec
 
     spec = arch_spec(hf_config)
     fmap = family_map(spec.architecture)
@@ -135,7 +132,6 @@ def expected_hf_names(hf_config: Any) -> list[str]:
 def expected_hf_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """The shape of every HF tensor implied by ``hf_config`` (to reject mismatching checkpoints
     before any rank starts)."""
-    from megatron_dapo.actor.model import arch_spec
 
     spec = arch_spec(hf_config)
     h, hd, v = hf_config.hidden_size, spec.head_dim, hf_config.vocab_size

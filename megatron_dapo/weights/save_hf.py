@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.weights.atomic import atomic_directory
 from megatron_dapo.weights.gather import is_bucket_holder, iter_hf_buckets
 from megatron_dapo.weights.hf_io import ShardedSafetensorsWriter, copy_hf_metadata
 from megatron_dapo.weights.model_io import hf_config_of, unwrap
@@ -70,8 +71,6 @@ def export_hf_checkpoint(
     None elsewhere."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from megatron_dapo.weights.atomic import atomic_directory
 
     result = None
     if dist.get_rank() == 0:

@@ -8,12 +8,12 @@ colocated DAPO run) live in :mod:`tools.gpu_checks.stack`, registered after thes
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.gpu_checks.runner import CheckFailed, Figure, MissingPiece, check
+from tools.gpu_checks.runner import PIECES, CheckFailed, Figure, MissingPiece, check
 from tools.gpu_checks.shapes import MFU_FORMULA, QWEN25, peak_tflops, train_step_flops, write_random_qwen2
 
 
@@ -58,14 +58,13 @@ def _batch(vocab: int, lengths: list[tuple[int, int]], seed: int = 0):
 def _actor(
     hf_dir: str, dtype, *, lr: float, adam_eps: float = 1e-8, load_weights: bool = True, **model_kwargs
 ):
-    from megatron_dapo.actor import compat
     from megatron_dapo.actor.actor import ActorConfig, build_actor
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
     cfg = ActorConfig(ppo_mini_batch_size=2, micro_batch_max_tokens=1 << 16, shuffle=False)
     optim = OptimizerSettings(
         lr=lr, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0, adam_eps=adam_eps,
-        use_distributed_optimizer=not compat.on_cpu(),
+        use_distributed_optimizer=True,
     )  # fmt: skip
     return build_actor(
         hf_dir, cfg, optim, total_updates=4, params_dtype=dtype, load_weights=load_weights,
@@ -85,6 +84,8 @@ def _vocab(ctx: Context) -> int:
 
 @check("environment", needs_cuda=False, budget_s=15)
 def environment(ctx: Context) -> Figure:
+    """Versions, and whether Transformer Engine and SGLang are here (their checks say UNAVAILABLE
+    when not; that is no failure of this one)."""
     torch = _torch()
     import megatron.core
 
@@ -94,18 +95,12 @@ def environment(ctx: Context) -> Figure:
             raise MissingPiece("no CUDA device visible to torch (check the driver and --gpus all)")
         values["gpu"] = torch.cuda.get_device_name(0)
         values["capability"] = list(torch.cuda.get_device_capability(0))
-        for module, why in (("transformer_engine.pytorch", "TE spec, FP8"), ("sglang", "the rollout server")):
-            try:
-                mod = importlib.import_module(module.split(".")[0])
-            except ImportError as e:
-                raise MissingPiece(
-                    f"{module} does not import ({e}); it is needed for {why}: use the project's image"
-                ) from e
-            values[module.split(".")[0]] = getattr(mod, "__version__", "?")
+    for key, (_name, module) in PIECES.items():
+        values[key] = importlib.util.find_spec(module) is not None
     return Figure(", ".join(f"{k} {v}" for k, v in values.items()), values)
 
 
-@check("te_vs_local_logits", needs_cuda=True, budget_s=30)
+@check("te_vs_local_logits", needs_cuda=True, budget_s=30, needs=("te",))
 def te_vs_local_logits(ctx: Context) -> Figure:
     torch = _torch()
     from megatron_dapo.actor.model import build_gpt_model
@@ -132,7 +127,9 @@ def te_vs_local_logits(ctx: Context) -> Figure:
     )
 
 
-@check("bf16_step_vs_fp32", needs_cuda=False, budget_s=30)
+# Budgets: the H200 run at e4d4e7a measured bf16_step_vs_fp32 28 s and offload_roundtrip 29 s
+# in-process; each now also pays its own interpreter start and imports (~10 s).
+@check("bf16_step_vs_fp32", needs_cuda=False, budget_s=45)
 def bf16_step_vs_fp32(ctx: Context) -> Figure:
     """One update in bf16 (fp32 masters; the distributed optimizer on GPU) against the same update
     in fp32. lr=0.1, adam_eps=1e-2: the first Adam step is ~lr*g/eps, proportional to the gradient
@@ -159,7 +156,8 @@ def bf16_step_vs_fp32(ctx: Context) -> Figure:
     return Figure(f"|dW_bf16 - dW_fp32| / |dW_fp32| = {rel:.4f}", {"relative_update_error": rel})
 
 
-@check("load_then_step_keeps_weights", needs_cuda=False, budget_s=20)
+# Ran past 20 s on the H200 (not measured further); it builds two 0.5B actors like the bf16 check.
+@check("load_then_step_keeps_weights", needs_cuda=False, budget_s=45)
 def load_then_step(ctx: Context) -> Figure:
     """Defect 1: a model-only load must refresh the fp32 masters, so a lr=0 step keeps the loaded
     weights bit for bit."""
@@ -182,7 +180,7 @@ def load_then_step(ctx: Context) -> Figure:
     return Figure("max |W after lr=0 step - W loaded| = 0", {"max_moved": moved})
 
 
-@check("fp8_step_odd_lengths", needs_cuda=True, budget_s=30)
+@check("fp8_step_odd_lengths", needs_cuda=True, budget_s=30, needs=("te",))
 def fp8_step(ctx: Context) -> Figure:
     torch = _torch()
     _parallel()
@@ -198,7 +196,7 @@ def fp8_step(ctx: Context) -> Figure:
     )
 
 
-@check("offload_roundtrip", needs_cuda=True, budget_s=30)
+@check("offload_roundtrip", needs_cuda=True, budget_s=45)
 def offload_roundtrip(ctx: Context) -> Figure:
     torch = _torch()
     from megatron_dapo.actor.offload import offload_actor, onload_actor
@@ -229,7 +227,8 @@ def offload_roundtrip(ctx: Context) -> Figure:
     )
 
 
-@check("mfu_bf16_1.5B", needs_cuda=True, budget_s=45)
+# Not measured: it ran out of memory on the H200 before the SDPA attention (issue 27).
+@check("mfu_bf16_1.5B", needs_cuda=True, budget_s=60)
 def mfu(ctx: Context) -> Figure:
     torch = _torch()
     from megatron_dapo.actor.model import build_gpt_model
@@ -269,4 +268,4 @@ def mfu(ctx: Context) -> Figure:
 
 
 # Registered last: they start servers and a whole run, after the cheaper checks have passed.
-from tools.gpu_checks import routing, stack  # noqa: E402, F401
+from tools.gpu_checks import routing, run, stack  # noqa: E402, F401

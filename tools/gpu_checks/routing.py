@@ -59,7 +59,7 @@ def agreement(got, ref) -> float:
     return float((got.sort(dim=-1).values == ref).all(dim=-1).float().mean())
 
 
-@check("sglang_routed_experts", needs_cuda=True, budget_s=45)
+@check("sglang_routed_experts", needs_cuda=True, budget_s=45, needs=("sglang",))
 def sglang_routed_experts(ctx) -> Figure:
     import torch
 

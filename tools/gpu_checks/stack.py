@@ -119,7 +119,7 @@ def stack_plumbing(ctx) -> Figure:
     return Figure(f"overrides valid, transport {kind}, server argv of {len(cmd)} items", {"transport": kind})
 
 
-@check("sglang_colocated_ipc_sync", needs_cuda=True, budget_s=100)
+@check("sglang_colocated_ipc_sync", needs_cuda=True, budget_s=100, needs=("sglang",))
 def sglang_colocated_ipc_sync(ctx) -> Figure:
     import torch
 
@@ -172,7 +172,7 @@ def sglang_colocated_ipc_sync(ctx) -> Figure:
     )
 
 
-@check("dapo_2_steps_colocated", needs_cuda=True, budget_s=180)
+@check("dapo_2_steps_colocated", needs_cuda=True, budget_s=180, needs=("sglang",))
 def dapo_2_steps_colocated(ctx) -> Figure:
     argv = demo_argv(ctx.work)
     print("         " + " ".join(argv), flush=True)

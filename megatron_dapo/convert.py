@@ -14,9 +14,21 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo.actor.model import build_gpt_model, transformer_config_from_hf
+from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
+from megatron_dapo.actor.spawn import run_ranks
+from megatron_dapo.arch import arch_spec, load_hf_config
 from megatron_dapo.weights.atomic import atomic_directory
+from megatron_dapo.weights.dist_ckpt import (
+    is_dist_checkpoint,
+    load_model_checkpoint,
+    read_layout,
+    save_model_checkpoint,
+)
 from megatron_dapo.weights.hf_io import CheckpointError, SafetensorsReader
+from megatron_dapo.weights.load import load_hf_weights
 from megatron_dapo.weights.plan import expected_hf_shapes
+from megatron_dapo.weights.save_hf import save_hf_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,7 +43,6 @@ def hf_dtype(hf_dir: str | os.PathLike) -> str:
 
 
 def _check_hf_dir(hf_dir: str | os.PathLike):
-    from megatron_dapo.actor.model import arch_spec, load_hf_config
 
     config = load_hf_config(hf_dir)
     arch_spec(config)
@@ -46,10 +57,6 @@ def _check_hf_dir(hf_dir: str | os.PathLike):
 
 
 def _hf_to_megatron_rank(rank, world, hf_dir, out_dir, tp, pp, vpp, dtype, progress, ep=1):
-    from megatron_dapo.actor.model import build_gpt_model, load_hf_config
-    from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
-    from megatron_dapo.weights.dist_ckpt import save_model_checkpoint
-    from megatron_dapo.weights.load import load_hf_weights
 
     init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep)
     chunks = build_gpt_model(load_hf_config(hf_dir), params_dtype=DTYPES[dtype], perform_initialization=False)
@@ -72,8 +79,6 @@ def hf_to_megatron(
     """Convert an HF checkpoint into a Megatron dist checkpoint written at layout TP x PP (x VPP),
     MoE experts split over ``ep`` expert-parallel ranks; runs ``tp * pp * ep`` local ranks.
     Returns the checkpoint directory."""
-    from megatron_dapo.actor.model import arch_spec, transformer_config_from_hf
-    from megatron_dapo.actor.spawn import run_ranks
 
     config = _check_hf_dir(hf_dir)
     dtype = hf_dtype(hf_dir) if dtype == "auto" else dtype
@@ -88,10 +93,6 @@ def hf_to_megatron(
 
 
 def _megatron_to_hf_rank(rank, world, megatron_dir, out_dir, config_dir, dtype, max_shard_bytes, progress):
-    from megatron_dapo.actor.model import build_gpt_model, load_hf_config
-    from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
-    from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
-    from megatron_dapo.weights.save_hf import save_hf_checkpoint
 
     init_parallel(tp=1, pp=1)
     chunks = build_gpt_model(
@@ -114,9 +115,6 @@ def megatron_to_hf(
     """Convert a Megatron dist checkpoint (from the converter or a training checkpoint, any
     TP/PP layout) into an HF safetensors directory, on one CPU process. The HF config and
     tokenizer come from ``hf_config_dir`` or, by default, the copies inside ``megatron_dir``."""
-    from megatron_dapo.actor.model import arch_spec, load_hf_config
-    from megatron_dapo.actor.spawn import run_ranks
-    from megatron_dapo.weights.dist_ckpt import is_dist_checkpoint, read_layout
 
     megatron_dir = Path(megatron_dir)
     if not megatron_dir.is_dir():

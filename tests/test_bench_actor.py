@@ -1,0 +1,37 @@
+"""tools/bench_actor.py --shape tiny on CPU: it runs the actor, the bare model and the matmul
+probe in one process and prints every figure of its table, well-formed, with positive ratios."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_actor_tiny_prints_the_table():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_actor.py"), "--shape", "tiny", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[-1].startswith("RESULT ")
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["device"] == "cpu" and r["shape"] == "tiny" and r["updates"] == 2
+    assert "measured fp32 matmul" in r["peak_note"] and r["peak_flops"] > 0
+    for name in ("update", "compute_logprobs", "bare"):
+        f = r["figures"][name]
+        assert f["tokens_per_s"] > 0 and 0 < f["mfu"] < 1 and f["peak_bytes"] > 0, (name, f)
+        assert 0 <= f["padding_fraction"] < 1
+    assert all(v > 0 for v in r["ratios"].values()), r["ratios"]
+    text = out.stdout
+    for needle in ("8N + 16*L*h*s", "2N + 4*L*h*s", "6N + 12*L*h*s", "actor.update", "update/bare"):
+        assert needle in text

@@ -1,0 +1,104 @@
+"""tools/check_imports.py: the layering docs/architecture.md draws, and no import cycles."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from check_imports import check  # noqa: E402
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / "megatron_dapo" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for folder in {p.parent for p in (root / "megatron_dapo").rglob("*.py")}:
+        (folder / "__init__.py").touch()
+    return root
+
+
+def _run(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "check_imports.py"), "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_package_keeps_the_contract():
+    problems, _, _ = check(ROOT)
+    assert problems == []
+    assert _run(ROOT).returncode == 0
+
+
+def test_a_module_level_cycle_fails(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "driver/a.py": "from megatron_dapo.driver.b import g\n\ndef f():\n    return g\n",
+            "driver/b.py": "from megatron_dapo.driver import a\n\ndef g():\n    return a\n",
+        },
+    )
+    problems, _, _ = check(root)
+    assert problems == [
+        "import cycle among megatron_dapo.driver.a, megatron_dapo.driver.b (module-level imports)"
+    ]
+    run = _run(root)
+    assert (
+        run.returncode == 1
+        and "import cycle among megatron_dapo.driver.a, megatron_dapo.driver.b" in run.stdout
+    )
+
+
+def test_a_cycle_through_function_local_imports_is_a_note(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "rollout/a.py": "from megatron_dapo.rollout.b import g\n",
+            "rollout/b.py": "def g():\n    from megatron_dapo.rollout.a import g as h\n    return h\n",
+            # an import only for type checkers runs at no time
+            "rollout/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_dapo.rollout.d import x\n",
+            "rollout/d.py": "from megatron_dapo.rollout.c import TYPE_CHECKING as x\n",
+        },
+    )
+    problems, local, notes = check(root)
+    assert problems == []
+    assert notes == [
+        "note: modules that import each other only lazily (in functions or for type checkers): megatron_dapo.rollout.a, megatron_dapo.rollout.b",
+        "note: modules that import each other only lazily (in functions or for type checkers): "
+        "megatron_dapo.rollout.c, megatron_dapo.rollout.d",
+    ]
+    assert local == {"megatron_dapo/rollout/b.py": 1, "megatron_dapo/rollout/c.py": 1}
+    assert _run(root).returncode == 0
+
+
+def test_layer_violations_fail(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "algo/loss.py": "import torch.distributed as dist\n\ndef f():\n    from megatron_dapo.driver import trainer\n",
+            "plan/memory.py": "import torch\n",
+            "weights/plan.py": "from megatron_dapo.actor.model import arch_spec\n",
+            "arch.py": "",
+            "actor/model.py": "from megatron_dapo.arch import x\nfrom megatron_dapo.weights import plan\n",
+            "driver/trainer.py": "",
+        },
+    )
+    problems, _, _ = check(root)
+    assert problems == [
+        "megatron_dapo/algo/loss.py:1: algo/ must not import torch.distributed (torch.distributed)",
+        "megatron_dapo/algo/loss.py:4: algo must not import driver (megatron_dapo.driver.trainer); "
+        "algo may import: nothing of ours",
+        "megatron_dapo/plan/memory.py:1: plan/ must not import torch (torch)",
+        "megatron_dapo/weights/plan.py:1: weights must not import actor (megatron_dapo.actor.model); "
+        "weights may import: arch, errors",
+        # the old actor <-> weights knot, in miniature
+        "import cycle among megatron_dapo.actor.model, megatron_dapo.weights.plan (module-level imports)",
+    ]
+    assert _run(root).returncode == 1
