@@ -21,7 +21,7 @@ from megatron_dapo.sglang.client import (
     parse_generate_reply,
     payload_generate,
 )
-from megatron_dapo.sync.sglang_senders import serialize_bucket_for_ipc
+from megatron_dapo.sglang.ipc import serialize_bucket_for_ipc
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 IO = json.loads((FIXTURES / "io_struct.json").read_text())

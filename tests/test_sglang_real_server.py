@@ -22,10 +22,10 @@ from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.partial import continuation, from_result, join
 from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
 from megatron_dapo.sglang.client import SGLangEngine, SGLangError
+from megatron_dapo.sglang.ipc import push_weights_ipc
 from megatron_dapo.sync.sglang_senders import (
     init_custom_group,
     push_weights_distributed,
-    push_weights_ipc,
 )
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 77, 12, 9]]

@@ -69,7 +69,19 @@ ALLOWED: dict[str, set[str]] = {
     # the CPU demo's assets and the torchrun entry point sit beside the commands, on the driver
     "demo": {"actor", "algo", "arch", "config", "data", "driver", "errors", "rewards", "rollout", "weights"},
     "train": {
-        *("actor", "algo", "config", "data", "driver", "errors", "eval", "rewards", "rollout", "sglang", "sync"),
+        *(
+            "actor",
+            "algo",
+            "config",
+            "data",
+            "driver",
+            "errors",
+            "eval",
+            "rewards",
+            "rollout",
+            "sglang",
+            "sync",
+        ),
         "weights",
     },
 }

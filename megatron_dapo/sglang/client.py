@@ -33,6 +33,7 @@ import torch
 from megatron_dapo.http_errors import http_error
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+from megatron_dapo.sglang.ipc import push_weights_ipc
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 NOT_RETRIED = " (not retried: the server may have acted on it, and this call is not idempotent)"
@@ -662,8 +663,6 @@ class SGLangEngine:
                 raise
 
     def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
-        from megatron_dapo.sync.sglang_senders import push_weights_ipc
-
         push_weights_ipc(self, buckets, version)
         self.weight_version = version
 

@@ -35,8 +35,9 @@ from megatron_dapo.config import ConfigError
 from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.sglang.client import SGLangEngine
+from megatron_dapo.sglang.ipc import serialize_bucket_for_ipc
 from megatron_dapo.sync.protocol import WeightSyncTimeoutError, describe_bucket
-from megatron_dapo.sync.sglang_senders import broadcast_bucket, init_custom_group, serialize_bucket_for_ipc
+from megatron_dapo.sync.sglang_senders import broadcast_bucket, init_custom_group
 from megatron_dapo.sync.transports import DiskTransport
 
 log = logging.getLogger(__name__)

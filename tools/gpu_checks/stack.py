@@ -126,8 +126,8 @@ def sglang_colocated_ipc_sync(ctx) -> Figure:
     from megatron_dapo.actor.batch import make_actor_batch
     from megatron_dapo.ports import free_port
     from megatron_dapo.sglang.client import SGLangEngine
+    from megatron_dapo.sglang.ipc import push_weights_ipc
     from megatron_dapo.sglang.server import SGLangServer, check_launchable, default_server_python
-    from megatron_dapo.sync.sglang_senders import push_weights_ipc
     from megatron_dapo.weights.gather import iter_hf_buckets
     from tools.gpu_checks.checks import _actor, _batch, _parallel, _vocab
 
