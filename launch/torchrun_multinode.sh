@@ -2,7 +2,7 @@
 # SPMD actor ranks under torchrun, no Ray: rank 0 drives rollouts against SGLang servers, either
 # the URLs in the config (rollout.sglang.urls) or, without them, servers the trainer itself starts
 # on every node (each node's LOCAL_RANK 0 starts the engines the plan puts there, restarts them if
-# they die, stops them at the end; driver/sglang_torchrun.py).
+# they die, stops them at the end; sglang/torchrun.py).
 # Run once per node (same arguments everywhere):
 #   srun --nodes=2 --ntasks-per-node=1 bash launch/torchrun_multinode.sh CONFIG [key=value ...]
 #   # or by hand on each node:

@@ -12,8 +12,8 @@ rank 0 shuts the group down. The torch.distributed world is torchrun's, so
 
 Engines, chosen like the Ray path (`rollout.engine`, auto = SGLang on GPU, HF on CPU):
 - SGLang: the servers at `rollout.sglang.urls` (started per node by the launch script), or
-  servers that each node's LOCAL_RANK 0 launches on that node (driver/sglang_torchrun.py); weights by `trainer.weight_sync.transport`
-  (driver/sglang_engines.py, driver/sglang_transports.py).
+  servers that each node's LOCAL_RANK 0 launches on that node (sglang/torchrun.py); weights by `trainer.weight_sync.transport`
+  (sglang/engines.py, sync/sglang_transports.py).
 - HF (CPU): the HF engine inside rank 0's process, weights handed over in memory
   (`DirectTransport`), so the whole torchrun path runs on a laptop.
 
@@ -42,11 +42,11 @@ def build_engines(
 ) -> tuple[list[Any], Any, Callable[[], None]]:
     """Rank 0's engines, the weight transport to them, and how to stop them.
 
-    `servers`: the per-node launch (`sglang_torchrun.launch_node_servers`) when no URLs are given;
+    `servers`: the per-node launch (`sglang.torchrun.launch_node_servers`) when no URLs are given;
     `ranks`: the rank group through which another node restarts its servers."""
     if engine_kind == "hf":
-        from megatron_dapo.driver.weight_transport import DirectTransport
         from megatron_dapo.rollout.hf_engine import HFEngine
+        from megatron_dapo.sync.transports import DirectTransport
 
         engines = [
             HFEngine(
@@ -61,11 +61,11 @@ def build_engines(
         return engines, DirectTransport(engines), lambda: None
     import torch
 
-    from megatron_dapo.driver.sglang_engines import start_sglang_engines, stop_sglang_engines
-    from megatron_dapo.driver.sglang_transports import sglang_transport
+    from megatron_dapo.sglang.engines import start_sglang_engines, stop_sglang_engines
+    from megatron_dapo.sync.sglang_transports import sglang_transport
 
     if servers is not None:
-        from megatron_dapo.driver.sglang_torchrun import rank0_engines
+        from megatron_dapo.sglang.torchrun import rank0_engines
 
         engines = rank0_engines(cfg, servers, ranks)
     else:
@@ -87,7 +87,7 @@ def run_rank0(cfg, worker, inputs, engine_kind: str, stop, servers=None) -> dict
     ranks = SPMDRankGroup(worker)  # pairs with the followers' group: the first collective after setup
     engines, transport, stop_engines = build_engines(cfg, engine_kind, servers, ranks)
     try:
-        if getattr(transport, "every_rank", False):
+        if transport.every_rank:
             # colocated CUDA IPC: each engine TP rank's payload is made by the rank on its GPU
             ranks.call("attach_transport", transport, timeout_s=300)
         else:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker.setup()
         if engine_kind == "sglang" and not cfg.rollout.sglang.urls:
-            from megatron_dapo.driver.sglang_torchrun import launch_node_servers
+            from megatron_dapo.sglang.torchrun import launch_node_servers
 
             servers = launch_node_servers(cfg)  # every node starts its own engines
             worker.node_servers = servers  # and restarts them when rank 0 asks (restart_node_server)

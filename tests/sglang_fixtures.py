@@ -1,6 +1,6 @@
 """A real SGLang server on the CPU for the tests, started through the project's own launcher.
 
-``start_cpu_server(model_path, log_dir)`` runs ``rollout.sglang_server.SGLangServer`` with the
+``start_cpu_server(model_path, log_dir)`` runs ``sglang.server.SGLangServer`` with the
 repo's ``.venv-sglang`` interpreter (``make setup-sglang``), the CPU flags below and the CPU
 stand-ins of ``tests/sglang_cpu`` on the server's PYTHONPATH only, on a free port, and waits for
 ``/health_generate``. ``stop_cpu_server`` ends its process group and the orphaned
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.driver.sglang_engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
-from megatron_dapo.driver.sglang_engines import cpu_server_env
 from megatron_dapo.ports import free_port
-from megatron_dapo.rollout.sglang_server import REPO_SGLANG_PYTHON, SGLangServer, SGLangServerConfig
+from megatron_dapo.sglang.engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
+from megatron_dapo.sglang.engines import cpu_server_env
+from megatron_dapo.sglang.server import REPO_SGLANG_PYTHON, SGLangServer, SGLangServerConfig
 
 # The CPU flags, environment and kernel stand-ins are the product's own (the driver launches CPU
 # servers with them): one definition of what differs on a CPU. fp32 (passed per server) keeps

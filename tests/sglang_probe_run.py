@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_fixtures import fixed_sequence_logprobs  # noqa: E402
 
 from megatron_dapo.cli import main  # noqa: E402
-from megatron_dapo.rollout.sglang_client import SGLangEngine  # noqa: E402
+from megatron_dapo.sglang.client import SGLangEngine  # noqa: E402
 
 OUT = Path(os.environ["PROBE_DIR"])
 SEQUENCE = json.loads(os.environ["PROBE_SEQUENCE"])

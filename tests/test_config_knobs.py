@@ -39,8 +39,8 @@ NOT_CONFIG_COPIES = {
     # algo/ sits below config/ (it imports nothing of ours); built as RolloutCorrection(**section)
     # and its defaults are compared with the schema's below
     ("algo/rollout_correction.py", "RolloutCorrection"),
-    # one server's launch settings, every field passed by its launcher (driver/sglang_engines.py)
-    ("rollout/sglang_server.py", "SGLangServerConfig"),
+    # one server's launch settings, every field passed by its launcher (sglang/engines.py)
+    ("sglang/server.py", "SGLangServerConfig"),
     # the loss's inputs, built from ActorConfig by the actor
     ("actor/train_step.py", "LossSettings"),
 }

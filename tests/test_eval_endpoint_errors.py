@@ -16,8 +16,8 @@ import pytest
 from megatron_dapo.eval.openai_endpoint import EndpointError, make_endpoint_generator
 from megatron_dapo.eval.runner import EvalProblem
 from megatron_dapo.http_errors import http_error, server_message
-from megatron_dapo.rollout.sglang_client import SGLangEngine, SGLangError
 from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+from megatron_dapo.sglang.client import SGLangEngine, SGLangError
 
 # SGLang 0.5.23's answers, verbatim in shape: its OpenAI routes (serving_base.create_error_response)
 # and its native routes (http_server._create_error_response).

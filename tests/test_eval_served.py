@@ -23,8 +23,8 @@ from megatron_dapo.config import load_config, to_yaml
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.eval.openai_endpoint import EndpointError, make_endpoint_generator
 from megatron_dapo.eval.runner import EvalProblem
-from megatron_dapo.rollout.sglang_client import SGLangEngine, SGLangError
 from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+from megatron_dapo.sglang.client import SGLangEngine, SGLangError
 
 DEMO_CONFIG = Path(__file__).parent.parent / "configs" / "demo.yaml"
 PROBLEMS = 64  # held-out problems

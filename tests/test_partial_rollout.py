@@ -20,8 +20,8 @@ from megatron_dapo.driver.run_state import CARRIED_FILE, read_carried
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.manager import RolloutManager
 from megatron_dapo.rollout.partial import carry_from_items, carry_to_state, continuation, from_result, join
-from megatron_dapo.rollout.sglang_client import parse_generate_reply, payload_generate
 from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+from megatron_dapo.sglang.client import parse_generate_reply, payload_generate
 
 torch.set_num_threads(1)
 

@@ -111,8 +111,9 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
     import torch
 
     from megatron_dapo.driver.engine_host import RemoteEngine
-    from megatron_dapo.driver.weight_transport import RayObjectTransport, WeightSyncTimeout
     from megatron_dapo.rollout.engine import EngineError
+    from megatron_dapo.sync.protocol import WeightSyncTimeoutError
+    from megatron_dapo.sync.transports import RayObjectTransport
 
     handle = ray.remote(SlowEngineHost).options(num_cpus=0, max_concurrency=2).remote()
     ray.get(handle.begin_weight_update.remote(0))  # the actor is up before deadlines start
@@ -124,7 +125,7 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
     transport.timeout_s = 2
     start = time.monotonic()
     with pytest.raises(
-        WeightSyncTimeout, match=r"engine hf-7 did not take bucket 1 \(1 tensors.*lm_head.weight"
+        WeightSyncTimeoutError, match=r"engine hf-7 did not take bucket 1 \(1 tensors.*lm_head.weight"
     ):
         transport.send(1, {"lm_head.weight": torch.zeros(4, 2)})
     # well short of the host's 30 s hang (a loaded machine stretches the 2 s deadline, not the hang)

@@ -37,9 +37,9 @@ from rollout_fakes import (
 
 from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.health import poll_health
 from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutManager
-from megatron_dapo.rollout.sglang_client import SGLangEngine
+from megatron_dapo.sglang.client import SGLangEngine
+from megatron_dapo.sglang.health import poll_health
 
 STANDIN = Path(__file__).with_name("standin_http_server.py")
 HOUR = 3600.0

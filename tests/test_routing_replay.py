@@ -450,8 +450,8 @@ def test_sglang_reply_routed_experts_are_parsed_per_forwarded_token():
 
     import numpy as np
 
-    from megatron_dapo.rollout.sglang_client import SGLangError, parse_generate_reply, payload_generate
     from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+    from megatron_dapo.sglang.client import SGLangError, parse_generate_reply, payload_generate
 
     req = GenerationRequest("a", [5, 6, 7], SamplingParams(max_new_tokens=4))
     assert "return_routed_experts" not in payload_generate(req)

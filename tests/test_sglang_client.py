@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo.rollout.sglang_client import (
+from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+from megatron_dapo.sglang.client import (
     SGLangEngine,
     SGLangError,
     parse_generate_reply,
     payload_generate,
 )
-from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
-from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+from megatron_dapo.sglang.ipc import serialize_bucket_for_ipc
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
 IO = json.loads((FIXTURES / "io_struct.json").read_text())
@@ -445,7 +445,7 @@ def test_health_waits_for_the_generation_it_runs(server, engine_factory):
 
 
 def test_engines_given_by_url_are_version_checked_and_resumed(server):
-    from megatron_dapo.driver.sglang_engines import connect_sglang_engines, stop_sglang_engines
+    from megatron_dapo.sglang.engines import connect_sglang_engines, stop_sglang_engines
 
     server.script["/get_server_info"].extend([_info("0.5.23")] * 2)
     engines = connect_sglang_engines([server.url], tp_size=1, api_key=None, health_timeout_s=30)

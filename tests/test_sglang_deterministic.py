@@ -10,8 +10,8 @@ import logging
 from omegaconf import OmegaConf
 
 from megatron_dapo.config import load_config, to_container
-from megatron_dapo.driver.sglang_engines import server_configs
-from megatron_dapo.rollout.sglang_server import build_launch_command
+from megatron_dapo.sglang.engines import server_configs
+from megatron_dapo.sglang.server import build_launch_command
 
 
 def _launch(*overrides):

@@ -21,8 +21,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from megatron_dapo.config import load_config
 from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
-from megatron_dapo.driver.sglang_placement import GpuSlot, plan_engines, rank_order
 from megatron_dapo.ports import free_port
+from megatron_dapo.sglang.placement import GpuSlot, plan_engines, rank_order
 
 NODES = 3
 
@@ -77,7 +77,7 @@ def test_ranks_are_grouped_by_node_not_by_bundle_index(cluster):
 
 
 def test_engines_start_on_every_node_and_restart_there(cluster, tmp_path):
-    from megatron_dapo.driver.sglang_engines import launch_planned_engines, stop_sglang_engines
+    from megatron_dapo.sglang.engines import launch_planned_engines, stop_sglang_engines
 
     nodes = [n for n in ray.nodes() if n["Alive"]]
     # two trainer ranks per node on GPUs 0-1; one colocated TP2 engine per node

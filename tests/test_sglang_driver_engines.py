@@ -10,11 +10,11 @@ from omegaconf import OmegaConf
 from test_sglang_driver_transport import FakeSGLangServer
 
 from megatron_dapo.config import ConfigError, load_config, to_container
-from megatron_dapo.driver.sglang_engines import server_configs, start_sglang_engines, stop_sglang_engines
-from megatron_dapo.driver.sglang_placement import engine_gpu_ids, local_actor_gpus
 from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.sglang_server import build_launch_command
+from megatron_dapo.sglang.engines import server_configs, start_sglang_engines, stop_sglang_engines
+from megatron_dapo.sglang.placement import engine_gpu_ids, local_actor_gpus
+from megatron_dapo.sglang.server import build_launch_command
 
 
 def cfg_with(**overrides):

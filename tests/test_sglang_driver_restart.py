@@ -242,7 +242,7 @@ def test_a_hung_server_given_by_url_is_left_behind_and_the_run_goes_on(tmp_path)
 
 
 def test_transports_stop_sending_to_dropped_engines(tmp_path):
-    from megatron_dapo.driver.sglang_transports import (
+    from megatron_dapo.sync.sglang_transports import (
         EngineEndpoint,
         SGLangDiskTransport,
         SGLangNCCLTransport,

@@ -21,14 +21,14 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.driver.sglang_transports import (
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.sync.sglang_transports import (
     EngineEndpoint,
     SGLangDiskTransport,
     SGLangIPCTransport,
     SGLangNCCLTransport,
     resolve_transport_kind,
 )
-from megatron_dapo.rollout.engine import EngineError
 
 WEIGHT_CALLS = (
     "/pause_generation",
@@ -90,7 +90,7 @@ class FakeSGLangServer:
         if path == "/init_weights_update_group":
             if self.behaviour == "refuse_init":
                 return 400, {"success": False, "message": "bad group"}
-            from megatron_dapo.rollout.sglang_weight_sync import init_custom_group
+            from megatron_dapo.sync.sglang_senders import init_custom_group
 
             self.group = init_custom_group(
                 body["master_address"],
@@ -105,7 +105,7 @@ class FakeSGLangServer:
         if path == "/update_weights_from_distributed":
             if self.behaviour == "stall_update":
                 time.sleep(30)  # took the metadata, never joins the broadcast
-            from megatron_dapo.rollout.sglang_weight_sync import broadcast_bucket
+            from megatron_dapo.sync.sglang_senders import broadcast_bucket
 
             bucket = {
                 name: torch.empty(shape, dtype=getattr(torch, dtype))
@@ -382,7 +382,7 @@ def _fake_serialize(bucket: dict[str, torch.Tensor]) -> str:
 def _rank_ipc_sync(rank: int, world: int, urls: list[str]) -> None:
     import torch.distributed as dist
 
-    from megatron_dapo.driver.sglang_transports import EngineEndpoint, SGLangRankIPCTransport
+    from megatron_dapo.sync.sglang_transports import EngineEndpoint, SGLangRankIPCTransport
 
     dist.init_process_group("gloo")
     # engine 0 on the GPUs of ranks 0-1 (node A), engine 1 on those of ranks 2-3 (node B)

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from megatron_dapo.driver.sglang_node_host import SGLangNodeHost
 from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine_pool import EnginePool
-from megatron_dapo.rollout.sglang_client import SGLangEngine
-from megatron_dapo.rollout.sglang_server import SGLangServerConfig
+from megatron_dapo.sglang.client import SGLangEngine
+from megatron_dapo.sglang.node_host import SGLangNodeHost
+from megatron_dapo.sglang.server import SGLangServerConfig
 
 STANDIN = Path(__file__).with_name("standin_http_server.py")
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.driver.sglang_placement import GpuSlot, plan_engines, rank_order
+from megatron_dapo.sglang.placement import GpuSlot, plan_engines, rank_order
 
 
 def cluster(nodes: int, gpus: int) -> list[GpuSlot]:

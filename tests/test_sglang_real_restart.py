@@ -108,9 +108,9 @@ class Victim:
 
 
 def test_server_sigkilled_mid_rollout_is_restarted_and_resynced(assets, tmp_path, monkeypatch):
-    import megatron_dapo.driver.sglang_engines as sglang_engines
+    import megatron_dapo.sglang.engines as sglang_engines
     from megatron_dapo.driver.launch import load_for_cli, run_train
-    from megatron_dapo.rollout.sglang_client import SGLangEngine
+    from megatron_dapo.sglang.client import SGLangEngine
 
     victim = Victim()
     monkeypatch.setattr(SGLangEngine, "generate", victim.wrap(SGLangEngine.generate))

@@ -20,13 +20,13 @@ from helpers import hf_state_dict
 
 from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.partial import continuation, from_result, join
-from megatron_dapo.rollout.sglang_client import SGLangEngine, SGLangError
-from megatron_dapo.rollout.sglang_weight_sync import (
+from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+from megatron_dapo.sglang.client import SGLangEngine, SGLangError
+from megatron_dapo.sglang.ipc import push_weights_ipc
+from megatron_dapo.sync.sglang_senders import (
     init_custom_group,
     push_weights_distributed,
-    push_weights_ipc,
 )
-from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42], [100, 3, 77, 12, 9]]
 TOL = 1e-5

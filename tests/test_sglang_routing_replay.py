@@ -110,7 +110,7 @@ def moe_dir(tmp_path_factory):
 
 
 def test_routed_experts_shape_is_read_from_the_hf_config(moe_dir, tmp_path):
-    from megatron_dapo.driver.sglang_engines import routed_experts_shape
+    from megatron_dapo.sglang.engines import routed_experts_shape
 
     assert routed_experts_shape(_cfg(moe_dir)) == (LAYERS, TOP_K)
     assert routed_experts_shape(_cfg(moe_dir, **{"actor.routing_replay": "none"})) is None
@@ -128,10 +128,12 @@ def test_routed_experts_shape_is_read_from_the_hf_config(moe_dir, tmp_path):
 def test_every_server_and_client_the_driver_makes_gets_the_flag_and_shape(moe_dir, tmp_path, monkeypatch):
     """Launched here (torchrun/no-Ray), launched per node (Ray), connected by URL, and a torchrun
     peer's server connected by rank 0: flag on the servers, (layers, top-k) on every client."""
-    from megatron_dapo.driver import sglang_engines, sglang_node_host, sglang_torchrun
-    from megatron_dapo.driver.sglang_placement import EnginePlan
-    from megatron_dapo.rollout import sglang_server
-    from megatron_dapo.rollout.sglang_server import ROUTED_EXPERTS_FLAG, build_launch_command
+    from megatron_dapo.sglang import engines as sglang_engines
+    from megatron_dapo.sglang import node_host as sglang_node_host
+    from megatron_dapo.sglang import server as sglang_server
+    from megatron_dapo.sglang import torchrun as sglang_torchrun
+    from megatron_dapo.sglang.placement import EnginePlan
+    from megatron_dapo.sglang.server import ROUTED_EXPERTS_FLAG, build_launch_command
 
     fake = SGLangMoEStandIn(moe_dir)
     cfg = _cfg(moe_dir)
@@ -178,9 +180,9 @@ def test_every_server_and_client_the_driver_makes_gets_the_flag_and_shape(moe_di
 
 
 def test_url_given_server_without_the_flag_is_named_in_the_error(moe_dir):
-    from megatron_dapo.driver.sglang_engines import start_sglang_engines, stop_sglang_engines
-    from megatron_dapo.rollout.sglang_client import SGLangError
     from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+    from megatron_dapo.sglang.client import SGLangError
+    from megatron_dapo.sglang.engines import start_sglang_engines, stop_sglang_engines
 
     fake = SGLangMoEStandIn(moe_dir, routed=False)
     try:
@@ -202,14 +204,14 @@ def test_url_given_server_without_the_flag_is_named_in_the_error(moe_dir):
 def test_sglang_experts_in_their_source_layout_parse_per_forwarded_token(moe_dir):
     """The reply built as SGLang's capturer + detokenizer build it (rows [start, seq_len - 1), each
     [num_hidden_layers, k], int32, base64) parses to those rows with the driver's shape."""
-    from megatron_dapo.driver.sglang_engines import routed_experts_shape
-    from megatron_dapo.rollout.sglang_client import parse_generate_reply
     from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+    from megatron_dapo.sglang.client import parse_generate_reply
+    from megatron_dapo.sglang.engines import routed_experts_shape
 
     fake = SGLangMoEStandIn(moe_dir)
     try:
         req = GenerationRequest("r0", [5, 6, 7, 8], SamplingParams(max_new_tokens=5, seed=3, ignore_eos=True))
-        from megatron_dapo.rollout.sglang_client import payload_generate
+        from megatron_dapo.sglang.client import payload_generate
 
         reply = fake._generate(payload_generate(req, routed_experts=True))
     finally:

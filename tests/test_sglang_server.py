@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from megatron_dapo.ports import free_port
-from megatron_dapo.rollout.sglang_server import (
+from megatron_dapo.sglang.server import (
     SGLangServer,
     SGLangServerConfig,
     SGLangStartupError,
@@ -145,13 +145,13 @@ def test_launch_refuses_unsupported_sglang(tmp_path, version):
 
 
 def test_launch_accepts_the_supported_release(tmp_path):
-    from megatron_dapo.rollout.sglang_server import check_launchable
+    from megatron_dapo.sglang.server import check_launchable
 
     assert check_launchable(_fake_python(tmp_path, "0.5.23")) == (0, 5, 23)
 
 
 def test_default_server_python_is_the_repo_sglang_venv_when_built():
-    from megatron_dapo.rollout.sglang_server import REPO_SGLANG_PYTHON, default_server_python
+    from megatron_dapo.sglang.server import REPO_SGLANG_PYTHON, default_server_python
 
     expected = str(REPO_SGLANG_PYTHON) if REPO_SGLANG_PYTHON.exists() else sys.executable
     assert default_server_python() == expected
@@ -163,7 +163,7 @@ def test_default_server_python_is_the_repo_sglang_venv_when_built():
 LAUNCHER = textwrap.dedent(
     """
     import sys
-    from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
+    from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
     script, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     cfg = SGLangServerConfig(model_path="/m", port=port, log_file=log)
     server = SGLangServer(cfg, command=[sys.executable, script, str(port), "0"], poll_s=0.1).start()
@@ -246,7 +246,7 @@ def test_servers_sleep_on_idle_unless_the_config_says_not():
     the whole actor update and sync. `--sleep-on-idle` (a real server's idle CPU is checked in
     test_sglang_real_server.py) is the default, and `rollout.sglang.sleep_on_idle=false` drops it."""
     from megatron_dapo.config.loader import load_config
-    from megatron_dapo.driver.sglang_engines import server_config
+    from megatron_dapo.sglang.engines import server_config
 
     def command(*overrides):
         cfg = load_config(None, ["model.path=/m", *overrides])

@@ -1,4 +1,4 @@
-"""Which torchrun node starts which SGLang engine (`sglang_torchrun.torchrun_plans`): pure
+"""Which torchrun node starts which SGLang engine (`sglang.torchrun.torchrun_plans`): pure
 arithmetic on what every rank reports, so every rank computes the same plan."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.driver.sglang_torchrun import RankInfo, route_address, torchrun_plans
+from megatron_dapo.sglang.torchrun import RankInfo, route_address, torchrun_plans
 
 
 def _cfg(num_engines: int, tp: int, placement: str = "colocated"):
@@ -72,7 +72,7 @@ def test_loopback_is_fine_when_set_explicitly_or_on_one_node():
 
 
 def test_node_address_prefers_the_env_then_the_route_to_master_addr(monkeypatch):
-    from megatron_dapo.driver import sglang_torchrun as st
+    from megatron_dapo.sglang import torchrun as st
 
     monkeypatch.setenv("MASTER_ADDR", "node0")
     monkeypatch.setenv("MEGATRON_DAPO_NODE_IP", "10.9.9.9")

@@ -10,7 +10,7 @@ import torch
 
 from megatron_dapo.actor.spawn import RankFailed, run_ranks
 from megatron_dapo.ports import free_port
-from megatron_dapo.rollout.sglang_weight_sync import broadcast_bucket, init_custom_group
+from megatron_dapo.sync.sglang_senders import broadcast_bucket, init_custom_group
 
 
 def bucket(fill: float):
@@ -80,7 +80,7 @@ def test_cpu_bucket_serialized_for_update_weights_from_tensor_loads_in_another_p
     import subprocess
     import sys
 
-    from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
+    from megatron_dapo.sglang.ipc import serialize_bucket_for_ipc
 
     # the torch_shm_manager this starts is this process's for good (conftest ends it with the session)
     before = torch.multiprocessing.get_sharing_strategy()
@@ -101,7 +101,7 @@ def test_cpu_bucket_serialized_for_update_weights_from_tensor_loads_in_another_p
 
 _HOLD_A_MANAGER = """
 import sys, torch
-from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
+from megatron_dapo.sglang.ipc import serialize_bucket_for_ipc
 payloads = serialize_bucket_for_ipc({"w": torch.ones(4)})
 print("ready", flush=True)
 sys.stdin.read()

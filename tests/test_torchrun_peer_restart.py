@@ -45,15 +45,15 @@ def _get(url: str) -> dict | None:
 def _rank_main(tmp: Path) -> None:
     import torch.distributed as dist
 
-    from megatron_dapo.driver import sglang_torchrun
     from megatron_dapo.driver.actor_worker import ActorWorker
     from megatron_dapo.driver.rank_group import SPMDRankGroup
-    from megatron_dapo.driver.sglang_placement import EnginePlan
     from megatron_dapo.ports import free_port
     from megatron_dapo.rollout.engine import EngineError
     from megatron_dapo.rollout.engine_pool import EnginePool
-    from megatron_dapo.rollout.sglang_client import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
+    from megatron_dapo.sglang import torchrun as sglang_torchrun
+    from megatron_dapo.sglang.client import SGLangEngine
+    from megatron_dapo.sglang.placement import EnginePlan
+    from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -97,7 +97,7 @@ def _rank_main(tmp: Path) -> None:
             request_timeout_s=30,
         ),
     )
-    with mock.patch("megatron_dapo.driver.sglang_engines.connect_sglang_engines", return_value=[stub]):
+    with mock.patch("megatron_dapo.sglang.engines.connect_sglang_engines", return_value=[stub]):
         (engine,) = sglang_torchrun.rank0_engines(cfg, servers, ranks)
     result: dict = {"rank1_pid": ranks.peers[1][1], "before": _get(url), "name": engine.name, "url": url}
     os.kill(result["before"]["pid"], signal.SIGKILL)
@@ -189,8 +189,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["rank"]:
 def test_peer_server_alive_is_whether_its_port_accepts():
     import socket
 
-    from megatron_dapo.driver.sglang_placement import EnginePlan
-    from megatron_dapo.driver.sglang_torchrun import PeerServer
+    from megatron_dapo.sglang.placement import EnginePlan
+    from megatron_dapo.sglang.torchrun import PeerServer
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))

@@ -46,9 +46,9 @@ def measure(model: Path, log_dir: Path, sleep_on_idle: bool, idle_s: float, requ
     import httpx
     import psutil
 
-    from megatron_dapo.driver.sglang_engines import CPU_SERVER_ARGS, cpu_server_env
     from megatron_dapo.ports import free_port
-    from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
+    from megatron_dapo.sglang.engines import CPU_SERVER_ARGS, cpu_server_env
+    from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
 
     cfg = SGLangServerConfig(
         model_path=str(model),

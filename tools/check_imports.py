@@ -43,6 +43,10 @@ ALLOWED: dict[str, set[str]] = {
     "weights": {"arch", "errors"},
     "actor": {"algo", "arch", "config", "weights", "data", "errors", "ports"},
     "rollout": {"algo", "arch", "config", "data", "rewards", "errors", "http_errors", "ports"},
+    # SGLang servers (launch, placement, health) and their HTTP client, an engine of rollout's protocol
+    "sglang": {"config", "errors", "http_errors", "ports", "rollout"},
+    # the weight transports: HF-named buckets to HF engines, SGLang servers or a checkpoint on disk
+    "sync": {"config", "errors", "ports", "rollout", "sglang", "weights"},
     # offline conversion: builds the model on ranks it launches
     "convert": {"actor", "arch", "weights", "errors"},
     "driver": {
@@ -57,12 +61,29 @@ ALLOWED: dict[str, set[str]] = {
             "ports",
             "rewards",
             "rollout",
+            "sglang",
+            "sync",
             "weights",
         ),
     },
     # the CPU demo's assets and the torchrun entry point sit beside the commands, on the driver
     "demo": {"actor", "algo", "arch", "config", "data", "driver", "errors", "rewards", "rollout", "weights"},
-    "train": {"actor", "algo", "config", "data", "driver", "errors", "eval", "rewards", "rollout", "weights"},
+    "train": {
+        *(
+            "actor",
+            "algo",
+            "config",
+            "data",
+            "driver",
+            "errors",
+            "eval",
+            "rewards",
+            "rollout",
+            "sglang",
+            "sync",
+        ),
+        "weights",
+    },
 }
 # Everything above the driver: the command line and its subcommands may import anything.
 _TOP = {"cli", "commands", "__main__", "__init__"}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "sglang"
 
-# The routes the project calls (rollout/sglang_client.py, rollout/health.py).
+# The routes the project calls (sglang/client.py, sglang/health.py).
 ROUTES = [
     "/health",
     "/health_generate",
@@ -58,7 +58,7 @@ HAND = {
     "ReleaseMemoryOccupationReqInput": {"enums": {"tags": ["weights", "kv_cache", "cuda_graph"]}},
     "ResumeMemoryOccupationReqInput": {"enums": {"tags": ["weights", "kv_cache", "cuda_graph"]}},
 }
-# Launch flags the project passes (rollout/sglang_server.py, tests/sglang_fixtures.py, configs).
+# Launch flags the project passes (sglang/server.py, tests/sglang_fixtures.py, configs).
 FLAGS = [
     "--model-path",
     "--tp-size",

@@ -254,8 +254,8 @@ def _hf_generator(args, tokenizer, max_tokens: int):
     except ImportError:
         use_sglang = False
     if use_sglang:
-        from megatron_dapo.rollout.sglang_client import SGLangEngine
-        from megatron_dapo.rollout.sglang_server import SGLangServer, SGLangServerConfig
+        from megatron_dapo.sglang.client import SGLangEngine
+        from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
 
         server = SGLangServer(
             SGLangServerConfig(model_path=args.hf_dir, tp_size=torch.cuda.device_count())

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.sync.protocol import SyncStats, WeightTransport, bucket_nbytes
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -39,6 +41,7 @@ class ActorWorker:
     def __init__(self, cfg: dict):
         self.cfg = cfg
         self.actor = None
+        self.transport: WeightTransport | None = None  # global rank 0's, or every rank's (`every_rank`)
         self._train_steps = 0  # calls so far; the test-only hang hook counts them
 
     # ---------------------------------------------------------------- set-up
@@ -152,25 +155,25 @@ class ActorWorker:
         return True
 
     # ---------------------------------------------------------------- weight sync
-    def attach_transport(self, transport) -> None:
+    def attach_transport(self, transport: WeightTransport) -> None:
         """Give a rank the engines' transport: global rank 0, or every rank for a per-rank one."""
+        if not isinstance(transport, WeightTransport):
+            raise TypeError(f"{type(transport).__name__} is not a sync.protocol.WeightTransport")
         self.transport = transport
 
     def reset_transport(self) -> None:
         """An engine was restarted: the transport drops per-server state (a weight-update group)."""
-        reset = getattr(getattr(self, "transport", None), "reset", None)
-        if reset is not None:
-            reset()
+        if self.transport is not None:
+            self.transport.reset()
 
     def drop_engines(self, names: list[str]) -> None:
         """Engines the run goes on without (servers given by URL that hung): no more syncs to them."""
-        drop = getattr(getattr(self, "transport", None), "drop", None)
-        if drop is not None:
-            drop(set(names))
+        if self.transport is not None:
+            self.transport.drop(set(names))
 
     def restart_node_server(self, index: int):
         """Under torchrun: restart SGLang engine `index` if this rank's node started it here
-        (driver/sglang_torchrun.py, `NodeServers.restart`); None on every other rank."""
+        (sglang/torchrun.py, `NodeServers.restart`); None on every other rank."""
         servers = getattr(self, "node_servers", None)
         return None if servers is None else servers.restart(index)
 
@@ -178,12 +181,11 @@ class ActorWorker:
         """Every rank iterates the gather; global rank 0 (a bucket holder) feeds its transport."""
         import torch.distributed as dist
 
-        from megatron_dapo.driver.weight_transport import SyncStats, bucket_nbytes
         from megatron_dapo.weights.gather import iter_hf_buckets
 
-        sender = getattr(self, "transport", None)
+        sender = self.transport
         # a per-rank transport (CUDA IPC from the ranks on each engine's GPUs) runs on every rank
-        every_rank = bool(getattr(sender, "every_rank", False))
+        every_rank = sender is not None and sender.every_rank
         if dist.get_rank() != 0 and not every_rank:
             sender = None
         stats = SyncStats()

@@ -26,6 +26,9 @@ from megatron_dapo.driver.datasets import load_tokenizer, make_scorer, train_dat
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag, blocked_signals
 from megatron_dapo.driver.trainer import DAPOTrainer
+from megatron_dapo.sync.protocol import WeightTransport
+from megatron_dapo.sync.sglang_transports import sglang_transport
+from megatron_dapo.sync.transports import RayObjectTransport
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +126,11 @@ class Placement:
         from ray.util.placement_group import placement_group
 
         from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
-        from megatron_dapo.driver.sglang_placement import rank_order
+        from megatron_dapo.sglang.placement import rank_order
 
         self.cfg = cfg
         self.device = device
+        self.engine_kind = engine_kind
         world = cfg.parallel.actor_world_size
         n_engines = cfg.rollout.num_engines
         threads = max(1, (os.cpu_count() or 2) // (world + n_engines)) if device == "cpu" else None
@@ -169,8 +173,8 @@ class Placement:
         """Servers given by URL, else one per plan on every node of the cluster (`plan_engines`)."""
         import ray
 
-        from megatron_dapo.driver.sglang_engines import launch_planned_engines, start_sglang_engines
-        from megatron_dapo.driver.sglang_placement import EnginePlan, plan_engines
+        from megatron_dapo.sglang.engines import launch_planned_engines, start_sglang_engines
+        from megatron_dapo.sglang.placement import EnginePlan, plan_engines
 
         cfg = self.cfg
         if cfg.rollout.sglang.urls:
@@ -221,20 +225,16 @@ class Placement:
             engines.append(RemoteEngine(name, handle, cfg.rollout.request_timeout_s))
         return engines
 
-    def weight_transport(self):
-        from megatron_dapo.driver.weight_transport import RayObjectTransport
-
+    def weight_transport(self) -> WeightTransport:
         timeout = self.cfg.trainer.weight_sync.timeout_s
-        if all(hasattr(e, "handle") for e in self.engines):
+        if self.engine_kind == "hf":  # `EngineHost` actors: buckets through the object store
             return RayObjectTransport([(e.name, e.handle) for e in self.engines], timeout)
-        from megatron_dapo.driver.sglang_transports import sglang_transport
-
         # gloo carries the distributed update between CPU processes
         return sglang_transport(self.cfg, self.engines, backend="gloo" if self.device == "cpu" else "nccl")
 
     def _stop_sglang(self) -> None:
-        if self.engines and not all(hasattr(e, "handle") for e in self.engines):
-            from megatron_dapo.driver.sglang_engines import stop_sglang_engines
+        if self.engines and self.engine_kind == "sglang":
+            from megatron_dapo.sglang.engines import stop_sglang_engines
 
             stop_sglang_engines(self.engines)
 
@@ -369,7 +369,7 @@ def run_train(cfg: DictConfig) -> dict[str, Any]:
         failed = True
         try:
             transport = placement.weight_transport()
-            if getattr(transport, "every_rank", False):
+            if transport.every_rank:
                 placement.ranks.call("attach_transport", transport, timeout_s=300)
             else:
                 placement.ranks.workers[0].attach_transport.remote(transport)

@@ -54,7 +54,7 @@ def set_dist_env(rank: int, world_size: int, master_addr: str, master_port: int,
 class RayRankGroup:
     """`world_size` Ray actors of `worker_cls`, placed on the bundles of `placement_group`.
 
-    Rank r takes bundle `bundles[r]` (from `bundle_slots` + `sglang_placement.rank_order`: by node,
+    Rank r takes bundle `bundles[r]` (from `bundle_slots` + `sglang.placement.rank_order`: by node,
     then GPU), else `bundle_offset + r`.
     """
 
@@ -164,7 +164,7 @@ def bundle_slots(placement_group, count: int) -> list:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from megatron_dapo.driver.sglang_placement import GpuSlot
+    from megatron_dapo.sglang.placement import GpuSlot
 
     bundle = placement_group.bundle_specs
     probe = ray.remote(_probe_where)

@@ -64,14 +64,14 @@ def sglang_routed_experts(ctx) -> Figure:
     import torch
 
     from megatron_dapo.ports import free_port
-    from megatron_dapo.rollout.sglang_client import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import (
+    from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+    from megatron_dapo.sglang.client import SGLangEngine
+    from megatron_dapo.sglang.server import (
         SGLangServer,
         SGLangServerConfig,
         check_launchable,
         default_server_python,
     )
-    from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
 
     try:
         check_launchable(default_server_python())

@@ -50,7 +50,7 @@ def mismatch(actor_lp, server_lp) -> tuple[float, float]:
 
 
 def server_config(hf_dir: str, work: Path, port: int):
-    from megatron_dapo.rollout.sglang_server import SGLangServerConfig
+    from megatron_dapo.sglang.server import SGLangServerConfig
 
     # Colocated: the actor (0.5B, bf16, Adam) holds a few GiB; the server's static pool stays small.
     return SGLangServerConfig(
@@ -105,8 +105,8 @@ def stack_plumbing(ctx) -> Figure:
     loader on the demo config, colocation on GPUs resolves to CUDA IPC, the server command."""
     from megatron_dapo.commands.demo import demo_config_path
     from megatron_dapo.config.loader import load_config
-    from megatron_dapo.driver.sglang_transports import resolve_transport_kind
-    from megatron_dapo.rollout.sglang_server import build_launch_command
+    from megatron_dapo.sglang.server import build_launch_command
+    from megatron_dapo.sync.sglang_transports import resolve_transport_kind
 
     hf_dir = ctx.hf_dir("tiny")
     cfg = load_config(demo_config_path(), [f"model.path={hf_dir}", "rollout.engine=sglang", *DAPO_OVERRIDES])
@@ -125,9 +125,9 @@ def sglang_colocated_ipc_sync(ctx) -> Figure:
 
     from megatron_dapo.actor.batch import make_actor_batch
     from megatron_dapo.ports import free_port
-    from megatron_dapo.rollout.sglang_client import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServer, check_launchable, default_server_python
-    from megatron_dapo.rollout.sglang_weight_sync import push_weights_ipc
+    from megatron_dapo.sglang.client import SGLangEngine
+    from megatron_dapo.sglang.ipc import push_weights_ipc
+    from megatron_dapo.sglang.server import SGLangServer, check_launchable, default_server_python
     from megatron_dapo.weights.gather import iter_hf_buckets
     from tools.gpu_checks.checks import _actor, _batch, _parallel, _vocab
 

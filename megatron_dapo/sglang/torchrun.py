@@ -5,7 +5,7 @@ launches that node's servers (its GPUs, its ports, logs in RUN_DIR/sglang/engine
 every rank learns every engine's URL through an all-gather over the trainer's world:
 
 1. each rank contributes (node rank = torchrun's GROUP_RANK, node address, local rank, GPU count);
-2. the plan is a pure function of those (`sglang_placement.plan_engines`; on CPUs engine i goes to
+2. the plan is a pure function of those (`sglang.placement.plan_engines`; on CPUs engine i goes to
    node i mod nnodes, on a free port), so every rank computes the same plan;
 3. LOCAL_RANK 0 of each node starts its plans, waits for them, and all ranks gather the URLs (or
    the launch error, so that a failed node stops every rank instead of leaving them in a collective).
@@ -18,7 +18,7 @@ GPUs), so only that process can restart it. When one of another node's servers d
 engine holds a `PeerServer`: its `restart()` is a rank call (`ActorWorker.restart_node_server`)
 that every rank runs and only the owning node's LOCAL_RANK 0 acts on (`NodeServers.restart`),
 so the engine is restarted there and then resynced like one of rank 0's own node's servers
-(driver/engine_restart.py). The call is bounded like every rank call (the watchdog ends the job
+(rollout/engine_pool.py). The call is bounded like every rank call (the watchdog ends the job
 with one line if the node does not answer).
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from megatron_dapo.driver.sglang_placement import EnginePlan, GpuSlot, plan_engines
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.sglang.placement import EnginePlan, GpuSlot, plan_engines
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class NodeServers:
             return False, str(e)
 
     def stop(self) -> None:
-        from megatron_dapo.driver.sglang_engines import stop_sglang_engines
+        from megatron_dapo.sglang.engines import stop_sglang_engines
 
         stop_sglang_engines(list(self.local.values()))
         self.local.clear()
@@ -178,8 +178,8 @@ def launch_node_servers(cfg) -> NodeServers:
     import torch
     import torch.distributed as dist
 
-    from megatron_dapo.driver.sglang_engines import launch_sglang_engines, server_config
     from megatron_dapo.ports import free_port
+    from megatron_dapo.sglang.engines import launch_sglang_engines, server_config
 
     cpu = torch.cuda.device_count() == 0
     # gloo carries Python objects whatever backend the trainer's world uses
@@ -272,7 +272,7 @@ class PeerServer:
 def rank0_engines(cfg, servers: NodeServers, ranks: Any = None) -> list:
     """Rank 0's engines in plan order: its own node's launched ones, the others connected by URL
     (with a `PeerServer` through which their node restarts them, when `ranks` is given)."""
-    from megatron_dapo.driver.sglang_engines import connect_sglang_engines, routed_experts_shape
+    from megatron_dapo.sglang.engines import connect_sglang_engines, routed_experts_shape
 
     shape = routed_experts_shape(cfg)
     engines: list[Any] = []

@@ -1,4 +1,4 @@
-"""Trainer-side senders of HF-named buckets to SGLang servers: NCCL broadcast and CUDA IPC.
+"""Trainer-side sender of HF-named buckets to SGLang servers by NCCL broadcast (gloo on CPUs).
 
 Disaggregated (``push_weights_distributed``): once per run, every server joins a process group
 with the trainer's bucket holder (``/init_weights_update_group``: trainer rank 0, server TP
@@ -7,45 +7,25 @@ ranks from ``rank_offset``); then per bucket, the metadata goes over HTTP
 ``broadcast`` from rank 0. Both halves run concurrently (the server's handler blocks in the
 broadcast), and every wait has a deadline whose error names the engine and the bucket.
 
-Colocated (``push_weights_ipc``): each bucket's tensors are pickled with
-``multiprocessing.reduction.ForkingPickler`` (torch's reductions turn CUDA tensors into IPC
-handles), base64-encoded, one copy per server TP rank, and posted to
-``/update_weights_from_tensor``, which is how SGLang's ``MultiprocessingSerializer`` expects
-them. SGLang's own reduction patch (device UUIDs instead of indices, for differing
-``CUDA_VISIBLE_DEVICES``) is applied when sglang is importable; sglang is imported only there.
+The colocated path (CUDA IPC, ``/update_weights_from_tensor``) is ``sglang/ipc.py``.
 
 Both sides run ``pause_generation`` -> ``flush_cache`` (once per sync, retried while requests
 drain) -> updates -> ``continue_generation``. SGLang >= 0.5.21 refuses tensor/distributed updates
 outside ``/begin_weight_update`` .. ``/end_weight_update``; the client opens that session with the
-first update and closes it in ``continue_generation``. CPU tensors (a CPU server on the same host)
-go through ``/update_weights_from_tensor`` as shared-memory files (``file_system`` strategy).
+first update and closes it in ``continue_generation``.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
-from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.rollout.engine import EngineError
-
-
-class WeightSyncTimeoutError(EngineError):
-    """A collective or an engine's answer missed its deadline; names the engine and the bucket."""
-
-
-def describe(index: int, bucket: dict[str, torch.Tensor]) -> str:
-    names = list(bucket)
-    span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-    nbytes = sum(t.numel() * t.element_size() for t in bucket.values())
-    return f"bucket {index} ({len(names)} tensors, {nbytes / 2**20:.1f} MiB: {span})"
+from megatron_dapo.sync.protocol import WeightSyncTimeoutError, describe_bucket
 
 
 def broadcast_bucket(
@@ -70,12 +50,12 @@ def broadcast_bucket(
             ok = work.wait(timeout=timedelta(seconds=remaining))
         except RuntimeError as e:
             raise WeightSyncTimeoutError(
-                f"weight sync to engine {engine}: broadcast of {describe(bucket_index, bucket)} failed at "
+                f"weight sync to engine {engine}: broadcast of {describe_bucket(bucket_index, bucket)} failed at "
                 f"{name!r} within {timeout_s:g}s: {e}"
             ) from e
         if ok is False:
             raise WeightSyncTimeoutError(
-                f"weight sync to engine {engine}: broadcast of {describe(bucket_index, bucket)} timed out at "
+                f"weight sync to engine {engine}: broadcast of {describe_bucket(bucket_index, bucket)} timed out at "
                 f"{name!r} after {timeout_s:g}s"
             )
 
@@ -111,60 +91,6 @@ def init_custom_group(
     return pg
 
 
-def serialize_bucket_for_ipc(bucket: dict[str, torch.Tensor], tp_size: int = 1) -> list[str]:
-    """SGLang's ``serialized_named_tensors``: base64 ForkingPickler bytes of [(name, tensor)], per TP rank."""
-    _patch_reductions_like_sglang()
-    buf = io.BytesIO()
-    # CPU tensors are copied: pickling moves a storage into shared memory in place
-    named = [
-        (name, t.detach().clone() if t.device.type == "cpu" else t.detach()) for name, t in bucket.items()
-    ]
-    # CPU tensors travel as shared-memory files the server opens by name; the default strategy
-    # passes file descriptors over a multiprocessing connection, which HTTP is not. Only the
-    # pickling needs it (the files live as long as the tensors), so the process setting is restored.
-    # The sender keeps a torch_shm_manager daemon; whoever owns the process ends it.
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        ForkingPickler(buf).dump(named)
-    finally:
-        torch.multiprocessing.set_sharing_strategy(previous)
-    data = base64.b64encode(buf.getvalue()).decode("ascii")
-    return [data] * tp_size
-
-
-def _patch_reductions_like_sglang() -> None:
-    """Use SGLang's CUDA-tensor reduction patch when it is installed (GPU runs only)."""
-    for module in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
-        try:
-            patch = __import__(
-                module, fromlist=["monkey_patch_torch_reductions"]
-            ).monkey_patch_torch_reductions
-        except (ImportError, AttributeError):
-            continue
-        patch()
-        return
-
-
-def push_weights_ipc(engine, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> int:
-    """Colocated update of one :class:`~megatron_dapo.rollout.sglang_client.SGLangEngine`; returns buckets sent."""
-    client = engine.client
-    engine.run(client.pause_generation("abort"))
-    engine.run(client.flush_cache())
-    sent = 0
-    try:
-        for bucket in buckets:
-            # CUDA tensors go as IPC handles, CPU tensors (a CPU server on this host) as shm files
-            # the tensors must stay alive until the server has copied them: the reply comes after that
-            engine.run(
-                client.update_weights_from_tensor(serialize_bucket_for_ipc(bucket, engine.tp_size), version)
-            )
-            sent += 1
-    finally:
-        engine.run(client.continue_generation())
-    return sent
-
-
 def push_weights_distributed(
     engines: Sequence,
     buckets: Iterable[dict[str, torch.Tensor]],
@@ -192,7 +118,7 @@ def push_weights_distributed(
                     fut.result(timeout=max(deadline - time.monotonic(), 0.001))
                 except TimeoutError as e:
                     raise WeightSyncTimeoutError(
-                        f"weight sync: engine {name} did not confirm {describe(index, bucket)} within {timeout_s:g}s"
+                        f"weight sync: engine {name} did not confirm {describe_bucket(index, bucket)} within {timeout_s:g}s"
                     ) from e
             sent += 1
     finally:

@@ -1,7 +1,7 @@
 """Per-node launch of SGLang servers under Ray: one `SGLangNodeHost` actor on every node of the plan.
 
 The driver cannot start processes on other nodes, so each node that the engine plan
-(`sglang_placement.plan_engines`) uses gets a small Ray actor pinned there (hard node affinity,
+(`sglang.placement.plan_engines`) uses gets a small Ray actor pinned there (hard node affinity,
 no CPUs or GPUs of its own: the servers' GPUs belong to the plan, not to Ray). It starts that node's
 servers as its children, waits for them to be healthy, and later stops or restarts one of them.
 The driver talks to the servers over HTTP and reaches the actor only through
@@ -29,7 +29,7 @@ class SGLangNodeHost:
     """
 
     def __init__(self, configs: Sequence[Any], commands: Sequence[list[str]] | None = None):
-        from megatron_dapo.rollout.sglang_server import SGLangServer
+        from megatron_dapo.sglang.server import SGLangServer
 
         # The plan counts GPUs by their index on the node (--base-gpu-id); a mask that Ray may have
         # set for this GPU-less actor would shift or hide them.

@@ -5,15 +5,15 @@
   or by hand), each health-checked until `rollout.sglang.startup_timeout_s`.
 - otherwise, without Ray (`start_sglang_engines`): launch `rollout.num_engines` servers on this node
   (`python -m sglang.launch_server`, ports `base_port + i`, logs in RUN_DIR/sglang/) on the GPUs
-  that `sglang_placement.engine_gpu_ids` picks. The actor's GPUs on this node are
+  that `sglang.placement.engine_gpu_ids` picks. The actor's GPUs on this node are
   0..LOCAL_WORLD_SIZE-1. Without GPUs: CPU servers on free ports (SGLang's CPU flags).
-  torchrun's `megatron_dapo.train` instead starts every node's servers (`sglang_torchrun`).
+  torchrun's `megatron_dapo.train` instead starts every node's servers (`sglang.torchrun`).
 - under Ray, `launch_on_nodes` starts every node's servers from an `SGLangNodeHost` actor pinned to
-  that node, as `sglang_placement.plan_engines` planned them.
+  that node, as `sglang.placement.plan_engines` planned them.
 With `actor.routing_replay: rollout` every server launched here gets SGLang's routed-experts flag
 and every engine's client asks for and parses the experts, shaped by `routed_experts_shape(cfg)`.
 Launched servers stay attached to their engines (`engine.server`: `stop()`, `alive()`,
-`restart()`); `stop_sglang_engines` ends them. Weight transports are in `sglang_transports`.
+`restart()`); `stop_sglang_engines` ends them. Weight transports are in `sync.sglang_transports`.
 
 Nothing here imports sglang: servers are child processes and talk HTTP.
 """
@@ -30,9 +30,9 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.driver.sglang_placement import engine_gpu_ids, local_actor_gpus
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.health import poll_health
+from megatron_dapo.sglang.health import poll_health
+from megatron_dapo.sglang.placement import engine_gpu_ids, local_actor_gpus
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def server_config(
     `cpu`: a server without GPUs (CPU flags and environment above, memory fraction kept small).
     With `actor.routing_replay: rollout` it returns the routed experts (`routed_experts_shape`).
     """
-    from megatron_dapo.rollout.sglang_server import SGLangServerConfig
+    from megatron_dapo.sglang.server import SGLangServerConfig
 
     s = cfg.rollout.sglang
     colocated = cfg.trainer.placement == "colocated"
@@ -206,8 +206,8 @@ def connect_sglang_engines(
     """`SGLangEngine`s for running servers, after each answered `/health` (within `health_timeout_s`
     in all); TP size from the server. Later health checks wait `answer_timeout_s` for an answer.
     `routed_experts_shape`: ask every reply for the routed experts (the servers must have been
-    started with `sglang_server.ROUTED_EXPERTS_FLAG`; a reply without them is an error naming it)."""
-    from megatron_dapo.rollout.sglang_client import SGLangEngine
+    started with `sglang.server.ROUTED_EXPERTS_FLAG`; a reply without them is an error naming it)."""
+    from megatron_dapo.sglang.client import SGLangEngine
 
     checked = [_check_url(i, u) for i, u in enumerate(urls)]
     deadline = time.monotonic() + health_timeout_s
@@ -261,8 +261,8 @@ def launch_sglang_engines(cfg, configs: Sequence[Any]) -> list:
     The servers start together (loading weights in parallel); if any fails, all are stopped and
     the error carries the failing server's log tail.
     """
-    from megatron_dapo.rollout.sglang_client import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServer
+    from megatron_dapo.sglang.client import SGLangEngine
+    from megatron_dapo.sglang.server import SGLangServer
 
     servers = []
     engines = []
@@ -342,13 +342,13 @@ def start_sglang_engines(cfg) -> list:
 def launch_planned_engines(
     cfg, plans: Sequence[Any], log_dir: str | Path, commands=None, cpu: bool = False
 ) -> list:
-    """Under Ray: every plan's server started on its own node (`sglang_node_host`); their engines.
+    """Under Ray: every plan's server started on its own node (`sglang.node_host`); their engines.
 
     Each engine keeps its plan (`engine.plan`: node, GPUs, and the trainer ranks on them) and a
     `RemoteServer` (`engine.server`) through which the driver checks, restarts or stops it.
     """
-    from megatron_dapo.driver.sglang_node_host import launch_on_nodes
-    from megatron_dapo.rollout.sglang_client import SGLangEngine
+    from megatron_dapo.sglang.client import SGLangEngine
+    from megatron_dapo.sglang.node_host import launch_on_nodes
 
     configs = [
         server_config(cfg, p.index, p.gpus, log_dir, host=p.node_ip, port=p.port, cpu=cpu) for p in plans

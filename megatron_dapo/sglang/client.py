@@ -33,6 +33,7 @@ import torch
 from megatron_dapo.http_errors import http_error
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+from megatron_dapo.sglang.ipc import push_weights_ipc
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 NOT_RETRIED = " (not retried: the server may have acted on it, and this call is not idempotent)"
@@ -84,7 +85,7 @@ def _request_named(payload: Any) -> str | None:
 def payload_generate(req: GenerationRequest, routed_experts: bool = False) -> dict:
     """``GenerateReqInput`` for one tokenised prompt, asking for the sampled tokens' log-probs
     (and with ``routed_experts`` each MoE layer's experts per token, from position 0: the server
-    needs ``sglang_server.ROUTED_EXPERTS_FLAG``)."""
+    needs ``sglang.server.ROUTED_EXPERTS_FLAG``)."""
     s = req.sampling
     sampling = {
         "temperature": s.temperature,
@@ -119,12 +120,12 @@ def parse_routed_experts(meta: dict, shape: tuple[int, int], tokens: int, where:
     ``[routed_experts_start_len, seq_len - 1)`` (the last sampled token is never forwarded), each
     ``[num_hidden_layers, num_experts_per_tok]`` of the text config: a row for every decoder
     layer, indexed by layer id, fused shared-expert columns dropped. ``shape`` is that
-    ``(layers, k)`` (``driver.sglang_engines.routed_experts_shape``)."""
+    ``(layers, k)`` (``sglang.engines.routed_experts_shape``)."""
     import base64
 
     import numpy as np
 
-    from megatron_dapo.rollout.sglang_server import ROUTED_EXPERTS_FLAG
+    from megatron_dapo.sglang.server import ROUTED_EXPERTS_FLAG
 
     raw = meta.get("routed_experts")
     if raw is None:
@@ -607,7 +608,7 @@ class SGLangEngine:
         client_kwargs: passed to :class:`SGLangClient`.
 
     ``load_weights`` uses CUDA IPC (``/update_weights_from_tensor``): colocated, GPU only. The
-    disaggregated NCCL path is :func:`~megatron_dapo.rollout.sglang_weight_sync.push_weights_distributed`.
+    disaggregated NCCL path is :func:`~megatron_dapo.sync.sglang_senders.push_weights_distributed`.
     """
 
     def __init__(
@@ -662,8 +663,6 @@ class SGLangEngine:
                 raise
 
     def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:
-        from megatron_dapo.rollout.sglang_weight_sync import push_weights_ipc
-
         push_weights_ipc(self, buckets, version)
         self.weight_version = version
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.health import poll_health
+from megatron_dapo.sglang.health import poll_health
 
 # SGLang 0.5.23's server flag (ServerArgs.enable_return_routed_experts, arg_groups/fields/exec_.py)
 # without which it allocates no RoutedExpertsCapturer and no reply carries meta_info.routed_experts.
@@ -96,7 +96,7 @@ def default_server_python() -> str:
 
 def installed_sglang_version(python: str, timeout_s: float = 120.0) -> tuple[int, ...]:
     """The sglang version installed for ``python`` (from its package metadata; no import of sglang)."""
-    from megatron_dapo.rollout.sglang_client import parse_version
+    from megatron_dapo.sglang.client import parse_version
 
     probe = "from importlib.metadata import version; print(version('sglang'))"
     try:
@@ -114,7 +114,7 @@ def installed_sglang_version(python: str, timeout_s: float = 120.0) -> tuple[int
 
 def check_launchable(python: str) -> tuple[int, ...]:
     """Refuse to launch an SGLang release outside the supported range, naming that range."""
-    from megatron_dapo.rollout.sglang_client import SUPPORTED_SGLANG, SUPPORTED_SGLANG_TEXT
+    from megatron_dapo.sglang.client import SUPPORTED_SGLANG, SUPPORTED_SGLANG_TEXT
 
     version = installed_sglang_version(python)
     low, high = SUPPORTED_SGLANG

@@ -1,7 +1,7 @@
 """Weight transports to SGLang servers, and the choice between them.
 
-`sglang_transport(cfg, engines)` returns the driver's weight transport (`begin(version)`,
-`send(index, bucket)`, `finish()`, run by global rank 0's worker) per `trainer.weight_sync.transport`:
+`sglang_transport(cfg, engines)` returns the driver's `WeightTransport` (sync/protocol.py; run by
+global rank 0's worker, or by every rank for CUDA IPC per rank) per `trainer.weight_sync.transport`:
 nccl (disaggregated), cuda_ipc (colocated, servers on this node), disk (anywhere with a shared
 filesystem); `resolve_transport_kind` says which auto picks and refuses nccl when colocated. Every
 engine is paused and its cache flushed before the first bucket, every update carries the weight
@@ -32,8 +32,13 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.driver.weight_transport import DiskTransport, WeightSyncTimeout, describe_bucket
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.sglang.client import SGLangEngine
+from megatron_dapo.sglang.ipc import serialize_bucket_for_ipc
+from megatron_dapo.sync.protocol import WeightSyncTimeoutError, describe_bucket
+from megatron_dapo.sync.sglang_senders import broadcast_bucket, init_custom_group
+from megatron_dapo.sync.transports import DiskTransport
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +82,6 @@ class EngineCalls:
     @property
     def engines(self) -> list:
         if self._engines is None:
-            from megatron_dapo.rollout.sglang_client import SGLangEngine
-
             self._engines = [
                 SGLangEngine(
                     ep.url, name=ep.name, tp_size=ep.tp_size, api_key=ep.api_key, timeout_s=self.timeout_s
@@ -99,7 +102,7 @@ class EngineCalls:
         try:
             return fut.result(timeout=max(remaining, 0.001))
         except FutureTimeout as e:
-            raise WeightSyncTimeout(
+            raise WeightSyncTimeoutError(
                 f"weight sync: engine {name} did not answer {what} within {self.timeout_s:g}s "
                 "(trainer.weight_sync.timeout_s); is it alive and reachable?"
             ) from e
@@ -146,19 +149,22 @@ class SGLangIPCTransport:
     buffer that the next bucket reuses) may be overwritten as soon as `send` returns.
     """
 
+    every_rank = False
+
     def __init__(self, endpoints: Sequence[EngineEndpoint], timeout_s: float):
         self.calls = EngineCalls(endpoints, timeout_s)
 
     def drop(self, names: set[str]) -> None:
         self.calls.drop(names)
 
+    def reset(self) -> None:
+        """Nothing to forget: every bucket goes to each server on its own."""
+
     def begin(self, version: int) -> None:
         self.version = version
         self.calls.pause()
 
     def send(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
-        from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
-
         what = describe_bucket(index, bucket)
         if any(t.device.type != "cuda" for t in bucket.values()):
             raise EngineError(
@@ -183,8 +189,6 @@ class SGLangIPCTransport:
 
 
 def _serialize_one(bucket: dict[str, torch.Tensor]) -> str:
-    from megatron_dapo.rollout.sglang_weight_sync import serialize_bucket_for_ipc
-
     return serialize_bucket_for_ipc(bucket, 1)[0]
 
 
@@ -212,6 +216,12 @@ class SGLangRankIPCTransport:
             )
         self.calls = EngineCalls(endpoints, timeout_s)
         self.serialize = serialize
+
+    def drop(self, names: set[str]) -> None:
+        self.calls.drop(names)
+
+    def reset(self) -> None:
+        """Nothing to forget: every bucket goes to each server on its own."""
 
     def begin(self, version: int) -> None:
         import torch.distributed as dist
@@ -278,6 +288,8 @@ class SGLangNCCLTransport:
     `backend` is "nccl" on GPUs; tests use "gloo".
     """
 
+    every_rank = False
+
     def __init__(
         self,
         endpoints: Sequence[EngineEndpoint],
@@ -318,9 +330,6 @@ class SGLangNCCLTransport:
         return ",".join(ep.name for ep in self.calls.endpoints)
 
     def _form_group(self) -> None:
-        from megatron_dapo.ports import free_port
-        from megatron_dapo.rollout.sglang_weight_sync import init_custom_group
-
         eps = self.calls.endpoints
         addr = self.master_address or route_address(eps[0].url)
         port = free_port()
@@ -362,7 +371,7 @@ class SGLangNCCLTransport:
             thread.join(0.05)
         if thread.is_alive() or "error" in holder:
             waiting = [ep.name for ep, f in zip(eps, futures) if not f.done()]
-            raise WeightSyncTimeout(
+            raise WeightSyncTimeoutError(
                 f"weight sync: the {self.backend} group {self.group_name} at {addr}:{port} (world {world}) did "
                 f"not form within {timeout:g}s; engines still joining: {waiting or 'none'} "
                 f"({holder.get('error', 'rendezvous timed out')}); can the servers reach {addr}:{port}?"
@@ -380,8 +389,6 @@ class SGLangNCCLTransport:
         self.calls.pause()
 
     def send(self, index: int, bucket: dict[str, torch.Tensor]) -> None:
-        from megatron_dapo.rollout.sglang_weight_sync import WeightSyncTimeoutError, broadcast_bucket
-
         what = describe_bucket(index, bucket)
         futures = [
             self.calls.submit(

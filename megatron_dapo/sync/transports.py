@@ -1,59 +1,32 @@
 """How the HF-named buckets from `weights.gather.iter_hf_buckets` reach the rollout engines.
 
 The sender runs on the bucket holder of global rank 0 while every training rank iterates the
-gather in lockstep (`ActorWorker.push_weights`). One transport per placement:
+gather in lockstep (`ActorWorker.push_weights`). One transport (`sync.protocol.WeightTransport`)
+per placement:
 - `DirectTransport`: engines in this process (torchrun mode with the HF engine on rank 0).
 - `RayObjectTransport`: engines as Ray actors (`EngineHost`), buckets through the object store;
   the CPU path, and small GPU runs with the HF engine.
 - `DiskTransport`: the universal fallback: write an HF checkpoint, engines reload from disk.
-SGLang's NCCL broadcast and CUDA IPC transports live with its client in `rollout/`.
+SGLang's NCCL broadcast, CUDA IPC and disk transports are in `sync/sglang_transports.py`.
 Every wait has a deadline, and a missed deadline names the engine and the bucket
-(`WeightSyncTimeout`) instead of hanging the job.
+(`WeightSyncTimeoutError`) instead of hanging the job.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-class WeightSyncTimeout(RuntimeError):
-    """An engine did not take a bucket in time; names the engine, the bucket and the deadline."""
-
-
-@dataclass
-class SyncStats:
-    buckets: int = 0
-    tensors: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    engines: list[str] = field(default_factory=list)
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            "sync/buckets": self.buckets,
-            "sync/tensors": self.tensors,
-            "sync/gbytes": self.bytes / 1e9,
-            "sync/seconds": self.seconds,
-        }
-
-
-def bucket_nbytes(bucket: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in bucket.values())
-
-
-def describe_bucket(index: int, bucket: dict[str, torch.Tensor]) -> str:
-    names = list(bucket)
-    span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
-    return f"bucket {index} ({len(names)} tensors, {bucket_nbytes(bucket) / 2**20:.1f} MiB: {span})"
+from megatron_dapo.sync.protocol import WeightSyncTimeoutError, describe_bucket
 
 
 class DirectTransport:
     """Engines living in this process: buckets are handed over as they are."""
+
+    every_rank = False
 
     def __init__(self, engines: list[Any]):
         self.engines = engines
@@ -70,6 +43,9 @@ class DirectTransport:
     def drop(self, names: set[str]) -> None:
         self.engines = [e for e in self.engines if e.name not in names]
 
+    def reset(self) -> None:
+        """Nothing to forget: every sync hands over whole buckets."""
+
     def finish(self) -> None:
         for engine in self.engines:
             engine.load_weights(self._pending, self.version)
@@ -79,12 +55,17 @@ class DirectTransport:
 class RayObjectTransport:
     """Engines are `EngineHost` Ray actors given as (name, handle) pairs."""
 
+    every_rank = False
+
     def __init__(self, engines: list[tuple[str, Any]], timeout_s: float):
         self.engines = engines
         self.timeout_s = timeout_s
 
     def drop(self, names: set[str]) -> None:
         self.engines = [(n, h) for n, h in self.engines if n not in names]
+
+    def reset(self) -> None:
+        """Nothing to forget: every sync starts at the engine's own `begin_weight_update`."""
 
     def _wait(self, refs: list, what: str) -> None:
         import ray
@@ -95,7 +76,7 @@ class RayObjectTransport:
             try:
                 ray.get(ref, timeout=max(deadline - time.monotonic(), 0.001))
             except GetTimeoutError as e:
-                raise WeightSyncTimeout(
+                raise WeightSyncTimeoutError(
                     f"weight sync: engine {name} did not take {what} within {self.timeout_s:.0f}s "
                     "(trainer.weight_sync.timeout_s); is the engine alive and not stuck generating?"
                 ) from e
@@ -118,6 +99,8 @@ class RayObjectTransport:
 class DiskTransport:
     """Write the buckets as an HF safetensors checkpoint; engines reload it (`load_from_disk`)."""
 
+    every_rank = False
+
     def __init__(
         self,
         engines: list[tuple[str, Any]],
@@ -132,6 +115,9 @@ class DiskTransport:
 
     def drop(self, names: set[str]) -> None:
         self.engines = [(n, e) for n, e in self.engines if n not in names]
+
+    def reset(self) -> None:
+        """Nothing to forget: every sync writes a whole checkpoint."""
 
     def begin(self, version: int) -> None:
         from safetensors.torch import save_file  # noqa: F401 - fail early if missing
@@ -162,7 +148,7 @@ class DiskTransport:
         for name, engine in self.engines:
             result = engine.load_from_disk(str(self.target), self.version)
             if time.monotonic() > deadline:
-                raise WeightSyncTimeout(
+                raise WeightSyncTimeoutError(
                     f"weight sync: engine {name} took longer than {self.timeout_s:.0f}s to reload"
                 )
             if result is False:
