@@ -245,7 +245,7 @@ def test_timed_out_call_is_reissued_elsewhere():
     deadline = time.monotonic() + 60
     while scorer.calls < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert scorer.calls == 3 and wedged.aborts == 0 and mgr.down == {}
+    assert scorer.calls == 3 and wedged.aborts == 0 and mgr.pool.down == {}
     clock.t = 30.5
     worker.join(60)
     assert not worker.is_alive(), "the timed-out call was never re-issued"
