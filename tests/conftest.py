@@ -19,7 +19,23 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from built import missing  # noqa: E402
 from helpers import make_tiny_hf_checkpoint  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "needs_built(present, what): the test needs something make test provides; when `present` is "
+        "false it skips naming `what`, and in CI fails (tests/built.py)",
+    )
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs_built"):
+        present, what = mark.args
+        if not present:
+            missing(what)
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +71,8 @@ def sglang_cpu_server(tiny_hf_checkpoint, tmp_path_factory):
     """One real SGLang 0.5.23 server per test module, on the default tiny Qwen2 (fp32, CPU).
 
     Module-scoped: tests may change its weights, so modules do not share it. Skips when
-    ``.venv-sglang`` is not built (``make setup-sglang``). Yields ``sglang_fixtures.CPUServer``.
+    ``.venv-sglang`` is not built (``make setup-sglang``), fails so in CI (tests/built.py). Yields
+    ``sglang_fixtures.CPUServer``.
     """
     from sglang_fixtures import real_sglang_server
 

@@ -5,7 +5,7 @@ repo's ``.venv-sglang`` interpreter (``make setup-sglang``), the CPU flags below
 stand-ins of ``tests/sglang_cpu`` on the server's PYTHONPATH only, on a free port, and waits for
 ``/health_generate``. ``stop_cpu_server`` ends its process group and the orphaned
 ``torch_shm_manager`` daemons that tensor updates leave behind. Tests that need the server skip cleanly (naming
-``make setup-sglang``) when the venv is not built.
+``make setup-sglang``) when the venv is not built, and fail in CI (tests/built.py).
 
 The pytest fixtures in conftest.py wrap these: ``sglang_cpu_server`` (one server per test module
 on the tiny Qwen2 checkpoint) and ``sglang_server_factory`` (more servers, other flags).
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
+from built import missing
 
 from megatron_dapo.ports import free_port
 from megatron_dapo.sglang.engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
@@ -44,7 +44,7 @@ def sglang_python() -> Path | None:
 def require_sglang() -> Path:
     python = sglang_python()
     if python is None:
-        pytest.skip(f"real SGLang server needs {REPO_SGLANG_PYTHON.parent.parent}: run `make setup-sglang`")
+        missing(f"real SGLang server needs {REPO_SGLANG_PYTHON.parent.parent}: run `make setup-sglang`")
     return python
 
 

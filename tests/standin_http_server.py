@@ -3,7 +3,9 @@ servers: every GET answers 200 with the server's pid and parent pid, so a test c
 restarted server from the old one and see which process started it.
 
 Usage: python standin_http_server.py HOST PORT [FAIL_FLAG]; with FAIL_FLAG an existing file, the
-server exits 3 at start (a node that cannot start its server)."""
+server exits 3 at start (a node that cannot start its server). With STANDIN_REQUEST_LOG set, every
+request line it reads (any method; only GET is answered 200) is appended to that file: what reached
+the server, counted even for a request whose client gave up while the server was stopped."""
 
 import json
 import os
@@ -17,6 +19,13 @@ if len(sys.argv) > 3 and os.path.exists(sys.argv[3]):
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
+
+    def parse_request(self):
+        ok = super().parse_request()
+        if os.environ.get("STANDIN_REQUEST_LOG"):
+            with open(os.environ["STANDIN_REQUEST_LOG"], "a") as f:
+                f.write(self.requestline + "\n")
+        return ok
 
     def do_GET(self):
         body = json.dumps({"pid": os.getpid(), "ppid": os.getppid()}).encode()

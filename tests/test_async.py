@@ -84,9 +84,11 @@ class EngineManager(FakeManager):
         self.engine.generating = True
         try:
             self.calls += 1
-            dataset.next_batch(4)
+            drawn = dataset.next_batch(4)
             v = self.engine.version
-            samples = [fake_sample(g, j, [v, v]) for g in range(4) for j in range(2)]
+            samples = [
+                fake_sample(g, j, [v, v], prompt_index=p) for g, p in enumerate(drawn) for j in range(2)
+            ]
             return RolloutBatch(samples, {"rollout/prompts_drawn": 4})
         finally:
             self.engine.generating = False
@@ -103,6 +105,16 @@ class CheckpointingRanks(FakeRanks):
         if method == "save_checkpoint":
             write_manifest(Path(out[0]))
         return [{}] if method == "train_step" else out
+
+
+def _positions(samples: list[RolloutSample]) -> list[int]:
+    """The dataset positions of a step's prompts, in order (each prompt once per group)."""
+    return list(dict.fromkeys(s.prompt.index for s in samples))
+
+
+def _drawn(*steps: int) -> list[int]:
+    """The positions the ``steps``-th batches drawn hold (4 prompts each, in order)."""
+    return [p for s in steps for p in range(4 * (s - 1), 4 * s)]
 
 
 def _run(tmp_path, name, stop_after=None, **over):
@@ -151,6 +163,7 @@ def test_async_never_trains_a_token_more_than_k_versions_behind(tmp_path, mode, 
         actor_version = step - 1  # the actor trains step k with the weights of k-1 updates
         held = {v for s in samples for v in s.token_versions}
         assert held == {versions[step - 1]}, step
+        assert _positions(samples) == _drawn(step), step  # the step's own batch, not another of its version
         lag = actor_version - min(held)
         assert lag <= k, (step, lag)
         assert metrics[step]["rollout/staleness_token_max"] == lag
@@ -172,6 +185,8 @@ def test_a_resume_with_a_smaller_bound_drops_the_carried_groups_beyond_it(tmp_pa
     )
     assert sorted(trained) == [3, 4, 5]
     assert {v for s in trained[3] for v in s.token_versions} == {1}
+    assert _positions(trained[3]) == _drawn(5)  # the carried batch of step 5; 3 and 4 dropped
+    assert _positions(trained[4]) + _positions(trained[5]) == _drawn(6, 7)  # then the cursor goes on
     assert metrics[3]["rollout/stale_dropped_samples"] == 16
     for step, samples in trained.items():
         assert (step - 1) - min(v for s in samples for v in s.token_versions) <= 1, step
@@ -295,6 +310,7 @@ def test_drop_carried_on_resume_draws_their_prompts_again_with_the_resumed_weigh
             4: {2},
             5: {2},
         }
+        assert {s: _positions(trained[s]) for s in trained} == {s: _drawn(s) for s in (3, 4, 5)}
         assert dataset.index == 20
         runs.append(trained)
     assert runs[0] == runs[1]

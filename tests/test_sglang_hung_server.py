@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -37,7 +38,11 @@ def host(tmp_path):
     """A started stand-in server under a node host (in process: the Ray actor's own class)."""
     port = free_port()
     cfg = SGLangServerConfig(
-        model_path="unused", port=port, startup_timeout_s=60, log_file=str(tmp_path / "e.log")
+        model_path="unused",
+        port=port,
+        startup_timeout_s=60,
+        log_file=str(tmp_path / "e.log"),
+        env={"STANDIN_REQUEST_LOG": str(tmp_path / "requests.log")},
     )
     h = SGLangNodeHost([cfg], [[sys.executable, str(STANDIN), "127.0.0.1", str(port)]])
     h.servers[0].poll_s = 0.2
@@ -74,27 +79,48 @@ def test_node_host_restart_kills_a_stopped_server(host):
 
 
 def test_abort_on_a_hung_server_gives_up_after_the_health_timeout(host):
+    """The abort waits one health timeout for its POST, sent once, then asks GET /health, which
+    waits another: about 2 x 2 s, not the request timeout (600 s) nor a retried POST. The stopped
+    server's request log, read after SIGCONT, says what reached it."""
     server = host.servers[0]
+    requests_log = Path(server.cfg.env["STANDIN_REQUEST_LOG"])
     # the request timeout (and its retries) is what a hung server would make abort wait before
     engine = SGLangEngine(server.cfg.url, name="sglang-0", server=server, health_timeout_s=2, timeout_s=600)
-    os.killpg(_pid(server.cfg.url), signal.SIGSTOP)
-    done, raised = threading.Event(), []
+    pgid = _pid(server.cfg.url)
+    requests_log.unlink()  # the start-up's health checks
+    os.killpg(pgid, signal.SIGSTOP)
+    done, raised, took = threading.Event(), [], []
 
     def abort():
+        start = time.monotonic()
         try:
             engine.abort()
         except BaseException as e:  # noqa: BLE001 - reported below
             raised.append(e)
+        took.append(time.monotonic() - start)
         done.set()
 
     threading.Thread(target=abort, daemon=True).start()
     try:
-        # about 2 x 2 s (the abort, then the health check); 120 s is a bound, not a timing claim
         assert done.wait(120), "abort on a hung server did not return"
         assert raised == [], raised
+        # both health timeouts waited out (a hair under, for timer rounding), and 6 s of slack
+        # for a loaded machine on top: a POST not waited for, or the request timeout, fail it
+        assert 2 * 2.0 - 0.1 <= took[0] < 2 * 2.0 + 6.0, took
+        os.killpg(pgid, signal.SIGCONT)  # it reads the requests that waited in its backlog
+        deadline = time.monotonic() + 60
+        while "GET /health" not in _read(requests_log) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lines = _read(requests_log).splitlines()
+        # in arrival order: the one abort, then the health check that found it hung
+        assert [line.split(" HTTP/")[0] for line in lines] == ["POST /abort_request", "GET /health"], lines
     finally:
         os.killpg(server.proc.pid, signal.SIGKILL)
         engine.close()
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
 
 
 def test_a_serving_server_costs_no_liveness_call_to_its_node_before_the_sync(host):

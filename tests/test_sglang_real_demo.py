@@ -3,8 +3,9 @@
 Two DAPO steps on a 5-step warm start (the asset builder's `sft_steps`/`eval_problems` options,
 passed in by wrapping it), 8 held-out problems: the command exits 0, its run used SGLang servers
 (their logs, the resolved config), and the trainer scored the servers' samples as they did at
-both steps (a broken weight sync shows at step 2). Accuracy is not checked here: the full demo's
-bar is measured separately (README). Skips without `make setup-sglang`.
+both steps (a broken weight sync shows at step 2: the training moved the weights, checked on the
+exported ones). Accuracy is not checked here: the full demo's bar is measured separately
+(README). Without `make setup-sglang` it skips, and fails in CI (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sglang_fixtures import require_sglang
+from sglang_fixtures import hf_sequence_logprobs, require_sglang
+
+SEQUENCE = [5, 6, 7, 8, 40, 41, 42, 100, 3, 77]
 
 
 def test_demo_runs_on_real_sglang_servers(tmp_path, monkeypatch):
@@ -21,9 +24,11 @@ def test_demo_runs_on_real_sglang_servers(tmp_path, monkeypatch):
     from megatron_dapo.cli import main
 
     build = assets_module.prepare_demo_assets
+    built = []
 
     def tiny_warm_start(out_dir, seed=0, force=False, **kw):
-        return build(out_dir, seed, force, **{**kw, "sft_steps": 5, "eval_problems": 8})
+        built.append(build(out_dir, seed, force, **{**kw, "sft_steps": 5, "eval_problems": 8}))
+        return built[-1]
 
     monkeypatch.setattr(assets_module, "prepare_demo_assets", tiny_warm_start)
     runs = tmp_path / "runs"
@@ -31,7 +36,7 @@ def test_demo_runs_on_real_sglang_servers(tmp_path, monkeypatch):
         ["demo", "--engine", "sglang", "--assets", str(tmp_path / "assets"), "--bar-gain", "0", "--bar-final", "0",
          f"trainer.runs_dir={runs}", "trainer.total_steps=2", "trainer.train_batch_size=4",
          "rollout.gen_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "data.val_max_samples=8",
-         "trainer.save_freq=0", "trainer.hf_export_at_end=false", "logging.plots_at_end=false",
+         "trainer.save_freq=0", "trainer.hf_export_at_end=true", "logging.plots_at_end=false",
          "logging.progress=false", "algorithm.filter_groups.enable=false",
          "algorithm.allow_partial_batch=false"]
     )  # fmt: skip
@@ -47,3 +52,9 @@ def test_demo_runs_on_real_sglang_servers(tmp_path, monkeypatch):
         assert r["rollout/engines_down"] == 0 and r["rollout/groups_in_batch"] == 4
     assert "val/avg@4" in steps[-1] and steps[-1]["val/num_problems"] == 8
     assert Path(run / "summary.json").is_file()
+    # the control: training moved the weights enough that step 2 sampled from unsynced (initial)
+    # weights would show in its log-prob check (HF fp32 forwards of the start and exported weights)
+    moved = hf_sequence_logprobs(run / "hf" / "step_2", SEQUENCE) - hf_sequence_logprobs(
+        built[0].hf_dir, SEQUENCE
+    )
+    assert moved.abs().max() > 1e-3, moved

@@ -13,11 +13,14 @@ The real CPU server cannot start with that flag (the capturer pins its host cach
 ``cudaHostRegister``: "Torch not compiled with CUDA enabled"), so the run uses ``SGLangMoEStandIn``:
 the test suite's SGLang stand-in (``test_sglang_driver_transport.FakeSGLangServer``) answering
 ``/generate`` from transformers' ``Qwen3MoeForCausalLM`` and its router's top-k, encoded as above.
+That encoding is this file's reading of SGLang's layout, the parser's too; so the parser is also
+checked against a reply SGLang's own code encoded (``tests/fixtures/sglang/routed_experts_reply.json``).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -224,6 +227,39 @@ def test_sglang_experts_in_their_source_layout_parse_per_forwarded_token(moe_dir
     for layer in range(LAYERS):
         want = logits[layer].topk(TOP_K, dim=-1).indices
         assert torch.equal(res.routed_experts[:, layer].long(), want), layer
+
+
+def test_parser_reads_the_experts_sglang_itself_encoded(tmp_path):
+    """A reply whose ``routed_experts`` SGLang 0.5.23's own capturer, scheduler and detokenizer
+    encoded (tests/fixtures/sglang/routed_experts_reply.py: a 5-token prompt, 4 sampled tokens,
+    3 layers, top-4 of 256 experts, KV slots shared with a batched second request) parses to the
+    experts each forwarded position routed to. The stand-in above encodes from the parser's own
+    reading of SGLang's layout; these bytes do not."""
+    from megatron_dapo.driver.sglang_engines import routed_experts_shape
+    from megatron_dapo.rollout.sglang_client import parse_generate_reply, payload_generate
+    from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+    fixtures = Path(__file__).parent / "fixtures" / "sglang"
+    fixture = json.loads((fixtures / "routed_experts_reply.json").read_text())
+    wheel = json.loads((fixtures / "wheel.json").read_text())
+    assert fixture["sglang"] == wheel["version"], "regenerate the fixture with the pinned SGLang"
+    sent = fixture["request"]
+    req = GenerationRequest(sent["rid"], sent["input_ids"], SamplingParams(**sent["sampling_params"]))
+    asked = payload_generate(req, routed_experts=True)
+    assert {k: asked[k] for k in ("return_routed_experts", "routed_experts_start_len")} == {
+        k: sent[k] for k in ("return_routed_experts", "routed_experts_start_len")
+    }, "the fixture's request is not the one the client sends"
+    model = fixture["model"]
+    config = tiny_hf_config("qwen3_moe", num_layers=model["num_hidden_layers"])
+    config.num_experts, config.num_experts_per_tok = model["num_experts"], model["num_experts_per_tok"]
+    config.save_pretrained(str(tmp_path / "hf"))
+    res = parse_generate_reply(fixture["reply"], req, "sglang-0", routed_experts_shape(_cfg(tmp_path / "hf")))
+    assert res.output_ids == fixture["reply"]["output_ids"]
+    want = torch.tensor(fixture["routed_by_position"])
+    assert want.shape == (len(req.prompt_ids) + len(res.output_ids) - 1, 3, 4)
+    assert torch.equal(res.routed_experts.long(), want), (
+        "parsed experts are not the positions' routed experts"
+    )
 
 
 def _moe_demo_assets(root: Path) -> SimpleNamespace:

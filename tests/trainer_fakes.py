@@ -41,8 +41,9 @@ class FakeDataset:
         self.index = 0
 
     def next_batch(self, n):
+        """The positions drawn: the cursor's next ``n``."""
         self.index += n
-        return list(range(n))
+        return list(range(self.index - n, self.index))
 
     def state_dict(self):
         return {"index": self.index}
@@ -174,14 +175,16 @@ def fake_sample(
     token_versions: list[int],
     prompt_ids: list[int] | None = None,
     logprobs: list[float] | None = None,
+    prompt_index: int | None = None,
 ):
     """A scored RolloutSample of prompt ``group``, response ``j`` (score and reward ``j``), one
-    response token per entry of ``token_versions``, its weight version the oldest of them."""
+    response token per entry of ``token_versions``, its weight version the oldest of them.
+    ``prompt_index``: the prompt's dataset position (``PromptSample.index``), default ``group``."""
     from megatron_dapo.data.types import PromptSample
     from megatron_dapo.rollout.types import RolloutSample
 
     prompt = PromptSample(
-        index=group,
+        index=group if prompt_index is None else prompt_index,
         data_source="d",
         messages=[],
         prompt_text="p",

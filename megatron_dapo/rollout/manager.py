@@ -169,7 +169,7 @@ class RolloutManager:
         self._pausing = False
         self._quiet = False  # paused with no engine call in flight
         self._collecting = False
-        self.clock = time.monotonic  # of the hang probe; tests step a fake one
+        self.clock = time.monotonic  # of the hang probe and the request timeout; tests step a fake one
         self._probe: InFlightProbe | None = None
 
     # -- public ---------------------------------------------------------------------------
@@ -474,7 +474,9 @@ class RolloutManager:
             engine = free[0]
             if self._probe is not None:  # before the call starts: its silence counts from here
                 self._probe.busy(engine.name)
-            calls[pool.submit(engine.generate, unit.send)] = Call(unit, engine, time.perf_counter())
+            calls[pool.submit(engine.generate, unit.send)] = Call(
+                unit, engine, time.perf_counter(), self.clock()
+            )
 
     def _finish_call(self, call: Call, fut: Future, queue, scoring, score_pool, ledger: Ledger) -> None:
         """Hand a finished call's results to scoring, or retry it."""
@@ -520,9 +522,9 @@ class RolloutManager:
         queue.appendleft(unit)
 
     def _expire(self, calls: dict[Future, Call], queue: deque[Unit], ledger: Ledger) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         for fut, call in list(calls.items()):
-            if now - call.start > self.cfg.request_timeout_s:
+            if now - call.since > self.cfg.request_timeout_s:
                 del calls[fut]
                 self._zombies[fut] = call  # its thread may still return; the result is dropped
                 call.engine.abort()

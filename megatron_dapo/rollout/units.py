@@ -76,7 +76,8 @@ class Unit:
 class Call:
     unit: Unit
     engine: Any
-    start: float
+    start: float  # perf_counter at dispatch (the engines' busy intervals)
+    since: float  # the manager's clock at dispatch: the request timeout counts from here
 
 
 def request_seed(seed: int, version: int, serial: int, sample: int) -> int:
