@@ -68,7 +68,7 @@ test:
 	  $(PY) tools/check_disk.py --need-mb $$(( $(VENV_MB) + $(SG_VENV_MB) )) \
 	    --what "installing .venv and .venv-sglang side by side" . "$${TMPDIR:-/tmp}"; fi
 	$(MAKE) -j2 setup setup-sglang
-	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check megatron_dapo tests tools
