@@ -75,7 +75,7 @@ def test_qwen3_8b_recipe_loads_validates_and_fits_one_node():
     assert c.rollout.num_engines * c.rollout.tensor_parallel_size == 8
     # The DAPO recipe's algorithm and optimiser, unchanged from the paper's 32B run.
     a, b = c.algorithm, base.algorithm
-    for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "kl_coef"):
+    for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff"):
         assert getattr(a, key) == getattr(b, key), key
     assert (a.filter_groups.enable, a.filter_groups.metric) == (True, "acc")
     assert (a.overlong_buffer.enable, a.overlong_buffer.penalty_factor) == (True, 1.0)

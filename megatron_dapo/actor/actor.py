@@ -87,6 +87,12 @@ class ActorConfig:
     clip_ratio_high: float = knob("algorithm.clip_ratio_high")
     clip_ratio_c: float | None = knob("algorithm.clip_ratio_c")
     loss_agg_mode: str = knob("algorithm.loss_agg_mode")
+    # The per-token policy loss (algo/loss_terms.py) and SAPO's gate temperatures.
+    policy_loss: str = knob("algorithm.policy_loss")
+    tau_pos: float = knob("algorithm.tau_pos")
+    tau_neg: float = knob("algorithm.tau_neg")
+    # Entropy bonus: entropy_coeff x the entropy aggregated like the policy loss is subtracted.
+    entropy_coeff: float = knob("algorithm.entropy_coeff")
     # Divisor of seq-mean-token-sum-norm; None = the rollout step's longest response.
     loss_norm_len: int | None = None
     # Truncated importance sampling cap (needs rollout log-probs); None disables TIS.
@@ -362,6 +368,10 @@ class Actor:
             clip_ratio_high=self.cfg.clip_ratio_high,
             clip_ratio_c=self.cfg.clip_ratio_c,
             loss_agg_mode=self.cfg.loss_agg_mode,
+            policy_loss=self.cfg.policy_loss,
+            tau_pos=self.cfg.tau_pos,
+            tau_neg=self.cfg.tau_neg,
+            entropy_coeff=self.cfg.entropy_coeff,
             tis_cap=self.cfg.tis_cap,
             rollout_correction=self.cfg.rollout_correction,
             temperature=self.cfg.temperature,
@@ -385,7 +395,10 @@ class Actor:
             # Every CP rank counted the rows it holds a loss token of; the normaliser counted
             # whole sequences once.
             sums[STAT_NAMES.index("seqs")] = num_seqs
-        loss = float(sums[STAT_NAMES.index("loss")])
+        # the objective back-propagated: the policy loss minus the entropy bonus
+        loss = float(sums[STAT_NAMES.index("loss")]) - self.cfg.entropy_coeff * float(
+            sums[STAT_NAMES.index("entropy_loss")]
+        )
         if num_tokens == 0:
             self.optimizer.zero_grad()
             return sums, None, "no response token in the loss"
@@ -499,6 +512,8 @@ class Actor:
         out["seqs"] = out["seqs"] / epochs
         done = [u for u in updates if u["updated"]]
         out["loss"] = sum(u["loss"] for u in updates) / len(updates)
+        if "entropy_loss" in out:  # like the loss: a mean over updates, not their sum
+            out["entropy_loss"] = sum(u.get("entropy_loss", 0.0) for u in updates) / len(updates)
         if self._aux_coeff is not None:
             # reported apart from the policy loss; its coefficient times it is in the objective
             out["moe_aux_loss"] = sum(u["moe_aux_loss"] for u in updates) / len(updates)

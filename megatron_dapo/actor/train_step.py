@@ -19,7 +19,7 @@ from megatron_dapo.actor import compat, fused_output, moe_aux_loss, routing_repl
 from megatron_dapo.actor.context_parallel import cp_gather, cp_row_sum, cp_split_micro
 from megatron_dapo.actor.logprobs import DEFAULT_CHUNK_TOKENS
 from megatron_dapo.actor.micro_batches import MicroBatch, as_rows, row_view
-from megatron_dapo.algo import RolloutCorrection, policy_loss, sequence_weights
+from megatron_dapo.algo import RolloutCorrection, entropy_loss, policy_loss, sequence_weights
 
 # Per-mini-batch metric sums; the token-weighted ones are divided by "tokens" after reduction.
 STAT_NAMES = (
@@ -40,6 +40,7 @@ STAT_NAMES = (
     "rc_tokens",
     "rc_weight_mean",
     "rc_fraction",
+    "entropy_loss",
 )
 # Combined by max (after STAT_NAMES in the stats vector); -inf when absent. The minimum travels
 # negated so one max-reduction serves both.
@@ -56,6 +57,10 @@ class LossSettings:
     clip_ratio_high: float
     clip_ratio_c: float | None
     loss_agg_mode: str
+    policy_loss: str  # algo/loss_terms.py's loss type (algorithm.policy_loss)
+    tau_pos: float  # sapo's gate temperatures
+    tau_neg: float
+    entropy_coeff: float  # the entropy bonus's weight; 0: entropy not in the loss
     tis_cap: float | None
     temperature: float
     vocab_size: int
@@ -209,10 +214,18 @@ def micro_batch_loss(
     settings: LossSettings,
     row_sum=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DAPO loss of one micro-batch (already divided by the global normaliser) and its metric
-    sums in :data:`STAT_NAMES` order followed by :data:`EXTREME_NAMES` (float64). With no ``old_logprobs`` the current policy,
-    detached, is pi_old (ratio exactly 1). ``row_sum``: with context parallelism, sums per-row
-    quantities over the CP ranks (:func:`~megatron_dapo.actor.context_parallel.cp_row_sum`)."""
+    """The loss of one micro-batch (already divided by the global normaliser): the policy loss
+    ``settings.policy_loss`` minus ``entropy_coeff`` times the entropy aggregated the same way;
+    and its metric sums in :data:`STAT_NAMES` order followed by :data:`EXTREME_NAMES` (float64;
+    ``loss`` is the policy loss alone, ``entropy_loss`` the aggregated entropy). With no
+    ``old_logprobs`` the current policy, detached, is pi_old (ratio exactly 1). ``row_sum``: with
+    context parallelism, sums per-row quantities over the CP ranks
+    (:func:`~megatron_dapo.actor.context_parallel.cp_row_sum`).
+
+    GSPO's sequence ratio needs each response whole: a sample is never cut across micro-batches
+    (``collate`` and ``collate_packed`` take whole samples; a packed micro-batch reaches the loss
+    one sample per row, ``as_rows``), and the pieces of a row cut by context parallelism are
+    summed by ``row_sum``, so no ``seq_pieces`` need to be carried between micro-batches."""
     mask = micro.loss_mask
     old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
     use_tis = settings.tis_cap is not None and micro.rollout_logprobs is not None
@@ -226,6 +239,9 @@ def micro_batch_loss(
         clip_ratio_low=settings.clip_ratio_low,
         clip_ratio_high=settings.clip_ratio_high,
         clip_ratio_c=settings.clip_ratio_c,
+        loss_type=settings.policy_loss,
+        tau_pos=settings.tau_pos,
+        tau_neg=settings.tau_neg,
         loss_agg_mode=settings.loss_agg_mode,
         num_tokens=settings.num_tokens,
         num_seqs=settings.num_seqs,
@@ -238,6 +254,18 @@ def micro_batch_loss(
     n = m["num_tokens"].double()
     stats = dict.fromkeys(STAT_NAMES, torch.zeros((), dtype=torch.float64, device=mask.device))
     stats["loss"] = loss.detach().double()
+    if settings.entropy_coeff:
+        ent_loss = entropy_loss(
+            entropy,
+            mask,
+            loss_agg_mode=settings.loss_agg_mode,
+            num_tokens=settings.num_tokens,
+            num_seqs=settings.num_seqs,
+            norm_len=settings.norm_len,
+            row_sum=row_sum,
+        )
+        stats["entropy_loss"] = ent_loss.detach().double()
+        loss = loss - settings.entropy_coeff * ent_loss
     stats["tokens"] = n
     stats["seqs"] = m["num_seqs"].double()
     for key in ("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_lower", "ppo_kl"):
@@ -346,6 +374,8 @@ def finish_stats(sums: torch.Tensor) -> dict[str, float]:
     if ext["rc_weight_max"] > float("-inf"):
         out["rc_weight_max"] = ext["rc_weight_max"]
         out["rc_weight_min"] = -ext["rc_weight_neg_min"]
+    if s["entropy_loss"]:
+        out["entropy_loss"] = s["entropy_loss"]
     if s["mismatch_tokens"]:
         out["mismatch_abs"] = s["mismatch_abs"] / s["mismatch_tokens"]
         out["mismatch_k3"] = s["mismatch_k3"] / s["mismatch_tokens"]

@@ -63,8 +63,8 @@ class LossParams:
     clip_ratio_low: float
     clip_ratio_high: float
     clip_ratio_c: float | None
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
+    tau_pos: float
+    tau_neg: float
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_ratio_low <= 1.0:

@@ -23,6 +23,16 @@ from megatron_dapo.config.validate import validate
 __all__ = ["ConfigError", "all_keys", "load_config", "nearest_key", "to_container", "to_yaml"]
 
 
+# Keys the schema no longer has, with what to do instead: a run that sets one must not train
+# without the behaviour it asked for and never be told.
+REMOVED_KEYS = {
+    "algorithm.kl_coef": (
+        "the reference-model KL is not built yet (it will be actor.use_kl_loss / "
+        "algorithm.use_kl_in_reward); algorithm.kl_coef never did anything, remove it"
+    ),
+}
+
+
 def all_keys(cls: type = DAPOConfig, prefix: str = "") -> list[str]:
     """Every dotted leaf and section key of the schema, e.g. 'algorithm.filter_groups.enable'."""
     out = []
@@ -50,6 +60,8 @@ def nearest_key(key: str) -> str | None:
 def _friendly(e: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(e, "full_key", None) or "?"
     if isinstance(e, ConfigKeyError):
+        if key in REMOVED_KEYS:
+            return ConfigError(f"{source}: config key '{key}' was removed: {REMOVED_KEYS[key]}")
         hint = nearest_key(key)
         did = f"; did you mean '{hint}'?" if hint else ""
         return ConfigError(f"{source}: unknown config key '{key}'{did} (see `megatron-dapo config --keys`)")

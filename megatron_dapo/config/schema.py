@@ -176,8 +176,18 @@ class RolloutCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # grpo | rloo | reinforce_plus_plus_baseline (verl's names; megatron_dapo/algo/advantages.py).
+    # Dr. GRPO: grpo with norm_adv_by_std_in_grpo=false and loss_agg_mode=seq-mean-token-sum-norm.
     adv_estimator: str = "grpo"
+    # grpo only: divide by the group's reward std (false: Dr. GRPO's score - group mean)
     norm_adv_by_std_in_grpo: bool = True
+    # The per-token policy loss, verl's policy_loss.loss_mode (megatron_dapo/algo/loss_terms.py):
+    # vanilla (DAPO's decoupled-clip PPO) | gspo | cispo | sapo | gpg.
+    policy_loss: str = "vanilla"
+    # sapo only: the soft gates' temperatures for positive / other advantages (verl's defaults).
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    # vanilla, gspo, cispo; cispo may set 1.0 (no lower bound on its weight, as MiniMax-M1).
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     # Dual-clip bound for negative advantages (the 32B recipe: 10); null disables it.
@@ -190,8 +200,9 @@ class AlgorithmConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     tis: TISConfig = field(default_factory=TISConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # Entropy bonus: the loss is policy loss - entropy_coeff x entropy, the entropy aggregated like
+    # the policy loss (loss_agg_mode, the same global normalisers). 0: off.
     entropy_coeff: float = 0.0
-    kl_coef: float = 0.0
 
 
 @dataclass

@@ -10,6 +10,7 @@ exists; they never import transformers or megatron, so validation stays instant.
 
 from __future__ import annotations
 
+import difflib
 import json
 import warnings
 from pathlib import Path
@@ -27,7 +28,9 @@ CHOICES: dict[str, tuple] = {
     "data.format": ("auto", "parquet", "jsonl", "hf"),
     "data.template": ("auto", "dapo", "none"),
     "rollout.engine": ("auto", "sglang", "hf"),
-    "algorithm.adv_estimator": ("grpo",),
+    # algo/'s ADV_ESTIMATORS and POLICY_LOSS_TYPES (not imported: algo/ imports torch)
+    "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
+    "algorithm.policy_loss": ("vanilla", "gspo", "cispo", "sapo", "gpg"),
     "algorithm.loss_agg_mode": (
         "token-mean",
         "seq-mean-token-sum",
@@ -80,6 +83,13 @@ def _get(cfg: DictConfig, key: str):
     return node
 
 
+def _nearest(value, allowed: tuple) -> str:
+    """ "; did you mean 'x'?" for the allowed string most like ``value``, or ""."""
+    names = [a for a in allowed if isinstance(a, str)]
+    match = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
@@ -104,7 +114,9 @@ def validate(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}")
+            raise ConfigError(
+                f"{key}={value!r} is not one of {', '.join(map(str, allowed))}{_nearest(value, allowed)}"
+            )
     for key in POSITIVE_INTS:
         value = _get(cfg, key)
         if value < 1:
@@ -123,8 +135,33 @@ def validate(cfg: DictConfig) -> None:
 
 def check_algorithm(cfg: DictConfig) -> None:
     alg, ro = cfg.algorithm, cfg.rollout
-    if not 0.0 <= alg.clip_ratio_low < 1.0:
-        raise ConfigError(f"algorithm.clip_ratio_low={alg.clip_ratio_low} must be in [0, 1) (DAPO: 0.2)")
+    # CISPO clips only the stop-gradient weight of its tokens; 1.0 removes the lower bound (the
+    # MiniMax-M1 setting). For the other losses a ratio bound of 0 clips every token with A < 0.
+    if alg.policy_loss == "cispo":
+        if not 0.0 <= alg.clip_ratio_low <= 1.0:
+            raise ConfigError(
+                f"algorithm.clip_ratio_low={alg.clip_ratio_low} must be in [0, 1] with algorithm.policy_loss=cispo "
+                "(1.0: no lower bound on the weight)"
+            )
+    elif not 0.0 <= alg.clip_ratio_low < 1.0:
+        hint = (
+            "; 1.0 (no lower bound) is allowed with algorithm.policy_loss=cispo only"
+            if alg.clip_ratio_low == 1.0
+            else ""
+        )
+        raise ConfigError(
+            f"algorithm.clip_ratio_low={alg.clip_ratio_low} must be in [0, 1) with algorithm.policy_loss="
+            f"{alg.policy_loss} (DAPO: 0.2){hint}"
+        )
+    for name in ("tau_pos", "tau_neg"):
+        if not alg[name] > 0:
+            raise ConfigError(
+                f"algorithm.{name}={alg[name]} must be > 0 (SAPO's gate temperature; verl: tau_pos 1.0, tau_neg 1.05)"
+            )
+    if not 0.0 <= alg.entropy_coeff < float("inf"):
+        raise ConfigError(
+            f"algorithm.entropy_coeff={alg.entropy_coeff} must be >= 0 (the entropy bonus's weight; 0 turns it off)"
+        )
     if not 0.0 <= alg.clip_ratio_high <= 10.0:
         raise ConfigError(f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be in [0, 10] (DAPO: 0.28)")
     if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1.0:

@@ -1,8 +1,10 @@
 """Rollout samples -> the actor's batch: DAPO advantages, masks and rollout log-probs.
 
-Advantages are computed from the final rewards (score + overlong penalty) of each group, as
-verl does for DAPO; with `algorithm.overlong_filter` truncated responses are masked out of the
-loss (they still count in the group statistics, which is what DAPO's overlong filtering means).
+Advantages are computed from the final rewards (score + overlong penalty) of each group by
+`algorithm.adv_estimator` (grpo, rloo, reinforce_plus_plus_baseline: `algo.outcome_advantages`),
+as verl does; with `algorithm.overlong_filter` truncated responses are masked out of the loss
+(they still count in the group statistics, and in reinforce_plus_plus_baseline's whitening over
+the batch's response tokens, which is what DAPO's overlong filtering means).
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from collections.abc import Sequence
 import torch
 
 from megatron_dapo.actor.batch import ActorBatch
-from megatron_dapo.algo import group_advantages
+from megatron_dapo.algo import outcome_advantages
 
 
 def build_actor_batch(
     samples: Sequence,
     *,
+    adv_estimator: str = "grpo",
     norm_adv_by_std: bool = True,
     overlong_filter: bool = False,
     groups_multiple: int = 1,
@@ -46,8 +49,6 @@ def build_actor_batch(
     dense: dict[int, int] = {}
     group_index = torch.tensor([dense.setdefault(s.group_id, len(dense)) for s in samples], dtype=torch.int64)
     rewards = torch.tensor([float(s.final_reward) for s in samples], dtype=torch.float32)
-    advantages = group_advantages(rewards, group_index, norm_by_std=norm_adv_by_std)
-
     prompt_lens = torch.tensor([len(s.prompt.prompt_ids) for s in samples], dtype=torch.int64)
     response_lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)
     if (response_lens < 1).any():
@@ -55,6 +56,10 @@ def build_actor_batch(
         raise ValueError(f"rollout sample {i} (group {samples[i].group_id}) has an empty response")
     width = int(response_lens.max())
     mask = torch.arange(width).unsqueeze(0) < response_lens.unsqueeze(1)
+    # Every estimator gives one value per response, on each of its tokens: keep the first.
+    advantages = outcome_advantages(
+        rewards, group_index, mask, adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std
+    )[:, 0].contiguous()
     truncated = torch.tensor([bool(s.truncated) for s in samples])
     if overlong_filter:
         mask &= ~truncated.unsqueeze(1)

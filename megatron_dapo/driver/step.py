@@ -24,6 +24,7 @@ ACTOR_KEYS = {
     "clipfrac_lower": "actor/pg_clipfrac_lower",
     "ppo_kl": "actor/ppo_kl",
     "entropy": "actor/entropy",
+    "entropy_loss": "actor/entropy_loss",
     "grad_norm": "actor/grad_norm",
     "grad_norm_max": "actor/grad_norm_max",
     "routing_mismatch": "actor/routing_mismatch",
@@ -55,6 +56,7 @@ def run_step(t: DAPOTrainer, step: int, progress: StepProgress) -> dict[str, Any
     with timer.phase("adv"):
         batch, batch_metrics = build_actor_batch(
             rollout.samples,
+            adv_estimator=cfg.algorithm.adv_estimator,
             norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
             overlong_filter=cfg.algorithm.overlong_filter,
             groups_multiple=cfg.actor.ppo_mini_batch_size,
