@@ -11,7 +11,11 @@ layouts, since process start-up dominates; the tests compare:
 - the loss against ``algo.policy_loss`` on log-probs from the HF transformers model (float64);
 - pi_old recomputed before the first update equals the current policy (ppo_kl ~ 0, clipfrac 0),
   and trainer log-probs equal HF's;
-- a non-finite loss skips the update and stops the run after max_consecutive_skips.
+- a non-finite loss skips the update and stops the run after max_consecutive_skips;
+- every other policy loss (gspo, cispo, sapo, gpg; ``LOSS_RUNS``) equal at several micro-batches,
+  TP=2 and PP=2 to its TP=1 run, and its loss to ``algo.policy_loss`` on HF's log-probs;
+- the gradient with an entropy bonus (``entropy_coeff``) at TP=1 and TP=2 equals autograd
+  through HF transformers' log_softmax entropy on the unsplit mini-batch (float64).
 """
 
 from __future__ import annotations
@@ -23,24 +27,59 @@ from layout_harness import BIG, CLIP, MODES, SMALL, TEMPERATURE, TIS_CAP, close,
 
 from megatron_dapo.actor.spawn import run_ranks
 
+# Each loss other than vanilla with one aggregation (verl aggregates gspo and sapo per sequence).
+LOSS_RUNS = {
+    "gspo": "seq-mean-token-mean",
+    "cispo": "token-mean",
+    "sapo": "seq-mean-token-mean",
+    "gpg": "token-mean",
+}
+ENTROPY_COEFF = 0.3
+
 
 def _rank_run(rank, world, hf_dir, batch, old, runs):
     from megatron_dapo.actor.parallel import init_parallel
 
     out = {}
-    for tp, pp, budget, mode, *padded in runs:
+    for tp, pp, budget, mode, *extra in runs:  # extra: "padded" or a loss type
         init_parallel(tp=tp, pp=pp)
-        actor = layout_actor(hf_dir, budget, mode, pack_sequences=not padded)
+        loss = next((e for e in extra if e in LOSS_RUNS), "vanilla")
+        actor = layout_actor(hf_dir, budget, mode, pack_sequences="padded" not in extra, policy_loss=loss)
         metrics = actor.update(batch.with_old_logprobs(old.float()))
         state = hf_state(actor)
-        out[(tp, pp, world // (tp * pp), budget, mode, *padded)] = dict(
+        out[(tp, pp, world // (tp * pp), budget, mode, *extra)] = dict(
             metrics=metrics, state=state if rank == 0 else None
         )
     if world == 2:
         out["pi_old"] = _pi_old_checks(hf_dir, batch)
+        out["entropy_grads"] = _entropy_grads(hf_dir, batch, old, tp=2)
     else:
         out["skips"] = _skip_checks(hf_dir, batch)
+        out["entropy_grads"] = _entropy_grads(hf_dir, batch, old, tp=1)
     return as_bytes(out)
+
+
+def _entropy_grads(hf_dir, batch, old, tp):
+    """The gradient of one mini-batch's loss with the entropy bonus under HF names: the optimizer
+    step is replaced by copying each parameter's reduced gradient into it."""
+    from unittest import mock
+
+    from megatron_dapo.actor.optimizer import StepOutcome
+    from megatron_dapo.actor.parallel import init_parallel
+
+    init_parallel(tp=tp, pp=1)
+    actor = layout_actor(hf_dir, SMALL, "token-mean", entropy_coeff=ENTROPY_COEFF)
+
+    def grads_into_params(optimizer, scheduler, loss):
+        with torch.no_grad():
+            for chunk in actor.model:
+                for param in chunk.parameters():
+                    param.copy_(param.main_grad)
+        return StepOutcome(True, 0.0)
+
+    with mock.patch("megatron_dapo.actor.actor.guarded_step", grads_into_params):
+        metrics = actor.update(batch.with_old_logprobs(old.float()))
+    return dict(metrics=metrics, grads=hf_state(actor))
 
 
 def _pi_old_checks(hf_dir, batch):
@@ -88,9 +127,12 @@ PADDED_PAIRS += [(1, 1, BIG, "token-mean", "padded")]
 def results(layout_hf_dir, layout_data):
     batch, old, _ = layout_data
     solo = [(1, 1, b, m) for m in MODES for b in (BIG, SMALL)] + [(1, 1, SMALL, m, "padded") for m in MODES]
+    solo += [(1, 1, b, m, loss) for loss, m in LOSS_RUNS.items() for b in (BIG, SMALL)]
     pair = [(tp, pp, BIG, m) for m in MODES for tp, pp in ((2, 1), (1, 2), (1, 1))] + PADDED_PAIRS
+    pair += [(tp, pp, BIG, m, loss) for loss, m in LOSS_RUNS.items() for tp, pp in ((2, 1), (1, 2))]
     one = from_bytes(run_ranks(_rank_run, 1, layout_hf_dir, batch, old, solo, timeout_s=600)[0])
     two = from_bytes(run_ranks(_rank_run, 2, layout_hf_dir, batch, old, pair, timeout_s=600)[0])
+    two["entropy_grads_tp2"] = two.pop("entropy_grads")
     return {**one, **two}
 
 
@@ -209,3 +251,108 @@ def test_non_finite_loss_skips_then_stops(results):
     assert r["unchanged"]
     assert r["error"] is not None and "2 consecutive optimizer updates were skipped" in r["error"]
     assert "non-finite" in r["error"]
+
+
+@pytest.mark.parametrize("loss", LOSS_RUNS)
+@pytest.mark.parametrize("layout", [(1, 1, 1, SMALL), (2, 1, 1, BIG), (1, 2, 1, BIG)], ids=str)
+def test_each_loss_type_is_layout_invariant(results, loss, layout):
+    tp, pp, dp, budget = layout
+    mode = LOSS_RUNS[loss]
+    ref = results[(1, 1, 1, BIG, mode, loss)]
+    got = results[(tp, pp, dp, budget, mode, loss)]
+    ref_u, got_u = ref["metrics"]["updates"][0], got["metrics"]["updates"][0]
+    assert ref_u["updated"] and got_u["updated"]
+    assert close(got_u["loss"], ref_u["loss"]), (got_u["loss"], ref_u["loss"])
+    assert close(got_u["grad_norm"], ref_u["grad_norm"]), (got_u["grad_norm"], ref_u["grad_norm"])
+    for key in ("clipfrac", "clipfrac_high", "clipfrac_low", "ppo_kl"):
+        assert close(got_u[key], ref_u[key], 1e-5), key
+    for name, w in ref["state"].items():
+        diff = (got["state"][name] - w).abs().max()
+        assert diff <= 1e-6 * w.abs().max(), (name, float(diff))
+    # a different loss really ran: its update differs from vanilla's
+    vanilla = results[(1, 1, 1, BIG, "token-mean")]["metrics"]["updates"][0]
+    assert ref_u["loss"] != vanilla["loss"]
+
+
+@pytest.mark.parametrize("loss", LOSS_RUNS)
+def test_each_loss_type_equals_policy_loss_on_hf_logprobs(results, layout_data, loss):
+    from megatron_dapo.algo import policy_loss
+
+    batch, old, hf = layout_data
+    want, metrics = policy_loss(
+        hf,
+        old.float().double(),
+        batch.advantages.double(),
+        batch.response_mask,
+        **CLIP,
+        loss_type=loss,
+        loss_agg_mode=LOSS_RUNS[loss],
+        rollout_logprobs=batch.rollout_logprobs.double(),
+        tis_cap=TIS_CAP,
+    )
+    got = results[(1, 1, 1, BIG, LOSS_RUNS[loss], loss)]["metrics"]["updates"][0]
+    assert abs(got["loss"] - float(want)) < 1e-5 * max(1.0, abs(float(want))), (got["loss"], float(want))
+    assert got["clipfrac"] == pytest.approx(float(metrics["clipfrac"]), abs=1e-9)
+
+
+def _hf_entropy_bonus_grads(hf_dir, batch, old, coeff):
+    """Autograd through HF transformers (float64) of policy loss - coeff x token-mean entropy,
+    on the unsplit mini-batch: a plain log_softmax over the whole vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.algo import policy_loss
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
+    model.train(False)
+    rows_lp, rows_ent = [], []
+    for i in range(len(batch)):
+        p, r = int(batch.prompt_lens[i]), int(batch.response_lens[i])
+        ids = batch.input_ids[i][None]
+        logits = model(ids).logits[0, p - 1 : p - 1 + r] / TEMPERATURE
+        logp = torch.log_softmax(logits, -1)
+        rows_lp.append(logp.gather(-1, ids[0, p : p + r, None]).squeeze(-1))
+        rows_ent.append(-(logp.exp() * logp).sum(-1))
+    lps = torch.nn.utils.rnn.pad_sequence(rows_lp, batch_first=True)
+    ents = torch.nn.utils.rnn.pad_sequence(rows_ent, batch_first=True)
+    mask = batch.response_mask
+    pg, _ = policy_loss(
+        lps,
+        old.float().double(),
+        batch.advantages.double(),
+        mask,
+        **CLIP,
+        loss_agg_mode="token-mean",
+        rollout_logprobs=batch.rollout_logprobs.double(),
+        tis_cap=TIS_CAP,
+    )
+    entropy = torch.where(mask, ents, torch.zeros_like(ents)).sum() / mask.sum()
+    (pg - coeff * entropy).backward()
+    return (
+        {name: p.grad.clone() for name, p in model.named_parameters()},
+        float(pg.detach()),
+        float(entropy.detach()),
+    )
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
+def test_entropy_bonus_gradient_equals_autograd_through_hf_entropy(
+    results, layout_hf_dir, layout_data, world
+):
+    batch, old, _ = layout_data
+    want, pg, entropy = _hf_entropy_bonus_grads(layout_hf_dir, batch, old, ENTROPY_COEFF)
+    without, _, _ = _hf_entropy_bonus_grads(layout_hf_dir, batch, old, 0.0)
+    got = results["entropy_grads"] if world == 1 else results["entropy_grads_tp2"]
+    u = got["metrics"]["updates"][0]
+    assert (
+        abs(u["loss"] - pg) < 1e-5 * max(1.0, abs(pg)) and abs(u["entropy_loss"] - entropy) < 1e-5 * entropy
+    )
+    grads = got["grads"]
+    assert grads.keys() == want.keys()
+    for name, g in want.items():
+        scale = g.abs().max()
+        assert (grads[name].double() - g).abs().max() <= 1e-4 * scale, (
+            name,
+            float((grads[name].double() - g).abs().max() / scale),
+        )
+    # the entropy term moves the gradient well beyond that tolerance
+    assert max(float((want[k] - without[k]).abs().max() / want[k].abs().max()) for k in want) > 1e-2

@@ -7,7 +7,9 @@ it with the same step at CP=1 on right-padded micro-batches (TP=PP=1, DP=4; DP i
 against DP=1 by test_actor_layouts):
 - CP=2 x TP=2 (token-mean with TIS): four micro-batches;
 - CP=2 x PP=2 (seq-mean-token-mean with a geometric TIS rollout correction, whose per-row sums
-  over CP run on the last pipeline stage only).
+  over CP run on the last pipeline stage only);
+- CP=2 x TP=2 with GSPO and an entropy bonus (seq-mean-token-mean): GSPO's sequence ratio sums
+  each row's log-ratio over the CP ranks; a row is never split across micro-batches.
 Loss and grad norm within 1e-6 relative, every weight within 1e-6 of its scale.
 
 Sequence parallelism with CP is not run here: megatron-core 0.16.1's local spec refuses it
@@ -27,6 +29,7 @@ GEOMETRIC = RolloutCorrection(mode="tis", level="geometric", threshold=1.03)
 MODES = {
     "token": dict(mode="token-mean"),
     "seq": dict(mode="seq-mean-token-mean", tis_cap=None, rollout_correction=GEOMETRIC),
+    "gspo": dict(mode="seq-mean-token-mean", policy_loss="gspo", entropy_coeff=0.3),
 }
 # (name, tp, pp, cp, mode, token budget)
 LAYOUTS = [
@@ -34,6 +37,8 @@ LAYOUTS = [
     ("ref-seq", 1, 1, 1, "seq", BIG),
     ("cp2-tp2", 2, 1, 2, "token", SMALL),
     ("cp2-pp2", 1, 2, 2, "seq", SMALL),
+    ("ref-gspo", 1, 1, 1, "gspo", BIG),
+    ("cp2-tp2-gspo", 2, 1, 2, "gspo", SMALL),
 ]
 
 
@@ -57,7 +62,9 @@ def results(layout_hf_dir, layout_data):
     return [from_bytes(r) for r in ranks]
 
 
-@pytest.mark.parametrize("name,ref", [("cp2-tp2", "ref-token"), ("cp2-pp2", "ref-seq")])
+@pytest.mark.parametrize(
+    "name,ref", [("cp2-tp2", "ref-token"), ("cp2-pp2", "ref-seq"), ("cp2-tp2-gspo", "ref-gspo")]
+)
 def test_cp_with_tp_or_pp_equals_cp1(results, name, ref):
     want, got = results[0][ref], results[0][name]
     ref_u, got_u = want["metrics"]["updates"][0], got["metrics"]["updates"][0]
@@ -67,6 +74,12 @@ def test_cp_with_tp_or_pp_equals_cp1(results, name, ref):
     assert got_u["tokens"] == ref_u["tokens"] and got_u["seqs"] == ref_u["seqs"]
     for key in ("clipfrac", "ppo_kl", "entropy"):
         assert close(got_u[key], ref_u[key], 1e-5), (key, got_u[key], ref_u[key])
+    if name == "cp2-tp2-gspo":
+        assert close(got_u["entropy_loss"], ref_u["entropy_loss"]), (
+            got_u["entropy_loss"],
+            ref_u["entropy_loss"],
+        )
+        assert got_u["clipfrac"] > 0  # the sequence ratio clips: a wrong per-row sum shows
     if name == "cp2-pp2":
         assert 0 < got_u["rc_fraction"] < 1 and close(got_u["rc_fraction"], ref_u["rc_fraction"])
     assert got["state"].keys() == want["state"].keys()

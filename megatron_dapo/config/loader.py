@@ -30,6 +30,7 @@ REMOVED_KEYS = {
         "the reference-model KL is not built yet (it will be actor.use_kl_loss / "
         "algorithm.use_kl_in_reward); algorithm.kl_coef never did anything, remove it"
     ),
+    "logging.jsonl": "metrics.jsonl is always written (resume and the plots read it); remove the key",
 }
 
 

@@ -309,7 +309,6 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    jsonl: bool = True
     wandb: bool = False
     wandb_mode: str = "offline"  # offline | online
     tensorboard: bool = True
