@@ -85,9 +85,9 @@ def _get(cfg: DictConfig, key: str):
 
 def _nearest(value, allowed: tuple) -> str:
     """ "; did you mean 'x'?" for the allowed string most like ``value``, or ""."""
-    names = [a for a in allowed if isinstance(a, str)]
-    match = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
-    return f"; did you mean {match[0]!r}?" if match else ""
+    names = {a.lower(): a for a in allowed if isinstance(a, str)}
+    match = difflib.get_close_matches(str(value).lower(), list(names), n=1, cutoff=0.6)
+    return f"; did you mean {names[match[0]]!r}?" if match else ""
 
 
 def _divisors(n: int) -> str:
