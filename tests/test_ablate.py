@@ -8,8 +8,17 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from megatron_dapo.commands.ablate import LADDER, read_curve, rung_overrides, summarise, table
+from megatron_dapo.commands.ablate import (
+    LADDER,
+    LOSS_VARIANTS,
+    RUNGS,
+    read_curve,
+    rung_overrides,
+    summarise,
+    table,
+)
 from megatron_dapo.commands.demo import GRPO_OVERRIDES
+from megatron_dapo.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +43,24 @@ def test_last_rung_is_the_demo_config_and_the_first_is_its_grpo():
     for i in range(1, len(LADDER)):
         changed = {k for k, v in rung_overrides(i).items() if rung_overrides(i - 1)[k] != v}
         assert changed == set(LADDER[i][1]), LADDER[i][0]
+
+
+def test_loss_variants_are_full_dapo_with_another_loss_and_valid_configs():
+    dapo = rung_overrides(len(LADDER) - 1)
+    losses = []
+    for i in range(len(LADDER), len(RUNGS)):
+        over = rung_overrides(i)
+        changed = {k for k, v in over.items() if dapo.get(k) != v}
+        assert changed == set(RUNGS[i][1]), RUNGS[i][0]  # the same budget and task as DAPO
+        cfg = load_config(REPO / "configs/demo.yaml", [f"{k}={v}" for k, v in over.items()])
+        losses.append(cfg.algorithm.policy_loss)
+    assert losses == ["gspo", "cispo", "sapo", "gpg"] and len(LOSS_VARIANTS) == 4
+    assert (
+        load_config(
+            REPO / "configs/demo.yaml", [f"{k}={v}" for k, v in rung_overrides(len(LADDER) + 1).items()]
+        ).algorithm.clip_ratio_low
+        == 1.0
+    )
 
 
 def _metrics(path: Path, evals: dict[int, float], step_s: float) -> Path:

@@ -2,7 +2,8 @@
 
 Each rung adds one technique to the one before, from GRPO to full DAPO:
 GRPO -> +overlong filtering -> +clip-higher -> +soft overlong punishment -> +token-level loss
--> +dynamic sampling. Every rung runs on each seed as `megatron-dapo demo` (same task, warm
+-> +dynamic sampling. Then the loss variants: full DAPO with the GSPO, CISPO, SAPO or GPG
+policy loss instead of the clipped token ratio (`algorithm.policy_loss`). Every rung runs on each seed as `megatron-dapo demo` (same task, warm
 start and held-out protocol; the warm start is built once per seed and shared). The table gives
 the mean and spread of held-out accuracy at equal steps (the last step) and at equal wall time
 (the shortest rung's training time; the last evaluation reached by then), and a PNG shows the
@@ -45,11 +46,35 @@ LADDER: list[tuple[str, dict[str, str]]] = [
 ]
 
 
+# Full DAPO (the last rung) with another policy loss (algo/loss_terms.py), each at its
+# published clip setting; everything else (task, steps, sampling) is the ladder's.
+LOSS_VARIANTS: list[tuple[str, dict[str, str]]] = [
+    (
+        "DAPO with GSPO loss",
+        # the GSPO paper's sequence-ratio clip range, aggregated per sequence as in verl's recipe
+        {
+            "algorithm.policy_loss": "gspo",
+            "algorithm.clip_ratio_low": "0.0003",
+            "algorithm.clip_ratio_high": "0.0004",
+            "algorithm.loss_agg_mode": "seq-mean-token-mean",
+        },
+    ),
+    # MiniMax-M1: no lower bound on the clipped weight
+    ("DAPO with CISPO loss", {"algorithm.policy_loss": "cispo", "algorithm.clip_ratio_low": "1.0"}),
+    ("DAPO with SAPO loss", {"algorithm.policy_loss": "sapo"}),
+    ("DAPO with GPG loss", {"algorithm.policy_loss": "gpg"}),
+]
+RUNGS = LADDER + LOSS_VARIANTS
+
+
 def rung_overrides(index: int) -> dict[str, str]:
-    """The overrides of rung ``index``: every rung's up to it, later ones winning."""
+    """The overrides of rung ``index``: on the ladder every rung's up to it, later ones winning;
+    a loss variant's on top of the whole ladder."""
     out: dict[str, str] = {}
     for _, overrides in LADDER[: index + 1]:
         out.update(overrides)
+    if index >= len(LADDER):
+        out.update(RUNGS[index][1])
     return out
 
 
@@ -89,7 +114,7 @@ def summarise(curves: list[Curve]) -> list[dict]:
     """One row per rung (ladder order): mean/std of start, end (equal steps) and equal-time accuracy."""
     budget = min(max(c.seconds) for c in curves)  # the fastest rung-seed's whole training time
     rows = []
-    for rung, _ in LADDER:
+    for rung, _ in RUNGS:
         mine = [c for c in curves if c.rung == rung]
         if not mine:
             continue
@@ -140,7 +165,7 @@ def plot(curves: list[Curve], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, (rung, _) in enumerate(LADDER):
+    for i, (rung, _) in enumerate(RUNGS):
         for j, c in enumerate(x for x in curves if x.rung == rung):
             label = rung if j == 0 else None
             axes[0].plot(
@@ -153,7 +178,7 @@ def plot(curves: list[Curve], path: Path) -> Path:
         ax.set_ylabel("held-out avg@4 (%)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("DAPO ladder on the demo task (one line per seed)")
+    fig.suptitle("DAPO ladder and loss variants on the demo task (one line per seed)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -163,10 +188,17 @@ def plot(curves: list[Curve], path: Path) -> Path:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "ablate", help="the DAPO ladder (GRPO -> ... -> DAPO) on the demo task", description=__doc__
+        "ablate",
+        help="the DAPO ladder (GRPO -> ... -> DAPO) and the loss variants on the demo task",
+        description=__doc__,
     )
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    p.add_argument("--rungs", default="", help="comma-separated rung numbers 0-5 (default: all)")
+    p.add_argument(
+        "--rungs",
+        default="",
+        help=f"comma-separated rung numbers: 0-{len(LADDER) - 1} the ladder, {len(LADDER)}-{len(RUNGS) - 1} "
+        "the loss variants (default: all)",
+    )
     p.add_argument("--out", default="runs/ablate", help="output directory")
     p.add_argument(
         "overrides", nargs="*", help="key=value overrides applied to every run (e.g. trainer.total_steps=40)"
@@ -177,15 +209,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    rungs = [int(r) for r in args.rungs.split(",") if r.strip()] or list(range(len(LADDER)))
-    bad = [r for r in rungs if not 0 <= r < len(LADDER)]
+    rungs = [int(r) for r in args.rungs.split(",") if r.strip()] or list(range(len(RUNGS)))
+    bad = [r for r in rungs if not 0 <= r < len(RUNGS)]
     if bad:
-        print(f"--rungs: {bad} not in 0-{len(LADDER) - 1}", file=sys.stderr)
+        print(f"--rungs: {bad} not in 0-{len(RUNGS) - 1}", file=sys.stderr)
         return 2
     curves = []
     for seed in seeds:
         for r in rungs:
-            name, run_name = LADDER[r][0], f"rung{r}_seed{seed}"
+            name, run_name = RUNGS[r][0], f"rung{r}_seed{seed}"
             metrics = out / "runs" / run_name / "metrics.jsonl"
             if not (out / "runs" / run_name / "summary.json").is_file():  # finished runs are reused
                 t0 = time.perf_counter()
