@@ -415,7 +415,9 @@ class Actor:
         ``clipfrac_high``, ``clipfrac_low``, ``clipfrac_lower``, ``ppo_kl``, ``entropy``,
         ``grad_norm`` (mean; ``grad_norm_max``), ``lr``, ``tokens`` (loss tokens of the step),
         ``mismatch_abs`` / ``mismatch_k3`` (pi_old vs rollout log-probs, when present),
-        ``tis_mean`` / ``tis_clipfrac`` (with TIS), ``moe_aux_loss`` (MoE: the routers'
+        ``tis_mean`` / ``tis_clipfrac`` (with TIS), ``entropy_loss`` (with an entropy bonus: the
+        entropy aggregated like the loss, mean over updates; ``loss`` is the policy loss alone,
+        the objective is ``loss - entropy_coeff * entropy_loss``), ``moe_aux_loss`` (MoE: the routers'
         load-balancing loss, mean over updates, apart from ``loss``; ``moe_aux_loss_coeff`` times
         it is in the objective), ``num_updates``, ``skipped_updates`` and ``updates`` (one dict
         per mini-batch).
