@@ -13,8 +13,9 @@ each packed sample, padded to a multiple of ``2 * CP``) and runs its load-balanc
 loss normaliser is the DP-wide token count of whole sequences, gradients are summed over DP x CP
 by megatron's DDP (its ``dp_cp`` group), per-token outputs are gathered over CP, and metric sums
 come from every CP rank. Sequence-level quantities (``seq-mean-token-mean``'s per-row token
-count, the sequence/geometric rollout-correction weights) are summed over the CP ranks per row
-inside the loss (``context_parallel.cp_row_sum``).
+count, the sequence/geometric rollout-correction weights, GSPO's sequence ratio) are summed over
+the CP ranks per row inside the loss (``context_parallel.cp_row_sum``); micro-batches hold whole
+rows, so nothing is carried between them.
 """
 
 from __future__ import annotations

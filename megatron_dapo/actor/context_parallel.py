@@ -14,7 +14,8 @@ Reductions: a rank holds a subset of a sequence's tokens, so a token-mean over t
 divides the CP-summed numerator by the token count of the whole sequences (summed over CP and DP),
 never by a rank's own count; a per-sequence mean (seq-mean-token-mean) divides each rank's part of
 a row's sum by the row's whole token count (:func:`cp_row_sum`), so the parts add up over CP, and
-the sequence/geometric rollout-correction weights sum each row's log-ratio over CP the same way.
+the sequence/geometric rollout-correction weights and GSPO's sequence ratio sum each row's
+log-ratio over CP the same way.
 """
 
 from __future__ import annotations
