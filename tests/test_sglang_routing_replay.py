@@ -237,6 +237,7 @@ def test_parser_reads_the_experts_sglang_itself_encoded(tmp_path):
     reading of SGLang's layout; these bytes do not."""
     from megatron_dapo.driver.sglang_engines import routed_experts_shape
     from megatron_dapo.rollout.sglang_client import parse_generate_reply, payload_generate
+
     from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
 
     fixtures = Path(__file__).parent / "fixtures" / "sglang"
