@@ -74,7 +74,16 @@ def layout_actor(hf_dir, budget, mode, mini_batch=4, params_dtype=torch.float32,
     # turns fp32 summation-order noise (~1e-7 absolute between layouts) into weight differences
     # of order lr. eps=1e-2, above the clipped gradients, makes the step ~ lr * g / eps: well
     # conditioned, and sensitive to the gradient's scale (a wrong normaliser shows).
-    optim = OptimizerSettings(lr=1e-2, weight_decay=0.1, clip_grad=1.0, lr_warmup_steps=0, adam_eps=1e-2)
+    # fully_reshardable: test_context_parallel_resume resumes a CP=2 checkpoint at CP=1, which the
+    # distributed optimizer's default dp_reshardable refuses (test_checkpoint_distributed_optimizer).
+    optim = OptimizerSettings(
+        lr=1e-2,
+        weight_decay=0.1,
+        clip_grad=1.0,
+        lr_warmup_steps=0,
+        adam_eps=1e-2,
+        checkpoint_format="fully_reshardable",
+    )
     return build_actor(hf_dir, cfg, optim, total_updates=8, params_dtype=params_dtype)
 
 

@@ -77,11 +77,13 @@ def test_rng_state_is_restored_only_into_the_same_cp_layout(results):
 
 def test_resume_at_cp1_equals_within_fp32_noise(results):
     full, res = results[0]["full"], results[0][1]
-    assert close(res["update"]["loss"], full["update"]["loss"]), (
+    # 5e-6: the CP=1 run packs its samples into other micro-batches than CP=2 (no per-sample 2*CP
+    # padding), so the loss and norm sum in another order (1.2e-6 measured on the loss)
+    assert close(res["update"]["loss"], full["update"]["loss"], rel=5e-6), (
         res["update"]["loss"],
         full["update"]["loss"],
     )
-    assert close(res["update"]["grad_norm"], full["update"]["grad_norm"])
+    assert close(res["update"]["grad_norm"], full["update"]["grad_norm"], rel=5e-6)
     for name, w in full["state"].items():
         diff = (res["state"][name] - w).abs().max()
         assert diff <= 1e-6 * w.abs().max(), (name, float(diff))

@@ -24,15 +24,20 @@ def test_a_port_in_use_is_not_returned(monkeypatch):
     held.bind(("127.0.0.1", 0))
     try:
         taken = held.getsockname()[1]
-        ranges = iter([taken, taken, taken + 1])
+        # the third draw is a port just seen free (taken + 1 may be any other process's)
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+        probe.close()
+        ranges = iter([taken, taken, free])
 
-        class Fixed:  # the random draw: the held port twice, then the one after it
+        class Fixed:  # the random draw: the held port twice, then a free one
             def randrange(self, low, high):
                 return next(ranges)
 
         monkeypatch.setattr("megatron_dapo.ports.random.SystemRandom", Fixed)
         monkeypatch.setattr("megatron_dapo.ports.listen_port_range", lambda text: (20000, 70000))
-        assert free_port() == taken + 1
+        assert free_port() == free
     finally:
         held.close()
 

@@ -144,7 +144,10 @@ def test_sigkill_and_resume_with_sglang(assets, tmp_path):
 
     assert resumed["prompts"] == killed_2["prompts"], "the resumed step 2 drew other prompts"
     served, checkpoint, initial = (torch.tensor(c["logprobs"]) for c in (resumed, killed_2, killed_1))
-    assert (checkpoint - initial).abs().max() > 1e-3  # step 1 moved the weights
+    # Step 1 moved the weights, by more than 10x the bound below: a server left on the initial
+    # weights fails it. SGLang's CPU sampling is not seeded, so step 1 may draw only groups without
+    # reward spread (all-zero advantages); weight decay alone (lr * wd = 3e-5) still moves them.
+    assert (checkpoint - initial).abs().max() > 1e-5
     diff = (served - checkpoint).abs().max().item()
     assert diff < 1e-6, f"the resumed server's log-probs are {diff:.3g} from the checkpoint's"
     assert resumed["server_pid"] != killed_2["server_pid"]

@@ -235,10 +235,9 @@ def test_parser_reads_the_experts_sglang_itself_encoded(tmp_path):
     3 layers, top-4 of 256 experts, KV slots shared with a batched second request) parses to the
     experts each forwarded position routed to. The stand-in above encodes from the parser's own
     reading of SGLang's layout; these bytes do not."""
-    from megatron_dapo.driver.sglang_engines import routed_experts_shape
-    from megatron_dapo.rollout.sglang_client import parse_generate_reply, payload_generate
-
     from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+    from megatron_dapo.sglang.client import parse_generate_reply, payload_generate
+    from megatron_dapo.sglang.engines import routed_experts_shape
 
     fixtures = Path(__file__).parent / "fixtures" / "sglang"
     fixture = json.loads((fixtures / "routed_experts_reply.json").read_text())
