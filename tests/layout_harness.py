@@ -56,7 +56,7 @@ def make_batch(hf_dir):
     return batch, old, hf_mat
 
 
-def layout_actor(hf_dir, budget, mode, mini_batch=4, params_dtype=torch.float32, **extra):
+def layout_actor(hf_dir, budget, mode, mini_batch=4, params_dtype=torch.float32, lr=1e-2, **extra):
     from megatron_dapo.actor.actor import ActorConfig, build_actor
     from megatron_dapo.actor.optimizer import OptimizerSettings
 
@@ -77,7 +77,7 @@ def layout_actor(hf_dir, budget, mode, mini_batch=4, params_dtype=torch.float32,
     # fully_reshardable: test_context_parallel_resume resumes a CP=2 checkpoint at CP=1, which the
     # distributed optimizer's default dp_reshardable refuses (test_checkpoint_distributed_optimizer).
     optim = OptimizerSettings(
-        lr=1e-2,
+        lr=lr,
         weight_decay=0.1,
         clip_grad=1.0,
         lr_warmup_steps=0,

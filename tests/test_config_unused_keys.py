@@ -112,7 +112,8 @@ def test_removed_keys_are_refused_with_what_to_do(tmp_path):
     for source in ([str(tmp_path / "old.yaml")], [None, ["algorithm.kl_coef=0.01"]]):
         path, overrides = (source[0], []) if len(source) == 1 else source
         with pytest.raises(
-            ConfigError, match="'algorithm.kl_coef' was removed: the reference-model KL is not built"
+            ConfigError,
+            match="'algorithm.kl_coef' was removed: a KL to the reference model is actor.use_kl_loss",
         ):
             load_config(path, ["model.path=/x", *overrides])
     with pytest.raises(ConfigError, match="'logging.jsonl' was removed: metrics.jsonl is always written"):

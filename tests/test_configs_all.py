@@ -8,7 +8,7 @@ from megatron_dapo.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 ALL = sorted(CONFIGS.glob("*.yaml"))
-RECIPES = [p for p in ALL if p.name.startswith(("dapo_", "grpo_"))]
+RECIPES = [p for p in ALL if p.name.startswith(("dapo_", "grpo_", "gspo_"))]
 
 
 def test_the_recipes_are_there():
@@ -93,3 +93,27 @@ def test_recipes_fit_per_the_planner(path):
     cfg = load_config(path)
     plan = make_plan(inputs_from_config(cfg), resolve_model_shape(cfg.model.path), gpu_for("h100"))
     assert plan.fits, [c for c in plan.checks if not c.ok]
+
+
+def test_gspo_recipe_carries_gspos_published_settings():
+    c = load_config(CONFIGS / "gspo_qwen3_30b_a3b.yaml")
+    a = c.algorithm
+    assert (a.policy_loss, a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (
+        "gspo",
+        0.0003,
+        0.0004,
+        "seq-mean-token-mean",
+    )
+    assert not (a.use_kl_in_reward or c.actor.use_kl_loss) and a.entropy_coeff == 0.0
+    assert c.trainer.train_batch_size // c.actor.ppo_mini_batch_size == 4  # 4 mini-batches a step
+    assert c.model.path == "Qwen/Qwen3-30B-A3B" and c.actor.routing_replay == "none"
+
+
+def test_grpo_kl_baseline_is_grpo_with_low_var_kl_at_0_001():
+    g, base = load_config(CONFIGS / "grpo_kl_baseline.yaml"), load_config(CONFIGS / "grpo_baseline.yaml")
+    assert (g.actor.use_kl_loss, g.actor.kl_loss_coef, g.actor.kl_loss_type) == (True, 0.001, "low_var_kl")
+    assert not base.actor.use_kl_loss
+    for section in ("algorithm", "rollout", "data", "optim"):
+        want = dict(base[section])
+        got = dict(g[section])
+        assert got == want, section

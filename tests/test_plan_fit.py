@@ -116,6 +116,8 @@ def test_time_split_by_hand():
     assert s.train_flops == 2e5 * 1e9 * 5
     assert s.train_s == pytest.approx(1e15 / (10 * 1e15 * 0.5))
     assert s.rollout_fraction == pytest.approx(100 / 100.2)
+    # a reference model adds its own forward (its log-probs): 6 forwards
+    assert time_split(t, **SPLIT_ARGS, reference=True).train_flops == 2e5 * 1e9 * 6
 
 
 def test_assumptions_are_stated_and_flags_change_them(capsys):

@@ -79,8 +79,8 @@ def test_kv_cache_bytes_and_room():
 TINY = ModelShape("tiny", 64, 128, 4, 4, 2, 250, False, 16)
 
 
-def test_whole_plan_memory_for_a_small_case_by_hand():
-    p = PlanInputs(
+def _small_case(**over) -> PlanInputs:
+    return PlanInputs(
         model_path="tiny",
         tp=2,
         pp=2,
@@ -96,11 +96,17 @@ def test_whole_plan_memory_for_a_small_case_by_hand():
         engine_tp=2,
         num_engines=4,
         mem_fraction_static=0.5,
+        **over,
     )
-    a = Assumptions(
-        mean_prompt_len=100, mean_response_frac=0.5, overhead_gib=0, sglang_runtime_gib=0, paused_engine_gib=0
-    )
-    plan = make_plan(p, TINY, gpu_for("h100", 1.0), a)
+
+
+SMALL_CASE = Assumptions(
+    mean_prompt_len=100, mean_response_frac=0.5, overhead_gib=0, sglang_runtime_gib=0, paused_engine_gib=0
+)
+
+
+def test_whole_plan_memory_for_a_small_case_by_hand():
+    plan = make_plan(_small_case(), TINY, gpu_for("h100", 1.0), SMALL_CASE)
     first, last = plan.stages
     # Params from test_plan_params: first 45440, last 45504. DP = 8 / 4 = 2.
     assert first.state.total == 45440 * (2 + 4 + 12 / 2)
@@ -115,3 +121,17 @@ def test_whole_plan_memory_for_a_small_case_by_hand():
     assert (first.logits, last.logits) == (0, 2048 * 128 * 6)
     assert plan.roles.total_gpus == plan.roles.actor_gpus == plan.roles.rollout_gpus == 8
     assert plan.fits
+
+
+@pytest.mark.parametrize("knob", ["use_kl_loss", "use_kl_in_reward"])
+def test_the_reference_model_is_counted_in_its_scoring_pass(knob):
+    without = make_plan(_small_case(), TINY, gpu_for("h100", 1.0), SMALL_CASE)
+    plan = make_plan(_small_case(**{knob: True}), TINY, gpu_for("h100", 1.0), SMALL_CASE)
+    first, last = plan.stages
+    # its bf16 weights, the stage's share (not sharded over DP: no optimizer), offloaded while
+    # the actor trains: the train phase is unchanged, the scoring pass adds them
+    assert (first.reference, last.reference) == (45440 * 2, 45504 * 2)
+    assert without.stages[0].reference == 0
+    assert first.train_total == without.stages[0].train_total
+    assert last.scoring_total == last.state.total + 45504 * 2 + 2048 * 128 * 6
+    assert last.total == max(last.train_total, last.scoring_total)

@@ -51,6 +51,7 @@ from megatron_dapo.actor.optimizer import (
     zero_grads,
 )
 from megatron_dapo.actor.parallel import ParallelLayout
+from megatron_dapo.actor.reference import ReferenceModel
 from megatron_dapo.actor.routing_replay import check_supported as check_replay_supported
 from megatron_dapo.actor.train_step import (
     N_STATS,
@@ -111,6 +112,23 @@ class ActorConfig:
     moe_aux_loss_coeff: float | None = knob("actor.moe_aux_loss_coeff")
     # Tokens per chunk of the output layer fused with the log-prob (actor/fused_output.py).
     logprob_chunk_tokens: int = knob("actor.logprob_chunk_tokens")
+    # KL to the reference policy (actor/reference.py): as a loss term (use_kl_loss: the loss
+    # gains kl_loss_coef x the kl_loss_type estimate), and/or as a reward penalty applied by the
+    # driver (use_kl_in_reward, estimator kl_penalty); either builds the reference model.
+    use_kl_loss: bool = knob("actor.use_kl_loss")
+    kl_loss_coef: float = knob("actor.kl_loss_coef")
+    kl_loss_type: str = knob("actor.kl_loss_type")
+    use_kl_in_reward: bool = knob("algorithm.use_kl_in_reward")
+    kl_penalty: str = knob("algorithm.kl_penalty")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.use_kl_loss or self.use_kl_in_reward
+
+    @property
+    def ref_kl_type(self) -> str:
+        """The estimator reported as ref_kl: the loss's, else the reward penalty's."""
+        return self.kl_loss_type if self.use_kl_loss else self.kl_penalty
 
     @classmethod
     def from_config(cls, cfg: Any) -> ActorConfig:
@@ -146,6 +164,8 @@ class Actor:
         cfg: :class:`ActorConfig`.
         optimizer_checkpoint_format: how checkpoints write the distributed optimizer's state
             (``optimizer.OPTIMIZER_CHECKPOINT_FORMATS``).
+        reference: the frozen reference policy (:class:`ReferenceModel`), required when
+            ``cfg.needs_reference``.
     """
 
     def __init__(
@@ -156,8 +176,15 @@ class Actor:
         layout: ParallelLayout,
         cfg: ActorConfig,
         optimizer_checkpoint_format: str = "dp_reshardable",
+        reference: ReferenceModel | None = None,
     ):
         from megatron_dapo.weights.model_io import unwrap
+
+        if cfg.needs_reference and reference is None:
+            raise ValueError(
+                "actor.use_kl_loss / algorithm.use_kl_in_reward need the reference model: build the actor "
+                "with build_actor (it builds one) or pass reference="
+            )
 
         config = model_chunks[0].config
         if not (config.calculate_per_token_loss and config.variable_seq_lengths):
@@ -171,6 +198,7 @@ class Actor:
         self.layout = layout
         self.cfg = cfg
         self.optimizer_checkpoint_format = optimizer_checkpoint_format
+        self.reference = reference
         self.state = ActorState()
         last = unwrap(model_chunks[-1])
         self.vocab_size = int(getattr(last, "hf_vocab_size", None) or last.vocab_size)
@@ -194,7 +222,7 @@ class Actor:
         if len(model_chunks) > 1:
             # Every micro-batch of a call is padded to one shape (see _my_micro_batches), the
             # interleaved schedule's assumption, so shapes need not be communicated.
-            for chunk in model_chunks:
+            for chunk in model_chunks + (reference.chunks if reference else []):
                 chunk.config.variable_seq_lengths = False
         set_schedule_hooks(model_chunks, optimizer)
 
@@ -208,6 +236,14 @@ class Actor:
 
         load_model_checkpoint(self.model, ckpt_dir)
         self.model_weights_changed()
+
+    def load_reference_weights(self, ckpt_dir) -> None:
+        """Load the reference model from the dist checkpoint at ``ckpt_dir`` (the run's initial
+        weights, ``model.megatron_path``); never a resume's checkpoint."""
+        from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
+
+        with self.reference.on_device() as chunks:
+            load_model_checkpoint(chunks, ckpt_dir)
 
     def model_weights_changed(self) -> None:
         """Call after anything writes the model's parameters outside the optimizer (a model-only
@@ -224,9 +260,12 @@ class Actor:
             micros = self._packed_micro_batches(batch, lengths, mine)
         else:
             micros = self._padded_micro_batches(batch, lengths, mine)
+        self._count_positions(micros)
+        return micros
+
+    def _count_positions(self, micros: list) -> None:
         pad, total = padding_positions(micros)
         self._positions = [self._positions[0] + pad, self._positions[1] + total]
-        return micros
 
     def _packed_micro_batches(self, batch: ActorBatch, lengths: list[int], mine: list[int]) -> list:
         groups = pack_by_real_tokens(lengths, mine, self.cfg.micro_batch_max_tokens, self._micro_multiple)
@@ -312,8 +351,38 @@ class Actor:
         every rank (zero beyond each response); with ``with_entropy`` also the entropy."""
         temperature = self.cfg.temperature if temperature is None else temperature
         micros = self._my_micro_batches(batch, list(range(len(batch))))
+        out = self._score(self.model, micros, batch, temperature, with_entropy)
+        return (out[0], out[1]) if with_entropy else out[0]
+
+    def compute_ref_logprobs(self, batch: ActorBatch, micros: list | None = None) -> torch.Tensor:
+        """Log-probs ``[B, R]`` of every response token under the reference policy, at the
+        rollout temperature, on every rank; ``micros``: the plan of a pass just run on ``batch``
+        (the reference then runs the same micro-batches in the same schedule)."""
+        if self.reference is None:
+            raise ValueError(
+                "this actor has no reference model; set actor.use_kl_loss or algorithm.use_kl_in_reward"
+            )
+        if micros is None:
+            micros = self._my_micro_batches(batch, list(range(len(batch))))
+        else:
+            self._count_positions(micros)
+        with self.reference.on_device() as chunks:
+            return self._score(chunks, micros, batch, self.cfg.temperature)[0]
+
+    def score_old_and_ref(self, batch: ActorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """pi_old's and the reference's log-probs ``[B, R]`` of every response token, from one
+        micro-batch plan (what a KL penalty in the reward needs before the advantages)."""
+        micros = self._my_micro_batches(batch, list(range(len(batch))))
+        old = self._score(self.model, micros, batch, self.cfg.temperature)[0]
+        return old, self.compute_ref_logprobs(batch, micros)
+
+    def _score(
+        self, chunks: list, micros: list, batch: ActorBatch, temperature: float, with_entropy: bool = False
+    ) -> torch.Tensor:
+        """``[1 or 2, B, R]``: the log-probs (and entropy) of ``chunks`` over ``micros``, summed
+        into the response layout on every rank."""
         scored = score_micro_batches(
-            self.model,
+            chunks,
             micros,
             temperature=temperature,
             vocab_size=self.vocab_size,
@@ -325,8 +394,7 @@ class Actor:
             positions_to_response(lp, micro, batch, out[0])
             if with_entropy:
                 positions_to_response(ent, micro, batch, out[1])
-        out = self._world_sum(out, gathered_over_cp=True)
-        return (out[0], out[1]) if with_entropy else out[0]
+        return self._world_sum(out, gathered_over_cp=True)
 
     # ------------------------------------------------------------------ training
     def mini_batches(self, batch: ActorBatch, epoch: int) -> list[list[int]]:
@@ -382,6 +450,8 @@ class Actor:
             norm_len=norm_len,
             moe_aux_loss_coeff=self._aux_coeff,
             logprob_chunk_tokens=self.cfg.logprob_chunk_tokens,
+            kl_loss_coef=self.cfg.kl_loss_coef if self.cfg.use_kl_loss else None,
+            kl_type=self.cfg.ref_kl_type,
         )
         micros = self._my_micro_batches(batch, indices)
         zero_grads(self.model, self.optimizer)
@@ -396,10 +466,12 @@ class Actor:
             # Every CP rank counted the rows it holds a loss token of; the normaliser counted
             # whole sequences once.
             sums[STAT_NAMES.index("seqs")] = num_seqs
-        # the objective back-propagated: the policy loss minus the entropy bonus
+        # the objective back-propagated: the policy loss minus the entropy bonus plus the KL loss
         loss = float(sums[STAT_NAMES.index("loss")]) - self.cfg.entropy_coeff * float(
             sums[STAT_NAMES.index("entropy_loss")]
         )
+        if self.cfg.use_kl_loss:
+            loss += self.cfg.kl_loss_coef * float(sums[STAT_NAMES.index("kl_loss")])
         if num_tokens == 0:
             self.optimizer.zero_grad()
             return sums, None, "no response token in the loss"
@@ -414,6 +486,9 @@ class Actor:
         policy (detached) is pi_old. Returns the step's metrics (same on every rank): ``loss``
         (mean over updates of the mini-batch loss), token-weighted ``clipfrac``,
         ``clipfrac_high``, ``clipfrac_low``, ``clipfrac_lower``, ``ppo_kl``, ``entropy``,
+        ``kl_loss`` (with ``use_kl_loss``: the KL to the reference aggregated like the loss, mean
+        over updates; ``kl_loss_coef`` times it is in the objective) and ``ref_kl`` (with a
+        reference model: the token mean of the ``ref_kl_type`` estimate),
         ``grad_norm`` (mean; ``grad_norm_max``), ``lr``, ``tokens`` (loss tokens of the step),
         ``mismatch_abs`` / ``mismatch_k3`` (pi_old vs rollout log-probs, when present),
         ``tis_mean`` / ``tis_clipfrac`` (with TIS), ``entropy_loss`` (with an entropy bonus: the
@@ -438,8 +513,15 @@ class Actor:
         routing_replay.reset_counts()
         self._positions = [0, 0]
         n_mini = len(self.mini_batches(batch, 0))
-        if batch.old_logprobs is None and (n_mini > 1 or cfg.ppo_epochs > 1):
-            batch = batch.with_old_logprobs(self.compute_logprobs(batch, cfg.temperature))
+        need_old = batch.old_logprobs is None and (n_mini > 1 or cfg.ppo_epochs > 1)
+        need_ref = self.reference is not None and batch.ref_logprobs is None
+        if need_old or need_ref:
+            # the reference scores the micro-batches pi_old does, in the same schedule
+            micros = self._my_micro_batches(batch, list(range(len(batch))))
+            if need_old:
+                batch = batch.with_old_logprobs(self._score(self.model, micros, batch, cfg.temperature)[0])
+            if need_ref:
+                batch = batch.with_ref_logprobs(self.compute_ref_logprobs(batch, micros))
         norm_len = float(cfg.loss_norm_len or batch.max_response_len)
         step_sums = empty_stats()
         updates: list[dict[str, Any]] = []
@@ -515,8 +597,11 @@ class Actor:
         out["seqs"] = out["seqs"] / epochs
         done = [u for u in updates if u["updated"]]
         out["loss"] = sum(u["loss"] for u in updates) / len(updates)
-        if "entropy_loss" in out:  # like the loss: a mean over updates, not their sum
-            out["entropy_loss"] = sum(u.get("entropy_loss", 0.0) for u in updates) / len(updates)
+        for key in ("entropy_loss", "kl_loss"):  # like the loss: a mean over updates, not their sum
+            if key in out:
+                out[key] = sum(u.get(key, 0.0) for u in updates) / len(updates)
+        if not self.cfg.use_kl_loss:
+            out.pop("kl_loss", None)  # ref_kl alone: the reference serves the reward penalty
         if self._aux_coeff is not None:
             # reported apart from the policy loss; its coefficient times it is in the objective
             out["moe_aux_loss"] = sum(u["moe_aux_loss"] for u in updates) / len(updates)
@@ -603,20 +688,31 @@ def build_actor(
     overrides = {**kwargs.pop("config_overrides", {}), **training_config_overrides()}
     if cfg.routing_replay == "rollout":
         overrides["moe_enable_routing_replay"] = True
+
     # perform_initialization stays on even when HF weights overwrite it: megatron-core 0.16 sets
     # the tensor-parallel attributes of its linear weights (``tensor_model_parallel``) only inside
     # the init functions, and without them the grad norm counts TP shards of rank 0 only.
-    chunks = build_gpt_model(
-        hf_dir,
-        params_dtype=params_dtype,
-        use_te=use_te,
-        perform_initialization=True,
-        config_overrides=overrides,
-        **kwargs,
-    )
+    def build() -> list:
+        return build_gpt_model(
+            hf_dir,
+            params_dtype=params_dtype,
+            use_te=use_te,
+            perform_initialization=True,
+            config_overrides=overrides,
+            **kwargs,
+        )
+
+    chunks = build()
+    reference = None
+    if cfg.needs_reference:
+        # the same model, layout and initial weights; model.megatron_path is loaded by the caller
+        ref_chunks = build()
+        if load_weights:
+            load_hf_weights(ref_chunks, hf_dir)
+        reference = ReferenceModel(ref_chunks)
     if cfg.routing_replay == "rollout":
         check_replay_supported(chunks[0].config)
-        routing_replay.keep_only_instances_of(chunks)
+        routing_replay.keep_only_instances_of(chunks + (reference.chunks if reference else []))
     if load_weights:
         load_hf_weights(chunks, hf_dir)
     chunks = wrap_ddp(
@@ -627,4 +723,4 @@ def build_actor(
     )
     optimizer = build_optimizer(chunks, optim)
     scheduler = build_scheduler(optimizer, optim, total_updates)
-    return Actor(chunks, optimizer, scheduler, layout, cfg, optim.checkpoint_format)
+    return Actor(chunks, optimizer, scheduler, layout, cfg, optim.checkpoint_format, reference=reference)

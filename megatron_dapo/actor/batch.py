@@ -14,6 +14,10 @@ from typing import Any
 
 import torch
 
+# The [B, R] float log-prob fields, aligned to the response tokens; micro-batches carry each of
+# them to token positions (actor/micro_batches.py).
+RESPONSE_FLOAT_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
+
 
 class BatchError(ValueError):
     """An :class:`ActorBatch` field is missing, mis-shaped or inconsistent."""
@@ -36,6 +40,10 @@ class ActorBatch:
             from whole groups.
         rollout_logprobs: ``[B, R]`` float log-probs reported by the rollout engine, or None.
         old_logprobs: ``[B, R]`` float pi_old log-probs, or None to let the actor compute them.
+        ref_logprobs: ``[B, R]`` float log-probs under the reference policy (the run's initial
+            weights), or None: the actor computes them when it holds a reference model.
+        scores: ``[B]`` float, the reward each advantage was computed from (score plus overlong
+            penalty, minus a KL penalty when one is in the reward), or None.
         metadata: one dict per sample (data source, uid, ...), carried along untouched.
         routed_experts: per sample an int ``[n, layers, k]`` tensor, the experts each MoE layer of
             the rollout engine chose for token positions ``0..n-1`` (``n`` is ``len(input_ids[i])``
@@ -50,6 +58,8 @@ class ActorBatch:
     group_index: torch.Tensor
     rollout_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
     metadata: list[dict[str, Any]] = field(default_factory=list)
     routed_experts: list[torch.Tensor] | None = None
 
@@ -84,6 +94,11 @@ class ActorBatch:
         for name in ("prompt_lens", "response_lens", "group_index"):
             if getattr(self, name).dtype.is_floating_point:
                 raise BatchError(f"ActorBatch.{name} must be an integer tensor")
+        if self.scores is not None and (self.scores.shape != (b,) or not self.scores.dtype.is_floating_point):
+            raise BatchError(
+                f"ActorBatch.scores must be a float tensor of shape ({b},), got {self.scores.dtype} "
+                f"{tuple(self.scores.shape)}"
+            )
         if not self.advantages.dtype.is_floating_point:
             raise BatchError("ActorBatch.advantages must be a float tensor")
         if not torch.isfinite(self.advantages).all():
@@ -114,7 +129,7 @@ class ActorBatch:
                 f"ActorBatch.response_mask is set beyond the response length of sample "
                 f"{_first((self.response_mask & beyond).any(dim=1))}"
             )
-        for name in ("rollout_logprobs", "old_logprobs"):
+        for name in RESPONSE_FLOAT_FIELDS:
             t = getattr(self, name)
             if t is None:
                 continue
@@ -169,6 +184,8 @@ class ActorBatch:
             group_index=self.group_index[idx],
             rollout_logprobs=rows(self.rollout_logprobs),
             old_logprobs=rows(self.old_logprobs),
+            ref_logprobs=rows(self.ref_logprobs),
+            scores=None if self.scores is None else self.scores[idx],
             metadata=[self.metadata[i] for i in idx.tolist()] if self.metadata else [],
             routed_experts=None
             if self.routed_experts is None
@@ -178,6 +195,10 @@ class ActorBatch:
     def with_old_logprobs(self, old_logprobs: torch.Tensor) -> ActorBatch:
         """A copy carrying ``old_logprobs`` ([B, R])."""
         return replace(self, old_logprobs=old_logprobs)
+
+    def with_ref_logprobs(self, ref_logprobs: torch.Tensor) -> ActorBatch:
+        """A copy carrying ``ref_logprobs`` ([B, R])."""
+        return replace(self, ref_logprobs=ref_logprobs)
 
 
 def _first(flags: torch.Tensor) -> int:

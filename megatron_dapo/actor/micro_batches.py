@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from megatron_dapo.actor.batch import ActorBatch, BatchError
+from megatron_dapo.actor.batch import RESPONSE_FLOAT_FIELDS, ActorBatch, BatchError
 
 
 def _longest_first(lengths: list[int], indices: list[int]) -> list[int]:
@@ -200,7 +200,8 @@ class MicroBatch:
 
     ``labels[:, t]`` is the token predicted at position ``t`` (``tokens[:, t + 1]``, within the
     same sample) and ``loss_mask[:, t]`` marks the positions whose prediction is a response
-    token in the loss; ``old_logprobs`` / ``rollout_logprobs`` are aligned to those positions.
+    token in the loss; ``old_logprobs`` / ``rollout_logprobs`` / ``ref_logprobs`` are aligned to
+    those positions.
     """
 
     # the [b, L, ...] fields: cut along the sequence by context parallelism
@@ -212,6 +213,7 @@ class MicroBatch:
         "score_mask",
         "old_logprobs",
         "rollout_logprobs",
+        "ref_logprobs",
         "routed_experts",
         "seq_ids",
     )
@@ -227,6 +229,7 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor | None  # [b, L]
     # [b, L, layers, k] experts the rollout engine chose (actor/routing_replay.py), or None
     routed_experts: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None  # [b, L], with a reference model
     # [n] real tokens of each sample (0 for a dummy row)
     seq_lens: torch.Tensor | None = None
     # [b, L] int64: the sample (0..n-1) whose real token a position holds, -1 for padding
@@ -248,6 +251,20 @@ def _to_positions(values: torch.Tensor, prompt_len: int, resp_len: int, length: 
     out = torch.zeros(length, dtype=values.dtype)
     out[prompt_len - 1 : prompt_len - 1 + resp_len] = values[:resp_len]
     return out
+
+
+def _response_floats(batch: ActorBatch, rows: int, length: int) -> dict[str, torch.Tensor]:
+    """A zeroed ``[rows, length]`` position-layout tensor for each response log-prob field the
+    batch carries (``RESPONSE_FLOAT_FIELDS``)."""
+    return {
+        name: torch.zeros(rows, length, dtype=getattr(batch, name).dtype)
+        for name in RESPONSE_FLOAT_FIELDS
+        if getattr(batch, name) is not None
+    }
+
+
+def _all_response_floats(floats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    return {name: floats.get(name) for name in RESPONSE_FLOAT_FIELDS}
 
 
 def collate(
@@ -273,10 +290,7 @@ def collate(
     labels = torch.full((b, length), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(b, length, dtype=torch.bool)
     score_mask = torch.zeros(b, length, dtype=torch.bool)
-    old = None if batch.old_logprobs is None else torch.zeros(b, length, dtype=batch.old_logprobs.dtype)
-    rollout = (
-        None if batch.rollout_logprobs is None else torch.zeros(b, length, dtype=batch.rollout_logprobs.dtype)
-    )
+    floats = _response_floats(batch, b, length)
     routed = None if batch.routed_experts is None else _routed_rows(batch.routed_experts, indices, b, length)
     for row, i in enumerate(indices):
         ids = batch.input_ids[i]
@@ -285,10 +299,8 @@ def collate(
         labels[row, : n - 1] = ids[1:]
         loss_mask[row] = _to_positions(batch.response_mask[i], p, r, length)
         score_mask[row, p - 1 : p - 1 + r] = True
-        if old is not None:
-            old[row] = _to_positions(batch.old_logprobs[i], p, r, length)
-        if rollout is not None:
-            rollout[row] = _to_positions(batch.rollout_logprobs[i], p, r, length)
+        for name, out in floats.items():
+            out[row] = _to_positions(getattr(batch, name)[i], p, r, length)
     index = torch.full((b,), -1, dtype=torch.long)
     index[: len(indices)] = torch.tensor(indices, dtype=torch.long)
     advantages = torch.zeros(b, dtype=batch.advantages.dtype)
@@ -305,8 +317,7 @@ def collate(
         loss_mask=loss_mask,
         score_mask=score_mask,
         advantages=advantages,
-        old_logprobs=old,
-        rollout_logprobs=rollout,
+        **_all_response_floats(floats),
         routed_experts=routed,
         seq_lens=seq_lens,
         seq_ids=seq_ids,
@@ -342,10 +353,7 @@ def collate_packed(
     seq_ids = torch.full((1, total), -1, dtype=torch.long)
     loss_mask = torch.zeros(1, total, dtype=torch.bool)
     score_mask = torch.zeros(1, total, dtype=torch.bool)
-    old = None if batch.old_logprobs is None else torch.zeros(1, total, dtype=batch.old_logprobs.dtype)
-    rollout = (
-        None if batch.rollout_logprobs is None else torch.zeros(1, total, dtype=batch.rollout_logprobs.dtype)
-    )
+    floats = _response_floats(batch, 1, total)
     routed = None
     if batch.routed_experts is not None:
         from megatron_dapo.actor.routing_replay import pad_value
@@ -361,10 +369,8 @@ def collate_packed(
         seq_ids[0, start : start + n] = row
         loss_mask[0, start : start + span] = _to_positions(batch.response_mask[i], p, r, span)
         score_mask[0, start + p - 1 : start + p - 1 + r] = True
-        if old is not None:
-            old[0, start : start + span] = _to_positions(batch.old_logprobs[i], p, r, span)
-        if rollout is not None:
-            rollout[0, start : start + span] = _to_positions(batch.rollout_logprobs[i], p, r, span)
+        for name, out in floats.items():
+            out[0, start : start + span] = _to_positions(getattr(batch, name)[i], p, r, span)
         if routed is not None:
             experts = batch.routed_experts[i]
             routed[0, start : start + experts.shape[0]] = experts
@@ -377,8 +383,7 @@ def collate_packed(
         loss_mask=loss_mask,
         score_mask=score_mask,
         advantages=batch.advantages[index].clone(),
-        old_logprobs=old,
-        rollout_logprobs=rollout,
+        **_all_response_floats(floats),
         routed_experts=routed,
         seq_lens=torch.tensor(lens, dtype=torch.long),
         seq_ids=seq_ids,

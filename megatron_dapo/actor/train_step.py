@@ -19,7 +19,7 @@ from megatron_dapo.actor import compat, fused_output, moe_aux_loss, routing_repl
 from megatron_dapo.actor.context_parallel import cp_gather, cp_row_sum, cp_split_micro
 from megatron_dapo.actor.logprobs import DEFAULT_CHUNK_TOKENS
 from megatron_dapo.actor.micro_batches import MicroBatch, as_rows, row_view
-from megatron_dapo.algo import RolloutCorrection, entropy_loss, policy_loss, sequence_weights
+from megatron_dapo.algo import RolloutCorrection, entropy_loss, kl_loss, policy_loss, sequence_weights
 
 # Per-mini-batch metric sums; the token-weighted ones are divided by "tokens" after reduction.
 STAT_NAMES = (
@@ -41,6 +41,9 @@ STAT_NAMES = (
     "rc_weight_mean",
     "rc_fraction",
     "entropy_loss",
+    "kl_loss",
+    "ref_tokens",
+    "ref_kl",
 )
 # Combined by max (after STAT_NAMES in the stats vector); -inf when absent. The minimum travels
 # negated so one max-reduction serves both.
@@ -72,6 +75,11 @@ class LossSettings:
     moe_aux_loss_coeff: float | None = None
     # tokens per chunk of the fused output layer + log-prob (actor.logprob_chunk_tokens)
     logprob_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # KL to the reference policy (micro-batches then carry ref_logprobs): kl_loss_coef x the
+    # kl_type estimate aggregated like the policy loss is added when kl_loss_coef is not None
+    # (actor.use_kl_loss); the estimate's token mean is reported as ref_kl either way.
+    kl_loss_coef: float | None = None
+    kl_type: str = "low_var_kl"
 
 
 def _cp_group():
@@ -215,9 +223,11 @@ def micro_batch_loss(
     row_sum=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss of one micro-batch (already divided by the global normaliser): the policy loss
-    ``settings.policy_loss`` minus ``entropy_coeff`` times the entropy aggregated the same way;
+    ``settings.policy_loss`` minus ``entropy_coeff`` times the entropy aggregated the same way,
+    plus ``kl_loss_coef`` times the KL to the reference policy aggregated the same way;
     and its metric sums in :data:`STAT_NAMES` order followed by :data:`EXTREME_NAMES` (float64;
-    ``loss`` is the policy loss alone, ``entropy_loss`` the aggregated entropy). With no
+    ``loss`` is the policy loss alone, ``entropy_loss`` the aggregated entropy, ``kl_loss`` the
+    aggregated KL, ``ref_kl`` the KL estimate summed over loss tokens). With no
     ``old_logprobs`` the current policy, detached, is pi_old (ratio exactly 1). ``row_sum``: with
     context parallelism, sums per-row quantities over the CP ranks
     (:func:`~megatron_dapo.actor.context_parallel.cp_row_sum`).
@@ -254,18 +264,25 @@ def micro_batch_loss(
     n = m["num_tokens"].double()
     stats = dict.fromkeys(STAT_NAMES, torch.zeros((), dtype=torch.float64, device=mask.device))
     stats["loss"] = loss.detach().double()
+    # the regularisers are aggregated exactly as the policy loss (same mode and normalisers)
+    agg = {
+        "loss_agg_mode": settings.loss_agg_mode,
+        "num_tokens": settings.num_tokens,
+        "num_seqs": settings.num_seqs,
+        "norm_len": settings.norm_len,
+        "row_sum": row_sum,
+    }
     if settings.entropy_coeff:
-        ent_loss = entropy_loss(
-            entropy,
-            mask,
-            loss_agg_mode=settings.loss_agg_mode,
-            num_tokens=settings.num_tokens,
-            num_seqs=settings.num_seqs,
-            norm_len=settings.norm_len,
-            row_sum=row_sum,
-        )
+        ent_loss = entropy_loss(entropy, mask, **agg)
         stats["entropy_loss"] = ent_loss.detach().double()
         loss = loss - settings.entropy_coeff * ent_loss
+    if micro.ref_logprobs is not None:
+        ref_loss, ref_m = kl_loss(logprobs, micro.ref_logprobs, mask, kind=settings.kl_type, **agg)
+        stats["ref_tokens"] = n
+        stats["ref_kl"] = ref_m["ref_kl"].double() * n
+        if settings.kl_loss_coef is not None:
+            stats["kl_loss"] = ref_loss.detach().double()
+            loss = loss + settings.kl_loss_coef * ref_loss
     stats["tokens"] = n
     stats["seqs"] = m["num_seqs"].double()
     for key in ("clipfrac", "clipfrac_high", "clipfrac_low", "clipfrac_lower", "ppo_kl"):
@@ -376,6 +393,9 @@ def finish_stats(sums: torch.Tensor) -> dict[str, float]:
         out["rc_weight_min"] = -ext["rc_weight_neg_min"]
     if s["entropy_loss"]:
         out["entropy_loss"] = s["entropy_loss"]
+    if s["ref_tokens"]:
+        out["kl_loss"] = s["kl_loss"]
+        out["ref_kl"] = s["ref_kl"] / s["ref_tokens"]
     if s["mismatch_tokens"]:
         out["mismatch_abs"] = s["mismatch_abs"] / s["mismatch_tokens"]
         out["mismatch_k3"] = s["mismatch_k3"] / s["mismatch_tokens"]

@@ -27,8 +27,8 @@ __all__ = ["ConfigError", "all_keys", "load_config", "nearest_key", "to_containe
 # without the behaviour it asked for and never be told.
 REMOVED_KEYS = {
     "algorithm.kl_coef": (
-        "the reference-model KL is not built yet (it will be actor.use_kl_loss / "
-        "algorithm.use_kl_in_reward); algorithm.kl_coef never did anything, remove it"
+        "a KL to the reference model is actor.use_kl_loss=true actor.kl_loss_coef=C (a loss term) or "
+        "algorithm.use_kl_in_reward=true algorithm.kl_ctrl.kl_coef=C (a reward penalty); remove algorithm.kl_coef"
     ),
     "logging.jsonl": "metrics.jsonl is always written (resume and the plots read it); remove the key",
 }

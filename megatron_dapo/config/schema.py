@@ -175,6 +175,18 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class KLControlConfig:
+    """The reward penalty's coefficient (algorithm.use_kl_in_reward), verl's algorithm.kl_ctrl:
+    fixed, or adaptive toward target_kl over horizon samples (algo/kl_control.py). Its value is
+    saved in checkpoints and restored on resume."""
+
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: float = 10000.0
+
+
+@dataclass
 class AlgorithmConfig:
     # grpo | rloo | reinforce_plus_plus_baseline (verl's names; megatron_dapo/algo/advantages.py).
     # Dr. GRPO: grpo with norm_adv_by_std_in_grpo=false and loss_agg_mode=seq-mean-token-sum-norm.
@@ -203,6 +215,15 @@ class AlgorithmConfig:
     # Entropy bonus: the loss is policy loss - entropy_coeff x entropy, the entropy aggregated like
     # the policy loss (loss_agg_mode, the same global normalisers). 0: off.
     entropy_coeff: float = 0.0
+    # A KL penalty to the reference policy (the run's initial weights) in the reward, verl's
+    # use_kl_in_reward: each response's score becomes score - coef x sum over its tokens of the
+    # estimate kl_penalty(pi_old, pi_ref), before the advantages; coef from kl_ctrl. The group
+    # filter (dynamic sampling) sees the scores without it. Builds the reference model.
+    use_kl_in_reward: bool = False
+    # The per-token estimator of the reward penalty (megatron_dapo/algo/kl.py): kl/k1, abs,
+    # mse/k2, low_var_kl/k3 (verl's algorithm.kl_penalty; default kl).
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
 @dataclass
@@ -250,6 +271,14 @@ class ActorConfig:
     # null: the HF config's router_aux_loss_coef when its output_router_logits is true, else 0.
     # The loss is reported as actor/moe_aux_loss either way (actor/moe_aux_loss.py).
     moe_aux_loss_coeff: float | None = None
+    # A KL to the reference policy (the run's initial weights, a frozen copy in the actor's
+    # layout, offloaded to host memory between uses on GPU) as a loss term, verl's names: the
+    # loss gains kl_loss_coef x kl_loss_type's estimate aggregated like the policy loss.
+    # kl_loss_type: kl/k1, abs, mse/k2, low_var_kl/k3, or any of them with "+" (that value, k2's
+    # gradient). The GRPO paper's setting: low_var_kl at 0.001.
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
 
 
 @dataclass

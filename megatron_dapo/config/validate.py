@@ -20,6 +20,8 @@ from omegaconf import DictConfig
 from megatron_dapo.actor.gpu_settings import GpuSettingsError, ddp_overlap
 from megatron_dapo.config.errors import ConfigError
 
+_KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
 CHOICES: dict[str, tuple] = {
     "model.dtype": ("fp32", "bf16", "fp16"),
     "model.transformer_impl": ("auto", "transformer_engine", "local"),
@@ -31,6 +33,11 @@ CHOICES: dict[str, tuple] = {
     # algo/'s ADV_ESTIMATORS and POLICY_LOSS_TYPES (not imported: algo/ imports torch)
     "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
     "algorithm.policy_loss": ("vanilla", "gspo", "cispo", "sapo", "gpg"),
+    # algo/kl.py's KL_PENALTY_KINDS; the reward penalty takes the base kinds (a "+" changes only
+    # a gradient, and a reward has none)
+    "actor.kl_loss_type": _KL_KINDS + tuple(f"{k}+" for k in _KL_KINDS),
+    "algorithm.kl_penalty": _KL_KINDS,
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "algorithm.loss_agg_mode": (
         "token-mean",
         "seq-mean-token-sum",
@@ -162,6 +169,7 @@ def check_algorithm(cfg: DictConfig) -> None:
         raise ConfigError(
             f"algorithm.entropy_coeff={alg.entropy_coeff} must be >= 0 (the entropy bonus's weight; 0 turns it off)"
         )
+    _check_kl_in_reward(alg)
     if not 0.0 <= alg.clip_ratio_high <= 10.0:
         raise ConfigError(f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be in [0, 10] (DAPO: 0.28)")
     if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1.0:
@@ -331,6 +339,25 @@ def check_actor(cfg: DictConfig) -> None:
     aux = cfg.actor.moe_aux_loss_coeff
     if aux is not None and not aux >= 0:
         raise ConfigError(f"actor.moe_aux_loss_coeff={aux} must be >= 0 (or null: the HF config's)")
+    coef = cfg.actor.kl_loss_coef
+    if not 0.0 <= coef < float("inf"):
+        raise ConfigError(
+            f"actor.kl_loss_coef={coef} must be >= 0 (the KL loss's weight with actor.use_kl_loss; GRPO: 0.001)"
+        )
+
+
+def _check_kl_in_reward(alg: DictConfig) -> None:
+    ctrl = alg.kl_ctrl
+    if not 0.0 <= ctrl.kl_coef < float("inf"):
+        raise ConfigError(
+            f"algorithm.kl_ctrl.kl_coef={ctrl.kl_coef} must be >= 0 (the reward penalty's initial coefficient; verl: 0.001)"
+        )
+    if ctrl.type == "adaptive":
+        for name, verl in (("target_kl", 0.1), ("horizon", 10000)):
+            if not 0.0 < ctrl[name] < float("inf"):
+                raise ConfigError(
+                    f"algorithm.kl_ctrl.{name}={ctrl[name]} must be > 0 with algorithm.kl_ctrl.type=adaptive (verl: {verl})"
+                )
 
 
 def check_model(cfg: DictConfig) -> None:

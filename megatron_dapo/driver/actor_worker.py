@@ -97,6 +97,8 @@ class ActorWorker:
         )
         if start_from:
             self.actor.load_model_weights(start_from)
+            if self.actor.reference is not None:
+                self.actor.load_reference_weights(start_from)
         if not compat.on_cpu() and cfg["trainer"]["placement"] == "colocated":
             from megatron_dapo.actor.offload import check_params_offloadable
 
@@ -126,6 +128,15 @@ class ActorWorker:
 
     def compute_logprobs(self, batch, temperature: float | None = None) -> torch.Tensor:
         return self.actor.compute_logprobs(batch, temperature)
+
+    def score_old_and_ref(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """pi_old's and the reference's log-probs of the batch (algorithm.use_kl_in_reward);
+        global rank 0 returns them (every rank holds the same), the others None: at real sizes
+        each is [responses x longest response] floats."""
+        import torch.distributed as dist
+
+        scores = self.actor.score_old_and_ref(batch)
+        return scores if dist.get_rank() == 0 else None
 
     # ---------------------------------------------------------------- colocation
     def offload(self, params: bool = True) -> bool:

@@ -56,10 +56,7 @@ def build_actor_batch(
         raise ValueError(f"rollout sample {i} (group {samples[i].group_id}) has an empty response")
     width = int(response_lens.max())
     mask = torch.arange(width).unsqueeze(0) < response_lens.unsqueeze(1)
-    # Every estimator gives one value per response, on each of its tokens: keep the first.
-    advantages = outcome_advantages(
-        rewards, group_index, mask, adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std
-    )[:, 0].contiguous()
+    advantages = response_advantages(rewards, group_index, response_lens, adv_estimator, norm_adv_by_std)
     truncated = torch.tensor([bool(s.truncated) for s in samples])
     if overlong_filter:
         mask &= ~truncated.unsqueeze(1)
@@ -79,13 +76,12 @@ def build_actor_batch(
         advantages=advantages,
         group_index=group_index,
         rollout_logprobs=rollout_lp,
+        scores=rewards,
         metadata=[{"group_id": s.group_id, "index": s.prompt.index} for s in samples],
         routed_experts=_routed_experts(samples),
     )
     metrics = {
-        "train/advantages/mean": float(advantages.mean()),
-        "train/advantages/max": float(advantages.max()),
-        "train/advantages/min": float(advantages.min()),
+        **advantage_metrics(advantages),
         "train/overlong_filtered": float(truncated.sum()) if overlong_filter else 0.0,
         "train/num_samples": float(len(samples)),
         "train/num_groups": float(len(dense)),
@@ -93,6 +89,30 @@ def build_actor_batch(
         "rollout/mean_token_prob": float((rollout_lp.exp() * mask).sum() / mask.sum().clamp(min=1)),
     }
     return batch, metrics
+
+
+def response_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    response_lens: torch.Tensor,
+    adv_estimator: str,
+    norm_adv_by_std: bool,
+) -> torch.Tensor:
+    """``[B]``: each response's advantage from its reward (every estimator gives one value per
+    response, on each of its tokens; reinforce_plus_plus_baseline whitens over all of them,
+    truncated ones included)."""
+    mask = torch.arange(int(response_lens.max())).unsqueeze(0) < response_lens.unsqueeze(1)
+    return outcome_advantages(
+        rewards, group_index, mask, adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std
+    )[:, 0].contiguous()
+
+
+def advantage_metrics(advantages: torch.Tensor) -> dict[str, float]:
+    return {
+        "train/advantages/mean": float(advantages.mean()),
+        "train/advantages/max": float(advantages.max()),
+        "train/advantages/min": float(advantages.min()),
+    }
 
 
 def _routed_experts(samples: Sequence) -> list | None:

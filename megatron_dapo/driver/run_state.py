@@ -315,6 +315,8 @@ class TrainerState:
     # {"file", "groups", "samples": responses per group}. (Checkpoints written before held the
     # groups themselves here as {"groups": [...]}; they still load.)
     partial_rollouts: dict = field(default_factory=dict)
+    # algorithm.use_kl_in_reward: the KL controller's state (its coefficient), {} without one
+    kl_ctrl: dict = field(default_factory=dict)
 
 
 # A carried batch and where its prompts began (pipeline.batch_start; None in older checkpoints).

@@ -25,6 +25,8 @@ ACTOR_KEYS = {
     "ppo_kl": "actor/ppo_kl",
     "entropy": "actor/entropy",
     "entropy_loss": "actor/entropy_loss",
+    "kl_loss": "actor/kl_loss",
+    "ref_kl": "actor/ref_kl",
     "grad_norm": "actor/grad_norm",
     "grad_norm_max": "actor/grad_norm_max",
     "routing_mismatch": "actor/routing_mismatch",
@@ -65,6 +67,11 @@ def run_step(t: DAPOTrainer, step: int, progress: StepProgress) -> dict[str, Any
     with timer.phase("memory_swap"):
         t.memory.to_training()
     try:
+        if t.kl_in_reward is not None:  # needs the actor's log-probs: after the memory swap
+            with timer.phase("kl_in_reward"), progress.phase(step, "reference log-probs"):
+                scored = t.call("score_old_and_ref", batch, limit="train_step_s")[0]
+                batch, kl_metrics = t.kl_in_reward.apply(batch, *scored)
+            batch_metrics.update(kl_metrics)
         with timer.phase("update_actor"), progress.phase(step, "actor update"):
             actor_metrics = t.call("train_step", batch, limit="train_step_s")[0]
         mode.before_sync(step, timer, progress)

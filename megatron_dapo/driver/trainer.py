@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from megatron_dapo.driver.colocation import MemoryHandOff
 from megatron_dapo.driver.engine_sync import EngineSync
+from megatron_dapo.driver.kl_reward import KLInReward
 from megatron_dapo.driver.modes import make_mode
 from megatron_dapo.driver.progress import StepProgress
 from megatron_dapo.driver.rank_group import RankCallError
@@ -61,6 +62,7 @@ class DAPOTrainer:
         self.memory = MemoryHandOff(colocated_engines, self.call)
         self.engines = EngineSync(manager.pool, self.call, self.memory, transport_sync)
         self.mode = make_mode(cfg, manager, dataset, self.run_state, self.engines, self.stop)
+        self.kl_in_reward = KLInReward(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
         manager.should_stop = lambda: self.stop.requested or self.mode.cancelled
 
     @property
@@ -68,6 +70,8 @@ class DAPOTrainer:
         return self.run_state.state
 
     def save(self) -> str:
+        if self.kl_in_reward is not None:
+            self.state.kl_ctrl = self.kl_in_reward.state_dict()
         return self.run_state.save(self.mode.carried())
 
     def last_checkpoint(self) -> str:
@@ -123,6 +127,8 @@ class DAPOTrainer:
         carried = self.run_state.resume()
         resumed = carried is not None
         self.mode.load_carried(carried or [])
+        if self.kl_in_reward is not None and self.state.kl_ctrl:
+            self.kl_in_reward.load_state_dict(self.state.kl_ctrl)
         logger = MetricsLogger(
             self.run,
             resume_step=self.state.step if resumed else None,

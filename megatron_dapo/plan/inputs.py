@@ -41,6 +41,13 @@ class PlanInputs:
     placement: str = knob("trainer.placement")
     rollout_gpus: int = knob("trainer.rollout_gpus")
     mode: str = knob("trainer.mode")  # one_step_off/async overlap rollout and training
+    # either builds the frozen reference model (actor/reference.py)
+    use_kl_loss: bool = knob("actor.use_kl_loss")
+    use_kl_in_reward: bool = knob("algorithm.use_kl_in_reward")
+
+    @property
+    def reference(self) -> bool:
+        return self.use_kl_loss or self.use_kl_in_reward
 
     @property
     def max_seq_len(self) -> int:

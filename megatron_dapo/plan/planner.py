@@ -49,10 +49,24 @@ class StageMemory:
     activations_other: float  # the same stage with recompute toggled, for comparison
     logits: float
     overhead: float
+    # The reference model's weights on this GPU (actor.use_kl_loss / algorithm.use_kl_in_reward):
+    # in host memory between uses, on the GPU only for its forward-only scoring pass, which saves
+    # no activations; 0 without a reference.
+    reference: float = 0.0
+
+    @property
+    def train_total(self) -> float:
+        return self.state.total + self.activations + self.logits + self.overhead
+
+    @property
+    def scoring_total(self) -> float:
+        """The reference's scoring pass: the actor's resident state plus the reference's weights
+        and one micro-batch's logits."""
+        return self.state.total + self.reference + self.logits + self.overhead
 
     @property
     def total(self) -> float:
-        return self.state.total + self.activations + self.logits + self.overhead
+        return max(self.train_total, self.scoring_total)
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,7 @@ def actor_stages(
                 activations_other=act[1],
                 logits=logits_bytes(tokens, vocab, p.tp) if st.has_head else 0.0,
                 overhead=a.overhead_gib * GIB,
+                reference=_stage_state(st, p).weights if p.reference else 0.0,
             )
         )
     return out, micro
@@ -393,7 +408,12 @@ def make_plan(
             Check(
                 "actor",
                 train_ok,
-                f"train phase: {_gib(peak.total)} on the {peak.stage} stage of {gpu.memory_gib:g} GiB",
+                f"train phase: {_gib(peak.total)} on the {peak.stage} stage of {gpu.memory_gib:g} GiB"
+                + (
+                    " (in the reference model's scoring pass)"
+                    if peak.scoring_total > peak.train_total
+                    else ""
+                ),
                 None if train_ok else fix,
             )
         )
@@ -446,6 +466,7 @@ def make_plan(
         a.mfu,
         overlapped=p.mode in ("one_step_off", "async") and not roles.colocated,
         a2a_s=a2a_bytes / a2a_rate,
+        reference=p.reference,
     )
     assumptions = [
         (

@@ -58,6 +58,7 @@ def render(plan: Plan, console: Console) -> None:
             "(recompute toggled)",
             "logits",
             "overhead",
+            "reference",
             "total",
         ):
             mem.add_column(col, justify="right")
@@ -72,6 +73,7 @@ def render(plan: Plan, console: Console) -> None:
                 _g(s.activations_other),
                 _g(s.logits),
                 _g(s.overhead),
+                _g(s.reference),
                 _g(s.total),
             )
         console.print(mem)

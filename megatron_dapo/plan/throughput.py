@@ -112,15 +112,17 @@ def time_split(
     mfu: float,
     overlapped: bool = False,
     a2a_s: float = 0.0,
+    reference: bool = False,
 ) -> TimeSplit:
     """Rollout: decode tokens / (per-GPU decode rate * rollout GPUs), prefill and the long tail
     ignored. Train: one forward for the old log-probs, then per epoch forward + backward (3
-    forwards' worth) plus one more forward under full recompute, at `mfu` of peak. The sync DAPO
+    forwards' worth) plus one more forward under full recompute, and with a `reference` model one
+    forward of it (its log-probs), at `mfu` of peak. The sync DAPO
     step adds the two up whether the roles share GPUs or not; `overlapped` (one_step_off/async on
     their own GPUs) takes the longer of the two. `a2a_s` (MoE token exchange) adds to the train time:
     megatron-core overlaps it with compute only in setups this planner does not assume."""
     rollout_s = tokens.decode_tokens / (decode_tok_s_per_gpu * rollout_gpus)
-    passes = 1 + ppo_epochs * (3 + (1 if recompute else 0))
+    passes = 1 + (1 if reference else 0) + ppo_epochs * (3 + (1 if recompute else 0))
     flops = tokens.train_tokens * fwd_flops_per_token * passes
     train_s = flops / (actor_gpus * peak_tflops * 1e12 * mfu) + a2a_s
     return TimeSplit(rollout_s, train_s, flops, overlapped, a2a_s)
