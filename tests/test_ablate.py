@@ -47,14 +47,23 @@ def test_last_rung_is_the_demo_config_and_the_first_is_its_grpo():
 
 def test_loss_variants_are_full_dapo_with_another_loss_and_valid_configs():
     dapo = rung_overrides(len(LADDER) - 1)
-    losses = []
+    variants = []
     for i in range(len(LADDER), len(RUNGS)):
         over = rung_overrides(i)
         changed = {k for k, v in over.items() if dapo.get(k) != v}
         assert changed == set(RUNGS[i][1]), RUNGS[i][0]  # the same budget and task as DAPO
         cfg = load_config(REPO / "configs/demo.yaml", [f"{k}={v}" for k, v in over.items()])
-        losses.append(cfg.algorithm.policy_loss)
-    assert losses == ["gspo", "cispo", "sapo", "gpg"] and len(LOSS_VARIANTS) == 4
+        variants.append((cfg.algorithm.policy_loss, cfg.algorithm.adv_estimator, cfg.actor.use_kl_loss))
+    assert variants == [
+        ("gspo", "grpo", False),
+        ("cispo", "grpo", False),
+        ("sapo", "grpo", False),
+        ("gpg", "grpo", False),
+        ("vanilla", "grpo", True),
+        ("vanilla", "rloo", False),
+        ("vanilla", "reinforce_plus_plus_baseline", False),
+    ]
+    assert len(LOSS_VARIANTS) == 7
     assert (
         load_config(
             REPO / "configs/demo.yaml", [f"{k}={v}" for k, v in rung_overrides(len(LADDER) + 1).items()]

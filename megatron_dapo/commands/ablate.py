@@ -2,8 +2,9 @@
 
 Each rung adds one technique to the one before, from GRPO to full DAPO:
 GRPO -> +overlong filtering -> +clip-higher -> +soft overlong punishment -> +token-level loss
--> +dynamic sampling. Then the loss variants: full DAPO with the GSPO, CISPO, SAPO or GPG
-policy loss instead of the clipped token ratio (`algorithm.policy_loss`). Every rung runs on each seed as `megatron-dapo demo` (same task, warm
+-> +dynamic sampling. Then the variants of full DAPO: the GSPO, CISPO, SAPO or GPG policy loss
+instead of the clipped token ratio (`algorithm.policy_loss`), a KL loss to the reference policy
+(`actor.use_kl_loss`), and the RLOO or REINFORCE++-baseline advantages (`algorithm.adv_estimator`). Every rung runs on each seed as `megatron-dapo demo` (same task, warm
 start and held-out protocol; the warm start is built once per seed and shared). The table gives
 the mean and spread of held-out accuracy at equal steps (the last step) and at equal wall time
 (the shortest rung's training time; the last evaluation reached by then), and a PNG shows the
@@ -63,6 +64,17 @@ LOSS_VARIANTS: list[tuple[str, dict[str, str]]] = [
     ("DAPO with CISPO loss", {"algorithm.policy_loss": "cispo", "algorithm.clip_ratio_low": "1.0"}),
     ("DAPO with SAPO loss", {"algorithm.policy_loss": "sapo"}),
     ("DAPO with GPG loss", {"algorithm.policy_loss": "gpg"}),
+    # the KL to the reference policy as GRPO published it (k3 at 0.001), on top of DAPO
+    (
+        "DAPO with a KL loss (low_var_kl 0.001)",
+        {"actor.use_kl_loss": "true", "actor.kl_loss_coef": "0.001", "actor.kl_loss_type": "low_var_kl"},
+    ),
+    # the other advantage estimators (algo/advantages.py), with DAPO's loss
+    ("DAPO with RLOO advantages", {"algorithm.adv_estimator": "rloo"}),
+    (
+        "DAPO with REINFORCE++-baseline advantages",
+        {"algorithm.adv_estimator": "reinforce_plus_plus_baseline"},
+    ),
 ]
 RUNGS = LADDER + LOSS_VARIANTS
 
