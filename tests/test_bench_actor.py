@@ -35,3 +35,22 @@ def test_bench_actor_tiny_prints_the_table():
     text = out.stdout
     for needle in ("8N + 16*L*h*s", "2N + 4*L*h*s", "6N + 12*L*h*s", "actor.update", "update/bare"):
         assert needle in text
+
+
+def test_bench_reference_tiny_prints_its_ratios():
+    """tools/bench_reference.py on CPU: the reference's pass against pi_old's, the update with
+    the KL loss against the plain one; nothing is offloaded on CPU, which the table says."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_reference.py"), "--shape", "tiny", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.splitlines()[-1][len("RESULT ") :])
+    assert r["device"] == "cpu" and not r["offloaded"] and r["resident_device_bytes"] == 0
+    assert r["reference_param_bytes"] > 0 and r["transfer_gb_per_s"] is None
+    assert all(v > 0 for v in r["ratios"].values()) and all(v > 0 for v in r["seconds"].values())
+    assert "not offloaded (CPU)" in out.stdout and "x" in out.stdout
