@@ -203,3 +203,27 @@ def random_hf_model(config, seed: int):
             scale, base = (0.2, 1.0) if name.endswith("norm.weight") else (0.15, 0.0)
             p.copy_(base + scale * torch.randn(p.shape, generator=gen))
     return model
+
+
+def loss_settings(**over):
+    """The actor's ``LossSettings`` of the hand-computed micro-batch loss tests: DAPO's clip,
+    token-mean over 10 global tokens and 3 sequences, no regulariser; ``over`` replaces fields."""
+    from megatron_dapo.actor.train_step import LossSettings
+
+    base = dict(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=None,
+        loss_agg_mode="token-mean",
+        policy_loss="vanilla",
+        tau_pos=1.0,
+        tau_neg=1.05,
+        entropy_coeff=0.0,
+        tis_cap=None,
+        temperature=1.0,
+        vocab_size=8,
+        num_tokens=10.0,
+        num_seqs=3.0,
+        norm_len=5.0,
+    )
+    return LossSettings(**{**base, **over})

@@ -9,10 +9,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import loss_settings
 
 from megatron_dapo.actor.batch import make_actor_batch
 from megatron_dapo.actor.micro_batches import MicroBatch
-from megatron_dapo.actor.train_step import STAT_NAMES, LossSettings, micro_batch_loss
+from megatron_dapo.actor.train_step import STAT_NAMES, micro_batch_loss
 from megatron_dapo.algo import KL_CONTROL_TYPES, KL_PENALTY_KINDS
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.config.validate import CHOICES
@@ -88,24 +89,8 @@ def _micro(ref_shift: float):
     return lp.requires_grad_(), micro
 
 
-def _settings(**over) -> LossSettings:
-    base = dict(
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_c=None,
-        loss_agg_mode="token-mean",
-        policy_loss="vanilla",
-        tau_pos=1.0,
-        tau_neg=1.05,
-        entropy_coeff=0.0,
-        tis_cap=None,
-        temperature=1.0,
-        vocab_size=8,
-        num_tokens=10.0,
-        num_seqs=3.0,
-        norm_len=5.0,
-    )
-    return LossSettings(**{**base, **over})
+def _settings(**over):
+    return loss_settings(**over)
 
 
 def test_kl_loss_is_added_with_the_global_normaliser_and_its_gradient_is_k3s():

@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
+from helpers import loss_settings
 
 from megatron_dapo.actor.micro_batches import MicroBatch
-from megatron_dapo.actor.train_step import STAT_NAMES, LossSettings, micro_batch_loss
+from megatron_dapo.actor.train_step import STAT_NAMES, micro_batch_loss
 from megatron_dapo.algo import ADV_ESTIMATORS, POLICY_LOSS_TYPES
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.config.validate import CHOICES
@@ -66,24 +67,8 @@ def test_cispo_may_drop_its_lower_bound():
         _load("algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=1.0")
 
 
-def _settings(**over) -> LossSettings:
-    base = dict(
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_c=None,
-        loss_agg_mode="token-mean",
-        policy_loss="vanilla",
-        tau_pos=1.0,
-        tau_neg=1.05,
-        entropy_coeff=0.0,
-        tis_cap=None,
-        temperature=1.0,
-        vocab_size=8,
-        num_tokens=10.0,
-        num_seqs=3.0,
-        norm_len=5.0,
-    )
-    return LossSettings(**{**base, **over})
+def _settings(**over):
+    return loss_settings(**over)
 
 
 def _micro():

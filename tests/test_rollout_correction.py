@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from helpers import loss_settings
 
 from megatron_dapo.actor.micro_batches import MicroBatch
 from megatron_dapo.actor.train_step import (
     STAT_NAMES,
-    LossSettings,
     combine_stats,
     empty_stats,
     finish_stats,
@@ -232,23 +232,7 @@ def _micro(seed: int, rollout_shift: float | None):
 
 
 def _settings(rc):
-    return LossSettings(
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_c=None,
-        loss_agg_mode="token-mean",
-        policy_loss="vanilla",
-        tau_pos=1.0,
-        tau_neg=1.05,
-        entropy_coeff=0.0,
-        tis_cap=None,
-        temperature=1.0,
-        vocab_size=8,
-        num_tokens=30.0,
-        num_seqs=4.0,
-        norm_len=7.0,
-        rollout_correction=rc,
-    )
+    return loss_settings(num_tokens=30.0, num_seqs=4.0, norm_len=7.0, rollout_correction=rc)
 
 
 def test_actor_micro_batch_loss_mode_none_is_bitwise_and_tis_applies():
