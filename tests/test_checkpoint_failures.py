@@ -30,7 +30,6 @@ def _actor(hf_dir):
 def _save_with_failure(rank, world, hf_dir, root, failing_rank, where):
     """Save step 1, then step 2 with ENOSPC on `failing_rank` at `where`; return what each saw."""
     import megatron_dapo.actor.checkpoint as ckpt
-    import megatron_dapo.weights.dist_ckpt as dist_ckpt
     from megatron_dapo.actor.parallel import init_parallel
 
     init_parallel(tp=2, pp=1)
@@ -38,13 +37,13 @@ def _save_with_failure(rank, world, hf_dir, root, failing_rank, where):
     ckpt.save_checkpoint(root, 1, actor, trainer_state={"step": 1}, hf_dir=hf_dir)
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     if rank == failing_rank and where == "writer":
-        original = dist_ckpt.save_model_checkpoint
+        original = ckpt.save_model_checkpoint  # weights.dist_ckpt's, as the checkpoint calls it
 
         def writer(*args, **kwargs):  # the collective part completes, this rank's flush fails
             original(*args, **kwargs)
             raise full
 
-        dist_ckpt.save_model_checkpoint = writer
+        ckpt.save_model_checkpoint = writer
     if rank == failing_rank and where == "manifest":
 
         def manifest(path, *args, **kwargs):

@@ -42,15 +42,20 @@ from megatron_dapo.actor.micro_batches import (
     split_over_ranks,
     split_to_count,
 )
+from megatron_dapo.actor.model import build_gpt_model
 from megatron_dapo.actor.optimizer import (
     OptimizerSettings,
+    build_optimizer,
+    build_scheduler,
     current_lr,
     guarded_step,
     set_schedule_hooks,
     sync_params_after_update,
+    training_config_overrides,
+    wrap_ddp,
     zero_grads,
 )
-from megatron_dapo.actor.parallel import ParallelLayout
+from megatron_dapo.actor.parallel import ParallelLayout, current_layout
 from megatron_dapo.actor.reference import ReferenceModel
 from megatron_dapo.actor.routing_replay import check_supported as check_replay_supported
 from megatron_dapo.actor.train_step import (
@@ -64,7 +69,11 @@ from megatron_dapo.actor.train_step import (
     score_micro_batches,
 )
 from megatron_dapo.algo import RolloutCorrection
+from megatron_dapo.arch import arch_spec
 from megatron_dapo.config.knobs import from_config, knob
+from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
+from megatron_dapo.weights.load import load_hf_weights
+from megatron_dapo.weights.model_io import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +187,6 @@ class Actor:
         optimizer_checkpoint_format: str = "dp_reshardable",
         reference: ReferenceModel | None = None,
     ):
-        from megatron_dapo.weights.model_io import unwrap
-
         if cfg.needs_reference and reference is None:
             raise ValueError(
                 "actor.use_kl_loss / algorithm.use_kl_in_reward need the reference model: build the actor "
@@ -232,16 +239,12 @@ class Actor:
         optimizer's fp32 master copies from it: with bf16/fp16 params the optimizer steps its
         masters and copies them back into the model, so masters left at the old values would
         overwrite the loaded weights at the first step."""
-        from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
-
         load_model_checkpoint(self.model, ckpt_dir)
         self.model_weights_changed()
 
     def load_reference_weights(self, ckpt_dir) -> None:
         """Load the reference model from the dist checkpoint at ``ckpt_dir`` (the run's initial
         weights, ``model.megatron_path``); never a resume's checkpoint."""
-        from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
-
         with self.reference.on_device() as chunks:
             load_model_checkpoint(chunks, ckpt_dir)
 
@@ -641,8 +644,6 @@ def _moe_aux_loss_coeff(asked: float | None, config: Any, hf_config: Any) -> flo
             )
         return None
     if asked is None:
-        from megatron_dapo.arch import arch_spec
-
         asked = arch_spec(hf_config).router_aux_loss_coef if hf_config is not None else 0.0
     if getattr(config, "recompute_granularity", None):
         # Activation recomputation reruns the routers in backward; the loss would then be taken
@@ -673,16 +674,6 @@ def build_actor(
 
     Call :func:`megatron_dapo.actor.parallel.init_parallel` first; the layout is taken from it.
     """
-    from megatron_dapo.actor.model import build_gpt_model
-    from megatron_dapo.actor.optimizer import (
-        build_optimizer,
-        build_scheduler,
-        training_config_overrides,
-        wrap_ddp,
-    )
-    from megatron_dapo.actor.parallel import current_layout
-    from megatron_dapo.weights.load import load_hf_weights
-
     layout = current_layout()
     kwargs = dict(model_kwargs or {})
     overrides = {**kwargs.pop("config_overrides", {}), **training_config_overrides()}

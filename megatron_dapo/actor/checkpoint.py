@@ -50,7 +50,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.actor.actor import ActorState
+from megatron_dapo.weights.dist_ckpt import model_keys, model_sharded_state_dict, save_model_checkpoint
 from megatron_dapo.weights.hf_io import CheckpointError
+from megatron_dapo.weights.model_io import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -419,8 +422,6 @@ def save_checkpoint(
     batches carried in async modes): rank 0 moves each into the checkpoint before the manifest
     is written, so the manifest covers it and it is published (or discarded) with the rest.
     """
-    from megatron_dapo.weights.dist_ckpt import model_sharded_state_dict, save_model_checkpoint
-
     root = Path(root).absolute()
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
@@ -515,10 +516,6 @@ def load_checkpoint(
     (``{"step", "trainer_state", "path", ...}``) or None when there is nothing to resume.
     Collective."""
     from megatron.core import dist_checkpointing
-
-    from megatron_dapo.actor.actor import ActorState
-    from megatron_dapo.weights.dist_ckpt import model_keys, model_sharded_state_dict
-    from megatron_dapo.weights.model_io import unwrap
 
     found = None
     error = None

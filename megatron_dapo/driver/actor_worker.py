@@ -12,21 +12,28 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from megatron_dapo.actor import compat, gpu_settings
+from megatron_dapo.actor.actor import ActorConfig, build_actor
+from megatron_dapo.actor.checkpoint import load_checkpoint, save_checkpoint
+from megatron_dapo.actor.offload import check_params_offloadable, offload_actor, onload_actor
+from megatron_dapo.actor.optimizer import OptimizerSettings
+from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
+from megatron_dapo.driver.test_hold import hang_in_train_step
 from megatron_dapo.sync.protocol import SyncStats, WeightTransport, bucket_nbytes
+from megatron_dapo.weights.gather import gather_hf_state_dict, iter_hf_buckets
+from megatron_dapo.weights.orphan_guard import die_with_forking_parent
+from megatron_dapo.weights.save_hf import export_hf_checkpoint
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def actor_config_from(cfg: dict) -> Any:
-    from megatron_dapo.actor.actor import ActorConfig
-
     return ActorConfig.from_config(cfg)
 
 
 def optimizer_settings_from(cfg: dict) -> Any:
-    from megatron_dapo.actor.optimizer import OptimizerSettings
-
     return OptimizerSettings.from_config(cfg)
 
 
@@ -47,10 +54,6 @@ class ActorWorker:
     # ---------------------------------------------------------------- set-up
     def setup(self, threads: int | None = None) -> dict[str, Any]:
         import megatron_dapo.actor.mcore_import  # noqa: F401 - megatron first, without wandb (~1 s CPU per rank)
-        from megatron_dapo.actor import compat
-        from megatron_dapo.actor.actor import build_actor
-        from megatron_dapo.actor.parallel import init_parallel
-        from megatron_dapo.weights.orphan_guard import die_with_forking_parent
 
         # the checkpoint writers this rank forks hold its sockets: they must die with it
         die_with_forking_parent()
@@ -67,8 +70,6 @@ class ActorWorker:
             seed=cfg["trainer"]["seed"],
         )
         dtype = cfg["model"]["dtype"]
-        from megatron_dapo.actor import gpu_settings
-
         # On a GPU a missing TE is an error unless the local spec was asked for (defect 5).
         use_te = gpu_settings.choose_te(
             cfg["model"]["transformer_impl"],
@@ -100,8 +101,6 @@ class ActorWorker:
             if self.actor.reference is not None:
                 self.actor.load_reference_weights(start_from)
         if not compat.on_cpu() and cfg["trainer"]["placement"] == "colocated":
-            from megatron_dapo.actor.offload import check_params_offloadable
-
             # Fail at start-up, not at the first weight sync.
             check_params_offloadable(self.actor.model)
         self.layout = layout
@@ -116,10 +115,6 @@ class ActorWorker:
 
     # ---------------------------------------------------------------- training
     def train_step(self, batch) -> dict[str, Any]:
-        import torch.distributed as dist
-
-        from megatron_dapo.driver.test_hold import hang_in_train_step
-
         self._train_steps += 1
         hang_in_train_step(dist.get_rank(), self._train_steps)
         metrics = self.actor.update(batch)
@@ -133,8 +128,6 @@ class ActorWorker:
         """pi_old's and the reference's log-probs of the batch (algorithm.use_kl_in_reward);
         global rank 0 returns them (every rank holds the same), the others None: at real sizes
         each is [responses x longest response] floats."""
-        import torch.distributed as dist
-
         scores = self.actor.score_old_and_ref(batch)
         return scores if dist.get_rank() == 0 else None
 
@@ -144,9 +137,6 @@ class ActorWorker:
         optimizer state (and with `params` the parameter buffers) goes to host memory, through
         megatron-core's own RL hooks. The weight sync needs the parameters, so the trainer first
         offloads without them. A no-op on the CPU path (there is no device memory)."""
-        from megatron_dapo.actor import compat
-        from megatron_dapo.actor.offload import offload_actor
-
         if compat.on_cpu():
             return False
         offload_actor(self.actor.model, self.actor.optimizer, params)
@@ -156,9 +146,6 @@ class ActorWorker:
 
     def onload(self) -> bool:
         """Undo `offload` before the actor trains (parameters back, grads re-allocated, zeroed)."""
-        from megatron_dapo.actor import compat
-        from megatron_dapo.actor.offload import onload_actor
-
         if compat.on_cpu():
             return False
         onload_actor(self.actor.model, self.actor.optimizer)
@@ -190,10 +177,6 @@ class ActorWorker:
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Every rank iterates the gather; global rank 0 (a bucket holder) feeds its transport."""
-        import torch.distributed as dist
-
-        from megatron_dapo.weights.gather import iter_hf_buckets
-
         sender = self.transport
         # a per-rank transport (CUDA IPC from the ranks on each engine's GPUs) runs on every rank
         every_rank = sender is not None and sender.every_rank
@@ -218,10 +201,6 @@ class ActorWorker:
         return stats.metrics()
 
     def gather_hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        import torch.distributed as dist
-
-        from megatron_dapo.weights.gather import gather_hf_state_dict
-
         sd = gather_hf_state_dict(self.actor.model)
         return sd if dist.get_rank() == 0 else None
 
@@ -229,8 +208,6 @@ class ActorWorker:
     def save_checkpoint(
         self, root: str, step: int, trainer_state: dict, keep_last: int, extra_files: dict | None = None
     ) -> str:
-        from megatron_dapo.actor.checkpoint import save_checkpoint
-
         path = save_checkpoint(
             root,
             step,
@@ -244,19 +221,14 @@ class ActorWorker:
 
     def load_checkpoint(self, root: str, resume: str = "auto", verify_checksums: bool = True) -> dict | None:
         """The saved trainer state (None when there is nothing to resume)."""
-        from megatron_dapo.actor.checkpoint import load_checkpoint
-
         record = load_checkpoint(self.actor, root, resume, verify_checksums=verify_checksums)
         return None if record is None else record["trainer_state"]
 
     def export_hf(self, out_dir: str) -> str | None:
         """Write the current weights as an HF checkpoint at `out_dir` (atomically; only the first
         DP replica gathers, global rank 0 writes)."""
-        from megatron_dapo.weights.save_hf import export_hf_checkpoint
-
         return export_hf_checkpoint(self.actor.model, out_dir, hf_metadata_dir=self.cfg["model"]["path"])
 
     def shutdown(self) -> None:
-        from megatron_dapo.actor.parallel import destroy_parallel
 
         destroy_parallel()

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.actor.checkpoint import find_resume_checkpoint
 from megatron_dapo.data.types import PromptSample
 from megatron_dapo.rollout.manager_protocol import ManagerProtocol
 from megatron_dapo.rollout.partial import (
@@ -395,8 +396,6 @@ class RunState:
 
         The choice is made here, once, before any rank loads anything: with "auto", checkpoints
         present but none usable stop the run (naming each and why) instead of starting over."""
-        from megatron_dapo.actor.checkpoint import find_resume_checkpoint
-
         mode = self.cfg.trainer.resume
         if mode == "never":
             return None
