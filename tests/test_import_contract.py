@@ -147,6 +147,17 @@ def test_a_function_local_import_must_be_of_a_module_that_imports_ray_sglang_meg
         LIGHT.format("driver/launch.py", 16, "rollout.types"),
     ]
     assert local == {"megatron_dapo/driver/launch.py": 6}
+    chains = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "check_imports.py"), "--root", str(root), "--heavy"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.splitlines()
+    assert chains[:3] == [
+        "megatron_dapo.actor.core -> megatron",
+        "megatron_dapo.actor.wrapper -> megatron_dapo.actor.core -> megatron",
+        "megatron_dapo.sglang.host -> ray",
+    ]
     run = _run(root)
     assert run.returncode == 1 and LIGHT.format("driver/launch.py", 5, "rollout.types") in run.stdout
 

@@ -16,7 +16,7 @@ Three rules, all run by `make lint`:
    stay: `LAZY_EXCEPTIONS`, single imports by name with the reason, and
    `PENDING_LOCAL_IMPORTS`, files still to be moved; an entry that no longer applies fails too.
 
-Usage: python tools/check_imports.py [--root DIR] [--count-local]
+Usage: python tools/check_imports.py [--root DIR] [--count-local] [--heavy]
 Exit status 1 with one line per violation; --count-local also prints how many function-local
 imports of the package's own modules remain, per file (imports under `if TYPE_CHECKING:` are not
 function-local: they never run).
@@ -327,9 +327,8 @@ def check(root: Path, package: str = PACKAGE) -> tuple[list[str], dict[str, int]
                 edges[imp.source].add(ours)
             if imp.local:
                 local[rel] += 1
-                if ours in heavy:
-                    pass
-                elif (imp.source, ours) in LAZY_EXCEPTIONS:
+            if imp.local and ours not in heavy:
+                if (imp.source, ours) in LAZY_EXCEPTIONS:
                     excused.add((imp.source, ours))
                 elif rel in PENDING_LOCAL_IMPORTS:
                     pending.add(rel)
@@ -373,8 +372,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
     ap.add_argument("--package", default=PACKAGE)
     ap.add_argument("--count-local", action="store_true")
+    ap.add_argument(
+        "--heavy",
+        action="store_true",
+        help="print each module rule 3 takes as heavy, and the imports that make it so",
+    )
     args = ap.parse_args(argv)
     problems, local, notes = check(args.root, args.package)
+    if args.heavy:
+        files = sorted((args.root / args.package).rglob("*.py"))
+        modules = {module_name(p, args.root) for p in files}
+        found = [imp for p in files for imp in imports_of(p, args.root, modules)]
+        for chain in sorted(heavy_modules(found, modules).values()):
+            print(chain)
     if args.count_local:
         for rel, n in sorted(local.items()):
             print(f"{n:4d} {rel}")
