@@ -7,7 +7,7 @@
 # So the base is a CUDA 13 toolkit + cuDNN image (Transformer Engine compiles against the toolkit),
 # torch comes from PyTorch's cu130 index, and sglang goes in WITH its declared requirements, which
 # include torch_memory_saver (needed by --enable-memory-saver, on by default for colocation).
-# The supported range is megatron_dapo.sglang.client.SUPPORTED_SGLANG (sglang>=0.5.21,<0.6,
+# The supported range is megatron_dapo.sglang.version.SUPPORTED_SGLANG (sglang>=0.5.21,<0.6,
 # also the `gpu` extra); servers outside it are refused at launch and on connect.
 # Change SGLANG_VERSION, TORCH_VERSION and the base image together.
 ARG BASE_IMAGE=nvcr.io/nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04

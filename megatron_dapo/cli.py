@@ -1,6 +1,7 @@
-"""The `megatron-dapo` command. Each subcommand lives in `megatron_dapo/commands/<name>.py` and
-exposes ``register(subparsers)`` (adds its parser and sets ``func``); heavy imports happen inside
-the command's run function so `--help` stays fast."""
+"""The `megatron-dapo` command. Each subcommand lives in `megatron_dapo/commands/<module>.py` and
+exposes ``register(parser)`` (adds its arguments to the subcommand's parser and sets ``func``).
+`COMMANDS` names them with their help line, so `--help` imports none of them and a command line
+imports only the command it runs."""
 
 from __future__ import annotations
 
@@ -8,12 +9,41 @@ import argparse
 import importlib
 import sys
 import traceback
+from dataclasses import dataclass
 
-# Order is the order shown by --help.
-COMMANDS = ["train", "demo", "ablate", "eval", "config", "convert", "verify_model", "plot", "plan"]
+from megatron_dapo.errors import report
 
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: the module under ``megatron_dapo.commands`` that implements it (its
+    ``register(parser)`` adds the arguments and sets ``func``), and its line in ``--help``."""
+
+    module: str
+    help: str
+
+
+# Order is the order shown by --help. Only the chosen command's module is imported: the others
+# import torch, transformers or the driver at their top, which `--help` and `config` do not need.
+COMMANDS: dict[str, Command] = {
+    "train": Command("train", "run DAPO training (Ray driver: actor ranks + rollout engines)"),
+    "demo": Command("demo", "DAPO on a tiny model on CPU, in minutes (what `make demo` runs)"),
+    "ablate": Command(
+        "ablate", "the DAPO ladder (GRPO -> ... -> DAPO) and the loss variants on the demo task"
+    ),
+    "eval": Command("eval", "evaluate avg@k / pass@k / maj@k (AIME protocol by default)"),
+    "config": Command("config", "print the resolved config (YAML + overrides), validated"),
+    "convert": Command("convert", "convert checkpoints between HF and Megatron dist-checkpoint formats"),
+    "verify-model": Command("verify_model", "compare Megatron and HF transformers logits for a checkpoint"),
+    "plot": Command("plot", "write PNG curves of a run (reward, length, entropy, clip, keep rate, val)"),
+    "plan": Command(
+        "plan", "estimate parameters, per-GPU memory, fit (with fixes) and step time of a recipe"
+    ),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every command listed; ``command`` (a name in COMMANDS) gets its arguments."""
     parser = argparse.ArgumentParser(
         prog="megatron-dapo",
         description="DAPO reinforcement learning: Megatron-core actor, SGLang (or HF on CPU) rollouts.",
@@ -22,23 +52,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="print full tracebacks here instead of a one-line error"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"megatron_dapo.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"megatron_dapo.commands.{name}":
-                raise
-            continue
-        module.register(sub)
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help)
+        if name == command:
+            importlib.import_module(f"megatron_dapo.commands.{cmd.module}").register(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug is accepted anywhere on the line, also after the subcommand
     debug = "--debug" in argv
-    args = parser.parse_args([a for a in argv if a != "--debug"])
+    argv = [a for a in argv if a != "--debug"]
+    # the top-level options take no value: the first word that is not an option names the command
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(chosen)
+    args = parser.parse_args(argv)
     args.debug = debug
     if not getattr(args, "func", None):
         parser.print_help()
@@ -49,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - every failure ends as one line (and a log file)
-        from megatron_dapo.errors import report
-
         if args.debug:
             traceback.print_exc()
         status, line = report(e, debug=args.debug)

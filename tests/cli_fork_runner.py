@@ -19,7 +19,14 @@ import traceback
 
 import megatron_dapo.cli as cli
 
-PRELOAD = ("torch", "transformers", "ray", "megatron_dapo.config", "megatron_dapo.driver.launch")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "ray",
+    "megatron_dapo.config",
+    "megatron_dapo.driver.launch",
+    *(f"megatron_dapo.commands.{c.module}" for c in cli.COMMANDS.values()),
+)
 PARALLEL = 3
 
 

@@ -1,4 +1,5 @@
-"""tools/check_imports.py: the layering docs/architecture.md draws, and no import cycles."""
+"""tools/check_imports.py: the layering docs/architecture.md draws, no import cycles, and our own
+modules imported at the top of each file unless they import ray, sglang, megatron or TE."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_a_cycle_through_function_local_imports_is_a_note(tmp_path):
     root = _tree(
         tmp_path,
         {
-            "rollout/a.py": "from megatron_dapo.rollout.b import g\n",
+            # a.py imports ray: the one kind of module b.py may import in a function
+            "rollout/a.py": "import ray\nfrom megatron_dapo.rollout.b import g\n",
             "rollout/b.py": "def g():\n    from megatron_dapo.rollout.a import g as h\n    return h\n",
             # an import only for type checkers runs at no time
             "rollout/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_dapo.rollout.d import x\n",
@@ -74,7 +76,7 @@ def test_a_cycle_through_function_local_imports_is_a_note(tmp_path):
         "note: modules that import each other only lazily (in functions or for type checkers): "
         "megatron_dapo.rollout.c, megatron_dapo.rollout.d",
     ]
-    assert local == {"megatron_dapo/rollout/b.py": 1, "megatron_dapo/rollout/c.py": 1}
+    assert local == {"megatron_dapo/rollout/b.py": 1}  # c.py's import never runs
     assert _run(root).returncode == 0
 
 
@@ -93,6 +95,8 @@ def test_layer_violations_fail(tmp_path):
     problems, _, _ = check(root)
     assert problems == [
         "megatron_dapo/algo/loss.py:1: algo/ must not import torch.distributed (torch.distributed)",
+        "megatron_dapo/algo/loss.py:4: function-local import of megatron_dapo.driver.trainer, which imports "
+        "none of ray, sglang, megatron, transformer_engine: move it to the top of the file",
         "megatron_dapo/algo/loss.py:4: algo must not import driver (megatron_dapo.driver.trainer); "
         "algo may import: nothing of ours",
         "megatron_dapo/plan/memory.py:1: plan/ must not import torch (torch)",
@@ -102,3 +106,97 @@ def test_layer_violations_fail(tmp_path):
         "import cycle among megatron_dapo.actor.model, megatron_dapo.weights.plan (module-level imports)",
     ]
     assert _run(root).returncode == 1
+
+
+LIGHT = "megatron_dapo/{}:{}: function-local import of megatron_dapo.{}, which imports none of ray, sglang, megatron, transformer_engine: move it to the top of the file"
+
+
+def test_a_function_local_import_must_be_of_a_module_that_imports_ray_sglang_megatron_or_te(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "rollout/types.py": "import torch\n",  # torch alone is not a reason to defer
+            "actor/core.py": "from megatron.core import parallel_state\n",
+            "actor/wrapper.py": "from megatron_dapo.actor.core import parallel_state\n",  # heavy through core
+            "actor/te.py": "def f():\n    import transformer_engine\n",  # TE only when called: light
+            "sglang/host.py": "try:\n    import ray\nexcept ImportError:\n    ray = None\n",
+            "driver/launch.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from megatron_dapo.rollout.types import x\n"  # never runs: allowed
+                "def a():\n"
+                "    from megatron_dapo.rollout.types import x\n"  # light: refused
+                "def b():\n"
+                "    from megatron_dapo.actor import core\n"  # imports megatron at its top
+                "def c():\n"
+                "    from megatron_dapo.actor.wrapper import parallel_state\n"  # transitively
+                "def d():\n"
+                "    import megatron_dapo.sglang.host\n"
+                "def e():\n"
+                "    from megatron_dapo.actor.te import f\n"
+                "    class K:\n"
+                "        def m(self):\n"
+                "            from megatron_dapo.rollout import types\n"
+            ),
+        },
+    )
+    problems, local, _ = check(root)
+    assert problems == [
+        LIGHT.format("driver/launch.py", 5, "rollout.types"),
+        LIGHT.format("driver/launch.py", 13, "actor.te"),
+        LIGHT.format("driver/launch.py", 16, "rollout.types"),
+    ]
+    assert local == {"megatron_dapo/driver/launch.py": 6}
+    chains = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "check_imports.py"), "--root", str(root), "--heavy"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.splitlines()
+    assert chains[:3] == [
+        "megatron_dapo.actor.core -> megatron",
+        "megatron_dapo.actor.wrapper -> megatron_dapo.actor.core -> megatron",
+        "megatron_dapo.sglang.host -> ray",
+    ]
+    run = _run(root)
+    assert run.returncode == 1 and LIGHT.format("driver/launch.py", 5, "rollout.types") in run.stdout
+
+
+def test_a_heavy_package_init_makes_its_modules_heavy(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "sglang/__init__.py": "import sglang\n",
+            "sglang/server.py": "",
+            "driver/launch.py": "def f():\n    from megatron_dapo.sglang.server import x\n",
+        },
+    )
+    assert check(root)[0] == []
+
+
+def test_the_exceptions_name_only_what_is_still_there(tmp_path, monkeypatch):
+    import check_imports
+
+    root = _tree(
+        tmp_path,
+        {
+            "config/validate.py": "def f():\n    from megatron_dapo.algo import loss\n",
+            "algo/loss.py": "import torch\n",
+            "driver/old.py": "def f():\n    from megatron_dapo.algo import loss\n",
+            "driver/done.py": "from megatron_dapo.algo import loss\n",
+        },
+    )
+    monkeypatch.setattr(
+        check_imports,
+        "LAZY_EXCEPTIONS",
+        {
+            ("megatron_dapo.config.validate", "megatron_dapo.algo.loss"): "keeps config loading torch-free",
+            ("megatron_dapo.driver.done", "megatron_dapo.algo.loss"): "moved to the top since",
+        },
+    )
+    assert check(root)[0] == [
+        "megatron_dapo/driver/old.py:2: function-local import of megatron_dapo.algo.loss, which imports none "
+        "of ray, sglang, megatron, transformer_engine: move it to the top of the file",
+        "megatron_dapo.driver.done no longer imports megatron_dapo.algo.loss in a function: "
+        "remove it from LAZY_EXCEPTIONS",
+    ]

@@ -47,7 +47,7 @@ def test_base_image_is_a_pinned_cuda13_cudnn_devel_tag():
 
 
 def test_sglang_pins_agree_with_the_supported_range_and_its_wheel():
-    from megatron_dapo.sglang.client import SUPPORTED_SGLANG, SUPPORTED_SGLANG_TEXT, parse_version
+    from megatron_dapo.sglang.version import SUPPORTED_SGLANG, SUPPORTED_SGLANG_TEXT, parse_version
 
     args = _args()
     low, high = SUPPORTED_SGLANG

@@ -20,17 +20,17 @@ SEQUENCE = [5, 6, 7, 8, 40, 41, 42, 100, 3, 77]
 
 def test_demo_runs_on_real_sglang_servers(tmp_path, monkeypatch):
     require_sglang()
-    import megatron_dapo.demo.assets as assets_module
+    import megatron_dapo.commands.demo as demo_command
     from megatron_dapo.cli import main
 
-    build = assets_module.prepare_demo_assets
+    build = demo_command.prepare_demo_assets
     built = []
 
     def tiny_warm_start(out_dir, seed=0, force=False, **kw):
         built.append(build(out_dir, seed, force, **{**kw, "sft_steps": 5, "eval_problems": 8}))
         return built[-1]
 
-    monkeypatch.setattr(assets_module, "prepare_demo_assets", tiny_warm_start)
+    monkeypatch.setattr(demo_command, "prepare_demo_assets", tiny_warm_start)
     runs = tmp_path / "runs"
     code = main(
         ["demo", "--engine", "sglang", "--assets", str(tmp_path / "assets"), "--bar-gain", "0", "--bar-final", "0",

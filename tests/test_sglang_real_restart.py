@@ -108,21 +108,21 @@ class Victim:
 
 
 def test_server_sigkilled_mid_rollout_is_restarted_and_resynced(assets, tmp_path, monkeypatch):
-    import megatron_dapo.sglang.engines as sglang_engines
+    import megatron_dapo.driver.launch as launch
     from megatron_dapo.driver.launch import load_for_cli, run_train
     from megatron_dapo.sglang.client import SGLangEngine
 
     victim = Victim()
     monkeypatch.setattr(SGLangEngine, "generate", victim.wrap(SGLangEngine.generate))
     final: dict[str, list[float]] = {}
-    stop = sglang_engines.stop_sglang_engines
+    stop = launch.stop_sglang_engines
 
     def read_then_stop(engines):  # the servers' weights at the end, before they are stopped
         for e in engines:
             final[e.name] = fixed_sequence_logprobs(e.client.base_url, SEQUENCE)
         stop(engines)
 
-    monkeypatch.setattr(sglang_engines, "stop_sglang_engines", read_then_stop)
+    monkeypatch.setattr(launch, "stop_sglang_engines", read_then_stop)
     killer = threading.Thread(target=victim.kill_when_running, daemon=True)
     killer.start()
     overrides = {

@@ -132,8 +132,6 @@ def test_every_server_and_client_the_driver_makes_gets_the_flag_and_shape(moe_di
     """Launched here (torchrun/no-Ray), launched per node (Ray), connected by URL, and a torchrun
     peer's server connected by rank 0: flag on the servers, (layers, top-k) on every client."""
     from megatron_dapo.sglang import engines as sglang_engines
-    from megatron_dapo.sglang import node_host as sglang_node_host
-    from megatron_dapo.sglang import server as sglang_server
     from megatron_dapo.sglang import torchrun as sglang_torchrun
     from megatron_dapo.sglang.placement import EnginePlan
     from megatron_dapo.sglang.server import ROUTED_EXPERTS_FLAG, build_launch_command
@@ -161,9 +159,9 @@ def test_every_server_and_client_the_driver_makes_gets_the_flag_and_shape(moe_di
         url = property(lambda self: self.cfg.url)
         name = "standin"
 
-    monkeypatch.setattr(sglang_server, "SGLangServer", Started)
+    monkeypatch.setattr(sglang_engines, "SGLangServer", Started)
     monkeypatch.setattr(
-        sglang_node_host, "launch_on_nodes", lambda plans, cs, **kw: (None, [Started(c) for c in cs])
+        sglang_engines, "launch_on_nodes", lambda plans, cs, **kw: (None, [Started(c) for c in cs])
     )
     plan = EnginePlan(0, "node", "127.0.0.1", (), int(fake.url.rsplit(":", 1)[1]))
     engines = []

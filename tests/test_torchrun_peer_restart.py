@@ -97,7 +97,7 @@ def _rank_main(tmp: Path) -> None:
             request_timeout_s=30,
         ),
     )
-    with mock.patch("megatron_dapo.sglang.engines.connect_sglang_engines", return_value=[stub]):
+    with mock.patch("megatron_dapo.sglang.torchrun.connect_sglang_engines", return_value=[stub]):
         (engine,) = sglang_torchrun.rank0_engines(cfg, servers, ranks)
     result: dict = {"rank1_pid": ranks.peers[1][1], "before": _get(url), "name": engine.name, "url": url}
     os.kill(result["before"]["pid"], signal.SIGKILL)

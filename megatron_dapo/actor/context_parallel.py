@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_dapo.actor.gpu_settings import seq_pad_multiple
+
 
 def cp_pad_multiple(
     cp: int, tp: int = 1, sequence_parallel: bool = False, fp8: str | None = None, fp8_recipe: str = "delayed"
@@ -30,8 +32,6 @@ def cp_pad_multiple(
     multiple of :func:`~megatron_dapo.actor.gpu_settings.seq_pad_multiple` (a CP rank's share is
     what sequence parallelism splits over TP and what the FP8 GEMMs see: with FP8, ``2 * cp`` x
     ``16 * tp``, ``32 * tp`` for MXFP8)."""
-    from megatron_dapo.actor.gpu_settings import seq_pad_multiple
-
     if cp < 1 or tp < 1:
         raise ValueError(f"cp={cp} and tp={tp} must be >= 1")
     base = seq_pad_multiple(tp, sequence_parallel, fp8, fp8_recipe)

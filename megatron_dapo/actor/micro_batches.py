@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 
 from megatron_dapo.actor.batch import RESPONSE_FLOAT_FIELDS, ActorBatch, BatchError
+from megatron_dapo.actor.routing_replay import pad_value
 
 
 def _longest_first(lengths: list[int], indices: list[int]) -> list[int]:
@@ -356,8 +357,6 @@ def collate_packed(
     floats = _response_floats(batch, 1, total)
     routed = None
     if batch.routed_experts is not None:
-        from megatron_dapo.actor.routing_replay import pad_value
-
         layers, k = batch.routed_experts[indices[0]].shape[1:]
         routed = pad_value(k).expand(1, total, layers, k).clone()
     for row, (i, start, span) in enumerate(zip(indices, cu[:-1].tolist(), spans)):
@@ -437,8 +436,6 @@ def as_rows(micro: MicroBatch, view: RowView) -> MicroBatch:
 def _routed_rows(experts: list[torch.Tensor], indices: list[int], b: int, length: int) -> torch.Tensor:
     """The recorded experts of ``indices`` at their token positions; padding positions and a
     sequence's last token get fixed experts (they reach no scored log-prob)."""
-    from megatron_dapo.actor.routing_replay import pad_value
-
     layers, k = experts[indices[0]].shape[1:]
     out = pad_value(k).expand(b, length, layers, k).clone()
     for row, i in enumerate(indices):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_dapo.actor import compat
+from megatron_dapo.actor import compat, gpu_settings
 from megatron_dapo.arch import ArchSpec, ModelConfigError, arch_spec, load_hf_config
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -37,8 +37,6 @@ def te_available() -> bool:
 
 
 def _check_fp8(fp8: str, fp8_recipe: str) -> None:
-    from megatron_dapo.actor import gpu_settings
-
     if fp8 not in FP8_FORMATS:
         raise ModelConfigError(f"fp8={fp8!r} is not a valid FP8 format; use one of {FP8_FORMATS}")
     if fp8_recipe not in FP8_RECIPES:
@@ -142,8 +140,6 @@ def transformer_config_from_hf(
         attention_softmax_in_fp32=True,
     )
     # Fusions only where their kernels exist (gpu_settings.fusion_flags says which needs what).
-    from megatron_dapo.actor import gpu_settings
-
     kwargs.update(
         gpu_settings.fusion_flags(
             on_cuda=not compat.on_cpu(),

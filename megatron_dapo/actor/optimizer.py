@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_dapo.actor import compat
+from megatron_dapo.actor import compat, gpu_settings
 from megatron_dapo.config.knobs import from_config, knob
 
 
@@ -51,8 +51,6 @@ def wrap_ddp(
     """Wrap each chunk in megatron-core's DistributedDataParallel (fp32 grad buffers, summed).
     The overlap knobs resolve through :func:`gpu_settings.ddp_overlap` (None = its default)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from megatron_dapo.actor import gpu_settings
 
     config = model_chunks[0].config
     if not config.calculate_per_token_loss:

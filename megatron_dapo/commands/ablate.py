@@ -198,12 +198,8 @@ def plot(curves: list[Curve], path: Path) -> Path:
     return path
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "ablate",
-        help="the DAPO ladder (GRPO -> ... -> DAPO) and the loss variants on the demo task",
-        description=__doc__,
-    )
+def register(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     p.add_argument(
         "--rungs",

@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_dapo.config import ConfigError, all_keys, load_config, to_yaml
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "config",
-        help="print the resolved config (YAML + overrides), validated",
-        description="Merge CONFIG with key=value overrides onto the schema, validate, print as YAML.",
-    )
+
+def register(p: argparse.ArgumentParser) -> None:
+    p.description = "Merge CONFIG with key=value overrides onto the schema, validate, print as YAML."
     p.add_argument(
         "config", nargs="?", help="YAML recipe (e.g. configs/demo.yaml); omit for the schema defaults"
     )
@@ -23,8 +21,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_dapo.config import ConfigError, all_keys, load_config, to_yaml
-
     if args.keys:
         print("\n".join(all_keys()))
         return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_dapo.convert import hf_to_megatron, megatron_to_hf
+
 
 def add_hf_to_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
@@ -31,8 +33,7 @@ def add_megatron_to_hf_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert checkpoints between HF and Megatron dist-checkpoint formats")
+def register(p: argparse.ArgumentParser) -> None:
     directions = p.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
     h2m = directions.add_parser(
         "hf-to-megatron", help="HF safetensors -> Megatron dist checkpoint (any TP/PP)"
@@ -58,8 +59,6 @@ def _report_errors(fn):
 
 @_report_errors
 def _hf_to_megatron(args: argparse.Namespace):
-    from megatron_dapo.convert import hf_to_megatron
-
     return hf_to_megatron(
         args.hf_dir,
         args.megatron_dir,
@@ -75,8 +74,6 @@ def _hf_to_megatron(args: argparse.Namespace):
 
 @_report_errors
 def _megatron_to_hf(args: argparse.Namespace):
-    from megatron_dapo.convert import megatron_to_hf
-
     return megatron_to_hf(
         args.megatron_dir,
         args.hf_dir,

@@ -10,6 +10,15 @@ import sys
 import time
 from pathlib import Path
 
+import megatron_dapo
+from megatron_dapo.config import ConfigError
+from megatron_dapo.demo import environment
+from megatron_dapo.demo.assets import prepare_demo_assets
+from megatron_dapo.driver.launch import load_for_cli, run_train
+from megatron_dapo.driver.pipeline import WAIT_METRICS
+from megatron_dapo.driver.run_dir import read_metrics
+from megatron_dapo.errors import set_log_dir
+
 GRPO_OVERRIDES = [
     "algorithm.clip_ratio_high=0.2",
     "algorithm.loss_agg_mode=seq-mean-token-mean",
@@ -19,10 +28,8 @@ GRPO_OVERRIDES = [
 ]
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo", help="DAPO on a tiny model on CPU, in minutes (what `make demo` runs)", description=__doc__
-    )
+def register(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
     p.add_argument("--algo", choices=["dapo", "grpo"], default="dapo")
     p.add_argument(
         "--engine",
@@ -50,8 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def demo_config_path() -> Path:
-    import megatron_dapo
-
     path = Path(megatron_dapo.__file__).resolve().parents[1] / "configs" / "demo.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: run the demo from a checkout of megatron-dapo")
@@ -60,11 +65,6 @@ def demo_config_path() -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from megatron_dapo.config import ConfigError
-    from megatron_dapo.demo import environment
-    from megatron_dapo.demo.assets import prepare_demo_assets
-    from megatron_dapo.driver.launch import load_for_cli, run_train
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
@@ -89,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
         overrides.append("rollout.engine=sglang")
     if args.algo == "grpo":
         overrides += GRPO_OVERRIDES
-    from megatron_dapo.errors import set_log_dir
 
     try:
         cfg = load_for_cli(str(demo_config_path()), overrides + list(args.overrides))
@@ -142,9 +141,6 @@ def bar_miss(before: float | None, after: float, gain_points: float, final_perce
 
 def phase_breakdown(t_assets: float, reused: bool, run_dir: Path, total: float) -> str:
     """Where the demo's wall time went: warm start, then the trainer's per-step phases summed."""
-    from megatron_dapo.driver.pipeline import WAIT_METRICS
-    from megatron_dapo.driver.run_dir import read_metrics
-
     sums: dict[str, float] = {}
     for record in read_metrics(run_dir / "metrics.jsonl"):
         for k, v in record.items():

@@ -16,6 +16,27 @@ import sys
 import threading
 from pathlib import Path
 
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.data.dataset import PromptDataset
+from megatron_dapo.data.loading import load_prompt_rows
+from megatron_dapo.data.tokenizer import load_tokenizer
+from megatron_dapo.data.types import DataError
+from megatron_dapo.driver.datasets import make_scorer
+from megatron_dapo.driver.validation import engine_generator
+from megatron_dapo.eval.openai_endpoint import (
+    check_reachable,
+    make_endpoint_generator,
+    models_url,
+    served_context_length,
+)
+from megatron_dapo.eval.prompt_fit import PromptSettings, PromptTooLong, check_prompts_fit
+from megatron_dapo.eval.runner import EvalProblem, dedupe_problems, evaluate
+from megatron_dapo.rewards.scorer import Scorer
+from megatron_dapo.rollout.hf_engine import HFEngine
+from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.sglang.client import SGLangEngine
+from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
+
 DEFAULT_DATA = "data/aime-2024.parquet"
 # The CLI's own defaults, used where neither a flag nor --run gives a value.
 DEFAULTS = {
@@ -32,13 +53,9 @@ FLAGS = {
 }
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "eval",
-        help="evaluate avg@k / pass@k / maj@k (AIME protocol by default)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def register(p: argparse.ArgumentParser) -> None:
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="HF checkpoint to sample from")
     src.add_argument("--url", help="base URL of an OpenAI-compatible server, e.g. http://host:30000")
@@ -100,8 +117,6 @@ class EvalInputError(ValueError):
 
 def _load_run(run_dir: str):
     """The run's config (read with the config loader) and the path it was read from."""
-    from megatron_dapo.config import ConfigError, load_config
-
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise EvalInputError(
@@ -115,8 +130,6 @@ def _load_run(run_dir: str):
 
 def _settings(args, cfg, cfg_path):
     """Prompt settings: an explicit flag, else the run's config, else the CLI's default."""
-    from megatron_dapo.eval.prompt_fit import PromptSettings
-
     flags = {
         "template": args.template,
         "apply_chat_template": args.chat_template,
@@ -154,10 +167,6 @@ def _settings(args, cfg, cfg_path):
 
 def _problems(files, settings, tokenizer, layout_cfg, limit):
     """Deduplicated problems; ``layout_cfg``: the run whose column layout the files have."""
-    from megatron_dapo.data.dataset import PromptDataset
-    from megatron_dapo.data.loading import load_prompt_rows
-    from megatron_dapo.eval.runner import EvalProblem, dedupe_problems
-
     read = {}
     if layout_cfg is not None:
         data = layout_cfg.data
@@ -209,8 +218,6 @@ def _checkpoint_context(model_dir) -> int | None:
 def _context(args, cards, tok_path) -> tuple[int | None, str]:
     """The model's context length and where it was read."""
     if args.url:
-        from megatron_dapo.eval.openai_endpoint import models_url, served_context_length
-
         served = served_context_length(cards, args.model)
         if served is not None:
             return served, f"max_model_len at {models_url(args.url)}"
@@ -237,9 +244,6 @@ def _hf_generator(args, tokenizer, max_tokens: int):
     """An engine for the checkpoint: SGLang when a GPU and sglang are there, else the HF engine."""
     import torch
 
-    from megatron_dapo.driver.validation import engine_generator
-    from megatron_dapo.rollout.types import SamplingParams
-
     sampling = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -254,9 +258,6 @@ def _hf_generator(args, tokenizer, max_tokens: int):
     except ImportError:
         use_sglang = False
     if use_sglang:
-        from megatron_dapo.sglang.client import SGLangEngine
-        from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
-
         server = SGLangServer(
             SGLangServerConfig(model_path=args.hf_dir, tp_size=torch.cuda.device_count())
         ).start()
@@ -264,8 +265,6 @@ def _hf_generator(args, tokenizer, max_tokens: int):
         cleanup.append(server.stop)
         engine = SGLangEngine(server.cfg.url, server=server, tp_size=server.cfg.tp_size)
     else:
-        from megatron_dapo.rollout.hf_engine import HFEngine
-
         engine = HFEngine(
             args.hf_dir, name="hf-eval", seed=args.seed, device="cuda" if torch.cuda.is_available() else "cpu"
         )
@@ -281,16 +280,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from megatron_dapo.data.tokenizer import load_tokenizer
-    from megatron_dapo.data.types import DataError
-    from megatron_dapo.eval.prompt_fit import PromptTooLong, check_prompts_fit
-    from megatron_dapo.eval.runner import evaluate
-    from megatron_dapo.rewards.scorer import Scorer
-
     cards: list[dict] = []
     if args.url:
-        from megatron_dapo.eval.openai_endpoint import check_reachable
-
         # before the data and tokenizer: a wrong port is the usual mistake
         cards = check_reachable(args.url)
     cfg, cfg_path = _load_run(args.run) if args.run else (None, None)
@@ -340,8 +331,6 @@ def _run(args: argparse.Namespace) -> int:
         raise EvalInputError(str(e)) from e
     cleanup = []
     if args.url:
-        from megatron_dapo.eval.openai_endpoint import make_endpoint_generator
-
         generate = make_endpoint_generator(
             args.url,
             model=args.model,
@@ -353,8 +342,6 @@ def _run(args: argparse.Namespace) -> int:
     else:
         generate, cleanup = _hf_generator(args, tokenizer, settings.max_response_length)
     if cfg is not None:
-        from megatron_dapo.driver.datasets import make_scorer
-
         scorer = make_scorer(cfg)  # the run's reward (custom function, boxed fallback)
     else:
         scorer = Scorer()

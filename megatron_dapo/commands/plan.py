@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.plan import Assumptions, gpu_for, inputs_from_config, make_plan, resolve_model_shape
+from megatron_dapo.plan.report import render
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="estimate parameters, per-GPU memory, fit (with fixes) and step time of a recipe",
-        description="Read CONFIG (+ overrides) and the model's config.json (or the built-in Qwen2.5 table for "
-        "hub names) and print per-role memory, whether it fits, and a rollout/train time split.",
+
+def register(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Read CONFIG (+ overrides) and the model's config.json (or the built-in Qwen2.5 table for "
+        "hub names) and print per-role memory, whether it fits, and a rollout/train time split."
     )
     p.add_argument("config", help="YAML recipe, e.g. configs/dapo_qwen2.5_32b.yaml")
     p.add_argument(
@@ -41,10 +43,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from megatron_dapo.config import ConfigError, load_config
-    from megatron_dapo.plan import Assumptions, gpu_for, inputs_from_config, make_plan, resolve_model_shape
-    from megatron_dapo.plan.report import render
 
     try:
         cfg = load_config(args.config, list(args.overrides))

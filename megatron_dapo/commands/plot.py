@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_dapo.driver.plots import plot_run
+from megatron_dapo.driver.run_dir import read_metrics_report
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plot", help="write PNG curves of a run (reward, length, entropy, clip, keep rate, val)"
-    )
+
+def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="a run directory containing metrics.jsonl (e.g. runs/demo)")
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/plots)")
     p.set_defaults(func=run)
@@ -17,9 +17,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    from megatron_dapo.driver.plots import plot_run
-    from megatron_dapo.driver.run_dir import read_metrics_report
 
     metrics = Path(args.run_dir) / "metrics.jsonl"
     try:

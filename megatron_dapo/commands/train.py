@@ -7,24 +7,20 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_dapo.config import ConfigError
+from megatron_dapo.data.types import DataError
+from megatron_dapo.driver.launch import load_for_cli, run_train
+from megatron_dapo.errors import set_log_dir
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="run DAPO training (Ray driver: actor ranks + rollout engines)",
-        description="Run DAPO as configured. Under torchrun use `python -m megatron_dapo.train`.",
-    )
+
+def register(p: argparse.ArgumentParser) -> None:
+    p.description = "Run DAPO as configured. Under torchrun use `python -m megatron_dapo.train`."
     p.add_argument("config", help="YAML recipe, e.g. configs/dapo_qwen2.5_7b.yaml")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=10")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_dapo.config import ConfigError
-    from megatron_dapo.data.types import DataError
-    from megatron_dapo.driver.launch import load_for_cli, run_train
-    from megatron_dapo.errors import set_log_dir
-
     try:
         cfg = load_for_cli(args.config, list(args.overrides))
         set_log_dir(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)  # a failure's traceback goes there

@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_dapo.actor.model import build_gpt_model, forward_logits
+from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
+from megatron_dapo.actor.spawn import RankFailed, run_ranks
 from megatron_dapo.arch import load_hf_config
 from megatron_dapo.errors import report
+from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
+from megatron_dapo.weights.load import load_hf_weights
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify-model", help="compare Megatron and HF transformers logits for a checkpoint")
+def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-dir", required=True, help="HF model directory (reference weights + config)")
     p.add_argument(
         "--megatron-dir", default=None, help="Megatron dist checkpoint to test (default: load --hf-dir)"
@@ -48,20 +52,13 @@ def verify_rank(rank, world, hf_dir, megatron_dir, tp, pp, vpp, batch, seq_len, 
     """One rank: Megatron logits, and on the last stage's TP-0 DP-0 rank the diff against HF."""
     import torch
 
-    from megatron_dapo.actor.model import build_gpt_model, forward_logits
-    from megatron_dapo.actor.parallel import destroy_parallel, init_parallel
-
     layout = init_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep)
     config = load_hf_config(hf_dir)
     use_te = {"auto": None, "te": True, "local": False}[spec]
     chunks = build_gpt_model(config, params_dtype=torch.float32, use_te=use_te, perform_initialization=False)
     if megatron_dir:
-        from megatron_dapo.weights.dist_ckpt import load_model_checkpoint
-
         load_model_checkpoint(chunks, megatron_dir)
     else:
-        from megatron_dapo.weights.load import load_hf_weights
-
         load_hf_weights(chunks, hf_dir)
     ids = fixed_batch(config.vocab_size, batch, seq_len, seed)
     logits = forward_logits(chunks, ids)
@@ -78,8 +75,6 @@ def verify_rank(rank, world, hf_dir, megatron_dir, tp, pp, vpp, batch, seq_len, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_dapo.actor.spawn import RankFailed, run_ranks
-
     try:
         results = run_ranks(
             verify_rank,

@@ -397,6 +397,7 @@ def check_model_config(cfg: DictConfig, hf: dict) -> None:
 
 def _check_rollout_correction(alg: DictConfig) -> None:
     # algo/ imports torch (1.5 s); loading a config (`megatron-dapo config`, `plan`) does not
+    # (the one function-local import tools/check_imports.py allows by name: LAZY_EXCEPTIONS)
     from megatron_dapo.algo.rollout_correction import RolloutCorrection
 
     rc = alg.rollout_correction

@@ -7,17 +7,16 @@ from omegaconf import DictConfig
 from megatron_dapo.config import ConfigError
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.loading import load_prompt_rows
+from megatron_dapo.data.tokenizer import load_tokenizer as load_tokenizer_at
 from megatron_dapo.data.types import DataError
 from megatron_dapo.eval.runner import EvalProblem
-from megatron_dapo.rewards.scorer import Scorer
+from megatron_dapo.rewards.scorer import RewardWorkerError, Scorer
 
 
 def load_tokenizer(cfg: DictConfig):
-    from megatron_dapo.data.tokenizer import load_tokenizer as load
-
     path = cfg.model.tokenizer_path or cfg.model.path
     try:
-        return load(path)
+        return load_tokenizer_at(path)
     except OSError as e:
         raise ConfigError(
             f"model.tokenizer_path / model.path: no tokenizer at {path} ({e}); point it at an HF "
@@ -94,8 +93,6 @@ def val_problems(cfg: DictConfig, tokenizer) -> list[EvalProblem]:
 
 
 def make_scorer(cfg: DictConfig) -> Scorer:
-    from megatron_dapo.rewards.scorer import RewardWorkerError
-
     try:
         return Scorer(
             custom_fn=cfg.reward.custom_fn,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 
 
@@ -28,8 +29,6 @@ class EngineHost:
         threads: int = 1,
         record_routing: bool = False,
     ):
-        from megatron_dapo.rollout.hf_engine import HFEngine
-
         torch.set_num_threads(threads)
         self.engine = HFEngine(
             model_path, name=name, seed=seed, max_batch_size=max_batch_size, record_routing=record_routing

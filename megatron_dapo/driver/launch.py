@@ -19,13 +19,23 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from megatron_dapo.config import ConfigError, to_container, to_yaml
+from megatron_dapo.config import ConfigError, load_config, to_container, to_yaml
 from megatron_dapo.driver import cpu_warnings
 from megatron_dapo.driver.actor_worker import ActorWorker
 from megatron_dapo.driver.datasets import load_tokenizer, make_scorer, train_dataset, val_problems
+from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine
+from megatron_dapo.driver.plots import plot_run
+from megatron_dapo.driver.preflight import preflight
+from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
+from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag, blocked_signals
 from megatron_dapo.driver.trainer import DAPOTrainer
+from megatron_dapo.driver.validation import make_validator
+from megatron_dapo.rollout.dump import dump_rollouts
+from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig
+from megatron_dapo.sglang.engines import launch_planned_engines, start_sglang_engines, stop_sglang_engines
+from megatron_dapo.sglang.placement import EnginePlan, plan_engines, rank_order
 from megatron_dapo.sync.protocol import WeightTransport
 from megatron_dapo.sync.sglang_transports import sglang_transport
 from megatron_dapo.sync.transports import RayObjectTransport
@@ -125,9 +135,6 @@ class Placement:
         import ray
         from ray.util.placement_group import placement_group
 
-        from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
-        from megatron_dapo.sglang.placement import rank_order
-
         self.cfg = cfg
         self.device = device
         self.engine_kind = engine_kind
@@ -173,9 +180,6 @@ class Placement:
         """Servers given by URL, else one per plan on every node of the cluster (`plan_engines`)."""
         import ray
 
-        from megatron_dapo.sglang.engines import launch_planned_engines, start_sglang_engines
-        from megatron_dapo.sglang.placement import EnginePlan, plan_engines
-
         cfg = self.cfg
         if cfg.rollout.sglang.urls:
             return start_sglang_engines(cfg)
@@ -200,8 +204,6 @@ class Placement:
     def _start_engines(self, kind: str, bundle_offset: int, threads: int | None) -> list[Any]:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine
 
         cfg = self.cfg
         host_cls = ray.remote(EngineHost)
@@ -234,8 +236,6 @@ class Placement:
 
     def _stop_sglang(self) -> None:
         if self.engines and self.engine_kind == "sglang":
-            from megatron_dapo.sglang.engines import stop_sglang_engines
-
             stop_sglang_engines(self.engines)
 
     def shutdown(self, failed: bool = False) -> None:
@@ -269,8 +269,6 @@ class RunInputs:
 
 def prepare_run(cfg: DictConfig) -> RunInputs:
     """The run directory (with the resolved config), tokenizer, training data, validation set, scorer."""
-    from megatron_dapo.driver.preflight import preflight
-
     run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
     preflight(cfg, run.checkpoints)
     run.config.write_text(to_yaml(cfg))
@@ -286,9 +284,6 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     The caller has attached the weight transport to global rank 0's worker; `ranks.call` reaches
     every rank the same way whether they are Ray actors or torchrun processes.
     """
-    from megatron_dapo.rollout.dump import dump_rollouts
-    from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig
-
     run, tokenizer = inputs.run, inputs.tokenizer
 
     def sync(version: int) -> dict[str, float]:
@@ -299,8 +294,6 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     manager = RolloutManager(engines, inputs.scorer, mcfg, tokenizer)
     validate = None
     if inputs.problems:
-        from megatron_dapo.driver.validation import make_validator
-
         # the pool: engines the run goes on without leave it, and validation with it
         validate = make_validator(cfg, manager.pool, inputs.scorer, inputs.problems, tokenizer)
     trainer = DAPOTrainer(
@@ -321,8 +314,6 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     if cfg.trainer.hf_export_at_end:
         summary["hf_export"] = ranks.call("export_hf", str(run.hf / f"step_{trainer.state.step}"))[0]
     if cfg.logging.plots_at_end:
-        from megatron_dapo.driver.plots import plot_run
-
         summary["plots"] = [str(p) for p in plot_run(run.root)]
     summary["run_dir"] = str(run.root)
     return summary
@@ -332,8 +323,6 @@ def _fail_if_a_rank_died(ranks: Any, trainer: DAPOTrainer) -> None:
     """Under torchrun a worker's death makes the agent SIGTERM the others: rank 0 may take that for
     a preemption and stop cleanly before any collective shows the death. Name the dead rank, and
     where a resume continues, instead of going on to the export with it."""
-    from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
-
     peers = getattr(ranks, "peers", None)
     dead = dead_peers(peers) if peers else []
     if not dead:
@@ -398,8 +387,6 @@ def _stop_ids(tokenizer) -> list[int]:
 
 
 def load_for_cli(config: str | None, overrides: list[str]) -> DictConfig:
-    from megatron_dapo.config import load_config
-
     if config and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides = [config, *overrides]
         config = None

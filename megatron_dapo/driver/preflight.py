@@ -11,8 +11,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from megatron_dapo.actor.checkpoint import find_resume_checkpoint
+from megatron_dapo.arch import SUPPORTED_ARCHITECTURES
 from megatron_dapo.config import ConfigError
 from megatron_dapo.weights.dist_ckpt import is_dist_checkpoint
+from megatron_dapo.weights.hf_io import SafetensorsReader
 
 # Any one of these makes a tokenizer transformers can load (fast tokenizer, SentencePiece, BPE
 # vocabulary + merges, WordPiece vocabulary).
@@ -23,8 +26,6 @@ def check_model_dir(cfg: DictConfig) -> None:
     """model.path holds a supported architecture whose context fits the run's lengths, readable
     safetensors (unless the weights come from model.megatron_path, which must be a Megatron
     checkpoint) and tokenizer files (unless model.tokenizer_path names another directory)."""
-    from megatron_dapo.arch import SUPPORTED_ARCHITECTURES
-
     path = Path(cfg.model.path)
     config = path / "config.json"
     if not config.is_file():
@@ -56,8 +57,6 @@ def check_model_dir(cfg: DictConfig) -> None:
                 "metadata.json); give the directory megatron-dapo convert hf-to-megatron wrote, or null"
             )
     else:
-        from megatron_dapo.weights.hf_io import SafetensorsReader
-
         reader = SafetensorsReader(path)  # raises CheckpointError naming the file
         for file in sorted(set(reader.weight_map.values())):
             reader._open(file)  # the header and the file length must agree (catches truncation)
@@ -100,8 +99,6 @@ def check_tokenizer_files(cfg: DictConfig) -> None:
 
 def check_resume(cfg: DictConfig, checkpoints: Path) -> None:
     """trainer.resume names something usable (sizes only here; the trainer verifies checksums)."""
-    from megatron_dapo.actor.checkpoint import find_resume_checkpoint
-
     find_resume_checkpoint(checkpoints, cfg.trainer.resume, verify_checksums=False, strict=True)
 
 

@@ -23,7 +23,9 @@ from megatron_dapo.driver.rank_failures import (
     dead_peers_after_failure,
     rank_died,
 )
+from megatron_dapo.driver.spmd_watchdog import CallWatchdog, _store, mark_answered, watch_for_abort
 from megatron_dapo.ports import free_port
+from megatron_dapo.sglang.placement import GpuSlot
 
 # Followers wait on the control group while rank 0 generates a whole rollout step (hours at 32B
 # scale); torch's default 30-minute collective timeout would kill them mid-step.
@@ -164,8 +166,6 @@ def bundle_slots(placement_group, count: int) -> list:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from megatron_dapo.sglang.placement import GpuSlot
-
     bundle = placement_group.bundle_specs
     probe = ray.remote(_probe_where)
     refs = []
@@ -206,7 +206,6 @@ class SPMDRankGroup:
         # gloo carries Python objects whatever the training backend is
         self._group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         self.peers = _exchange_peers(self._group, self.world_size)
-        from megatron_dapo.driver.spmd_watchdog import CallWatchdog
 
         self._watchdog = CallWatchdog(self.world_size, peers=self.peers)
 
@@ -253,8 +252,6 @@ class SPMDRankGroup:
     def follow(cls, worker: Any) -> None:
         """Ranks > 0: execute whatever rank 0 calls until it shuts the group down."""
         import torch.distributed as dist
-
-        from megatron_dapo.driver.spmd_watchdog import _store, mark_answered, watch_for_abort
 
         group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         world, rank = dist.get_world_size(), dist.get_rank()

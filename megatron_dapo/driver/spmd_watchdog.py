@@ -44,6 +44,7 @@ import traceback
 from typing import Any
 
 from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
+from megatron_dapo.errors import report
 
 POLL_S = 0.5
 # How long a dead peer may go unreported while rank 0 is still inside the call: the main thread
@@ -177,8 +178,6 @@ class CallWatchdog:
                     self._report_dead(*self._active[1:], dead)
 
     def _report_dead(self, method: str, context: str, dead: list[tuple[int, int]]) -> None:
-        from megatron_dapo.errors import report
-
         causes = [rank_died(rank, pid, method) for rank, pid in dead]
         error = RankCallError(f"{method} failed: " + "; ".join(map(str, causes)), causes)
         error.megatron_dapo_context = context

@@ -34,8 +34,7 @@ class InFlightProbe:
     """Health probes for engines with calls in flight that went silent (module doc)."""
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic):
-        if interval_s <= 0:
-            raise ValueError(f"rollout.health_probe_interval_s must be > 0, got {interval_s}")
+        # interval_s > 0: config/validate.py refuses rollout.health_probe_interval_s otherwise
         self.interval_s = float(interval_s)
         self.clock = clock
         self._silent_since: dict[str, float] = {}  # busy engine -> when it was last heard from

@@ -34,39 +34,20 @@ from megatron_dapo.http_errors import http_error
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 from megatron_dapo.sglang.ipc import push_weights_ipc
+from megatron_dapo.sglang.server import ROUTED_EXPERTS_FLAG
+from megatron_dapo.sglang.version import parse_version, unsupported
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 NOT_RETRIED = " (not retried: the server may have acted on it, and this call is not idempotent)"
 
-# The SGLang releases this client is written and tested against (tests/fixtures/sglang: 0.5.23);
-# pinned the same in pyproject's `gpu` extra and the Dockerfile.
-SUPPORTED_SGLANG = ((0, 5, 21), (0, 6, 0))  # [low, high)
-SUPPORTED_SGLANG_TEXT = "sglang>=0.5.21,<0.6"
 # From 0.5.21 tensor/distributed updates are refused outside /begin_weight_update../end_weight_update.
 UPDATE_SESSION_SINCE = (0, 5, 21)
 
 
-def parse_version(raw: Any) -> tuple[int, ...]:
-    """``"0.5.23"`` / ``"0.5.10.post1"`` -> ``(0, 5, 23)``; unreadable -> ``()``."""
-    parts = []
-    for piece in str(raw or "").split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-        if len(parts) == 3:
-            break
-    return tuple(parts)
-
-
 def check_supported_version(version: tuple[int, ...], engine: str) -> None:
-    low, high = SUPPORTED_SGLANG
-    if not version or not (low <= version < high):
-        shown = ".".join(map(str, version)) if version else "unknown"
-        raise SGLangError(
-            f"sglang engine {engine}: SGLang {shown} is not supported; this release needs "
-            f"{SUPPORTED_SGLANG_TEXT} (pip install 'megatron-dapo[gpu]')"
-        )
+    why = unsupported(version)
+    if why:
+        raise SGLangError(f"sglang engine {engine}: {why} (pip install 'megatron-dapo[gpu]')")
 
 
 class SGLangError(EngineError):
@@ -124,8 +105,6 @@ def parse_routed_experts(meta: dict, shape: tuple[int, int], tokens: int, where:
     import base64
 
     import numpy as np
-
-    from megatron_dapo.sglang.server import ROUTED_EXPERTS_FLAG
 
     raw = meta.get("routed_experts")
     if raw is None:

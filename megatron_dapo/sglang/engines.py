@@ -30,9 +30,13 @@ from urllib.parse import urlparse
 import torch
 
 from megatron_dapo.config import ConfigError
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.sglang.client import SGLangEngine
 from megatron_dapo.sglang.health import poll_health
+from megatron_dapo.sglang.node_host import launch_on_nodes
 from megatron_dapo.sglang.placement import engine_gpu_ids, local_actor_gpus
+from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +113,6 @@ def server_config(
     `cpu`: a server without GPUs (CPU flags and environment above, memory fraction kept small).
     With `actor.routing_replay: rollout` it returns the routed experts (`routed_experts_shape`).
     """
-    from megatron_dapo.sglang.server import SGLangServerConfig
-
     s = cfg.rollout.sglang
     colocated = cfg.trainer.placement == "colocated"
     return SGLangServerConfig(
@@ -207,8 +209,6 @@ def connect_sglang_engines(
     in all); TP size from the server. Later health checks wait `answer_timeout_s` for an answer.
     `routed_experts_shape`: ask every reply for the routed experts (the servers must have been
     started with `sglang.server.ROUTED_EXPERTS_FLAG`; a reply without them is an error naming it)."""
-    from megatron_dapo.sglang.client import SGLangEngine
-
     checked = [_check_url(i, u) for i, u in enumerate(urls)]
     deadline = time.monotonic() + health_timeout_s
     engines = []
@@ -261,9 +261,6 @@ def launch_sglang_engines(cfg, configs: Sequence[Any]) -> list:
     The servers start together (loading weights in parallel); if any fails, all are stopped and
     the error carries the failing server's log tail.
     """
-    from megatron_dapo.sglang.client import SGLangEngine
-    from megatron_dapo.sglang.server import SGLangServer
-
     servers = []
     engines = []
     shape = routed_experts_shape(cfg)
@@ -322,8 +319,6 @@ def start_sglang_engines(cfg) -> list:
     total = torch.cuda.device_count()
     if total == 0:
         # CPU servers (tests, laptops): this node, SGLang's CPU flags, free ports
-        from megatron_dapo.ports import free_port
-
         configs = [
             server_config(cfg, i, (), log_dir, port=free_port(), cpu=True)
             for i in range(int(cfg.rollout.num_engines))
@@ -347,9 +342,6 @@ def launch_planned_engines(
     Each engine keeps its plan (`engine.plan`: node, GPUs, and the trainer ranks on them) and a
     `RemoteServer` (`engine.server`) through which the driver checks, restarts or stops it.
     """
-    from megatron_dapo.sglang.client import SGLangEngine
-    from megatron_dapo.sglang.node_host import launch_on_nodes
-
     configs = [
         server_config(cfg, p.index, p.gpus, log_dir, host=p.node_ip, port=p.port, cpu=cpu) for p in plans
     ]

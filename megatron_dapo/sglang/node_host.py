@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.ports import free_port
+from megatron_dapo.sglang.server import SGLangServer
+
 log = logging.getLogger(__name__)
 
 
@@ -29,12 +32,9 @@ class SGLangNodeHost:
     """
 
     def __init__(self, configs: Sequence[Any], commands: Sequence[list[str]] | None = None):
-        from megatron_dapo.sglang.server import SGLangServer
-
         # The plan counts GPUs by their index on the node (--base-gpu-id); a mask that Ray may have
         # set for this GPU-less actor would shift or hide them.
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        from megatron_dapo.ports import free_port
 
         for c in configs:
             if not c.port:  # port 0: a free one on this node

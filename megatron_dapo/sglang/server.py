@@ -21,6 +21,7 @@ from pathlib import Path
 
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.sglang.health import poll_health
+from megatron_dapo.sglang.version import parse_version, unsupported
 
 # SGLang 0.5.23's server flag (ServerArgs.enable_return_routed_experts, arg_groups/fields/exec_.py)
 # without which it allocates no RoutedExpertsCapturer and no reply carries meta_info.routed_experts.
@@ -96,8 +97,6 @@ def default_server_python() -> str:
 
 def installed_sglang_version(python: str, timeout_s: float = 120.0) -> tuple[int, ...]:
     """The sglang version installed for ``python`` (from its package metadata; no import of sglang)."""
-    from megatron_dapo.sglang.client import parse_version
-
     probe = "from importlib.metadata import version; print(version('sglang'))"
     try:
         out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=timeout_s)
@@ -114,15 +113,11 @@ def installed_sglang_version(python: str, timeout_s: float = 120.0) -> tuple[int
 
 def check_launchable(python: str) -> tuple[int, ...]:
     """Refuse to launch an SGLang release outside the supported range, naming that range."""
-    from megatron_dapo.sglang.client import SUPPORTED_SGLANG, SUPPORTED_SGLANG_TEXT
-
     version = installed_sglang_version(python)
-    low, high = SUPPORTED_SGLANG
-    if not version or not (low <= version < high):
-        shown = ".".join(map(str, version)) if version else "unknown"
+    why = unsupported(version)
+    if why:
         raise SGLangStartupError(
-            f"{python} has SGLang {shown}, which is not supported; this release needs "
-            f"{SUPPORTED_SGLANG_TEXT} (pip install 'megatron-dapo[gpu]', or `make setup-sglang` for the CPU tests)"
+            f"{python}: {why} (pip install 'megatron-dapo[gpu]', or `make setup-sglang` for the CPU tests)"
         )
     return version
 

@@ -33,7 +33,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from megatron_dapo.config import ConfigError
+from megatron_dapo.ports import free_port
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.sglang.engines import (
+    connect_sglang_engines,
+    launch_sglang_engines,
+    routed_experts_shape,
+    server_config,
+    stop_sglang_engines,
+)
 from megatron_dapo.sglang.placement import EnginePlan, GpuSlot, plan_engines
 
 log = logging.getLogger(__name__)
@@ -109,8 +118,6 @@ def check_node_addresses(ranks: list[RankInfo]) -> None:
         return
     for r in ranks:
         if r.ip_from != NODE_IP_ENV and _loopback(r.node_ip):
-            from megatron_dapo.config import ConfigError
-
             raise ConfigError(
                 f"node {r.node_rank}'s address is {r.node_ip} (from {r.ip_from}), a loopback address the "
                 f"other nodes cannot reach its SGLang servers at; set {NODE_IP_ENV} on every node to the "
@@ -167,8 +174,6 @@ class NodeServers:
             return False, str(e)
 
     def stop(self) -> None:
-        from megatron_dapo.sglang.engines import stop_sglang_engines
-
         stop_sglang_engines(list(self.local.values()))
         self.local.clear()
 
@@ -177,9 +182,6 @@ def launch_node_servers(cfg) -> NodeServers:
     """Collective over torchrun's world: this node's servers started, every engine's URL known."""
     import torch
     import torch.distributed as dist
-
-    from megatron_dapo.ports import free_port
-    from megatron_dapo.sglang.engines import launch_sglang_engines, server_config
 
     cpu = torch.cuda.device_count() == 0
     # gloo carries Python objects whatever backend the trainer's world uses
@@ -272,8 +274,6 @@ class PeerServer:
 def rank0_engines(cfg, servers: NodeServers, ranks: Any = None) -> list:
     """Rank 0's engines in plan order: its own node's launched ones, the others connected by URL
     (with a `PeerServer` through which their node restarts them, when `ranks` is given)."""
-    from megatron_dapo.sglang.engines import connect_sglang_engines, routed_experts_shape
-
     shape = routed_experts_shape(cfg)
     engines: list[Any] = []
     try:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.sync.protocol import WeightSyncTimeoutError, describe_bucket
+from megatron_dapo.weights.hf_io import copy_hf_metadata
 
 
 class DirectTransport:
@@ -136,8 +137,6 @@ class DiskTransport:
 
     def finish(self) -> None:
         import json
-
-        from megatron_dapo.weights.hf_io import copy_hf_metadata
 
         (self.target / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": self._names}, indent=1)
