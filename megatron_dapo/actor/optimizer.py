@@ -192,8 +192,9 @@ def guarded_step(optimizer: Any, scheduler: Any, loss: float) -> StepOutcome:
 
     megatron's ``optimizer.step()`` is prepare_grads + clip + step_with_ready_grads; it is
     spelled out here because the decision needs the prepared grads first, and calling ``step()``
-    after ``prepare_grads()`` would prepare them twice: with fp16 the main grads would be
-    unscaled twice (Adam would see grad / scale) and the loss scaler updated twice.
+    after ``prepare_grads()`` would prepare them twice; with fp16 in megatron-core 0.16.1 the
+    visible effect is the dynamic loss scaler updated twice per step (its growth and back-off
+    counted double).
     """
     found_inf = optimizer.prepare_grads()
     grad_norm = float(optimizer.get_grad_norm())
