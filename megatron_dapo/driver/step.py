@@ -4,16 +4,48 @@ from and what runs beside the update; the trainer (driver/trainer.py) runs the s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from omegaconf import DictConfig
 
 from megatron_dapo.driver.batch_builder import build_actor_batch
+from megatron_dapo.driver.colocation import MemoryHandOff
+from megatron_dapo.driver.engine_sync import EngineSync
+from megatron_dapo.driver.kl_reward import KLInReward
+from megatron_dapo.driver.modes import OnPolicy
 from megatron_dapo.driver.progress import StepProgress
-from megatron_dapo.driver.run_dir import jsonable_record
+from megatron_dapo.driver.run_dir import RunDir, jsonable_record
+from megatron_dapo.driver.run_state import TrainerState
+from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.driver.timing import PhaseTimer
 from megatron_dapo.rollout.staleness import staleness_metrics
 
-if TYPE_CHECKING:
-    from megatron_dapo.driver.trainer import DAPOTrainer
+
+class StepHost(Protocol):
+    """What a step needs from the trainer that runs it (``driver/trainer.py``'s DAPOTrainer)."""
+
+    cfg: DictConfig
+    run: RunDir
+    mode: OnPolicy  # or Ahead, its subclass
+    memory: MemoryHandOff
+    engines: EngineSync
+    stop: StopFlag
+    kl_in_reward: KLInReward | None
+    dump_rollouts: Callable[..., Any] | None
+    validate: Callable[[int], dict[str, Any]] | None  # None without a validation set
+
+    @property
+    def state(self) -> TrainerState: ...
+
+    def call(self, method: str, *args, limit: str, **kwargs) -> list[Any]: ...
+
+    def save(self) -> str: ...
+
+    def save_due(self, step: int) -> bool: ...
+
+    def validation_due(self, step: int) -> bool: ...
+
 
 # actor metric -> verl-style metrics key
 ACTOR_KEYS = {
@@ -47,7 +79,7 @@ ACTOR_KEYS = {
 }
 
 
-def run_step(t: DAPOTrainer, step: int, progress: StepProgress) -> dict[str, Any] | None:
+def run_step(t: StepHost, step: int, progress: StepProgress) -> dict[str, Any] | None:
     """Step ``step``; its metrics line, or None when a stop abandoned its rollout (the last
     finished step is then saved)."""
     cfg, state, mode, timer = t.cfg, t.state, t.mode, PhaseTimer()
