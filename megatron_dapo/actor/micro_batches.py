@@ -87,10 +87,16 @@ def pack_by_token_budget(
             groups[-1].append(i)
         else:
             groups.append([i])
+    return _to_multiple(groups, multiple_of, len(indices))
+
+
+def _to_multiple(groups: list[list[int]], multiple_of: int, samples: int) -> list[list[int]]:
+    """Halve the largest groups until their count is a multiple of ``multiple_of`` (megatron's
+    interleaved pipeline schedule needs one)."""
     while len(groups) % multiple_of:
         _halve_biggest(
             groups,
-            f"{len(indices)} samples cannot form a multiple of {multiple_of} micro-batches "
+            f"{samples} samples cannot form a multiple of {multiple_of} micro-batches "
             "(the interleaved pipeline schedule needs one); give each DP rank more samples",
         )
     return groups
@@ -135,13 +141,7 @@ def pack_by_real_tokens(
             groups[fit].append(i)
             loads[fit] += lengths[i]
     groups = [sorted(g) for g in groups]
-    while len(groups) % multiple_of:
-        _halve_biggest(
-            groups,
-            f"{len(indices)} samples cannot form a multiple of {multiple_of} micro-batches "
-            "(the interleaved pipeline schedule needs one); give each DP rank more samples",
-        )
-    return groups
+    return _to_multiple(groups, multiple_of, len(indices))
 
 
 def packed_length(lengths: list[int], seq_multiple: int = 1, row_multiple: int = 1) -> int:
