@@ -27,6 +27,7 @@ from megatron_dapo.algo import (
     KL_PENALTY_KINDS,
     LOSS_AGG_MODES,
     POLICY_LOSS_TYPES,
+    Aggregation,
     RolloutCorrection,
     entropy_loss,
     kl_loss,
@@ -370,9 +371,9 @@ def test_kl_and_entropy_terms_aggregate_like_the_policy_loss(mode):
     aggregated with the policy loss's mode and its global normalisers."""
     lp, old, _, _, mask = _batch(3)
     ref = old - 0.1  # a reference policy a little off pi_old
-    norms = dict(loss_agg_mode=mode, norm_len=NORM_LEN, num_tokens=30, num_seqs=7)
+    agg = Aggregation(mode, num_tokens=30, num_seqs=7, norm_len=NORM_LEN)
     x = lp.clone().requires_grad_(True)
-    got, m = kl_loss(x, ref, mask, kind="low_var_kl", **norms)
+    got, m = kl_loss(x, ref, mask, kind="low_var_kl", agg=agg)
     got.backward()
     y = torch.where(mask, lp, 0.0).detach().requires_grad_(True)
     # k3 (Schulman 2020): with log rho = log pi_ref - log pi, rho - 1 - log rho
@@ -390,7 +391,7 @@ def test_kl_and_entropy_terms_aggregate_like_the_policy_loss(mode):
     ent = torch.rand(mask.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     ent[~mask] = float("inf")  # padding garbage
     e = ent.clone().requires_grad_(True)
-    got = entropy_loss(e, mask, **norms)
+    got = entropy_loss(e, mask, agg=agg)
     want = _ref_agg_fixed([[ent[i, t] for t in range(6) if mask[i, t]] for i in range(5)], mode, 30, 7)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     got.backward()

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_dapo.algo import LOSS_AGG_MODES, agg_loss, policy_loss, sequence_weights
+from megatron_dapo.algo import LOSS_AGG_MODES, Aggregation, agg_loss, policy_loss, sequence_weights
 
 # Hand example. Ratios per token r; row 0 has A=+1, row 1 A=-1, row 2 is fully masked.
 #   A=+1: r=1 -> -1; r=1.5 -> max(-1.5, -1.28) = -1.28 (clipped high); r=0.5 -> -0.5; r=4 masked
@@ -224,7 +224,7 @@ def test_sequence_weights_aggregate_a_per_sequence_value_like_agg_loss(mode):
     x = torch.tensor([0.7, -1.3, 5.0], dtype=torch.float64)
     mat = x[:, None].expand(mask.shape)
     for kwargs in ({}, dict(num_tokens=11, num_seqs=5, norm_len=9)):
-        w = sequence_weights(mask, mode, **kwargs)
+        w = sequence_weights(mask, Aggregation(mode, **kwargs))
         want = agg_loss(
             mat, mask, mode, kwargs.get("num_tokens"), kwargs.get("num_seqs"), norm_len=kwargs.get("norm_len")
         )
@@ -235,4 +235,4 @@ def test_sequence_weights_aggregate_a_per_sequence_value_like_agg_loss(mode):
         "seq-mean-token-mean": [1 / 2, 1 / 2, 0],
         "seq-mean-token-sum-norm": [3 / 4 / 2, 4 / 4 / 2, 0],
     }[mode]
-    assert sequence_weights(mask, mode).tolist() == pytest.approx(hand, rel=1e-12)
+    assert sequence_weights(mask, Aggregation(mode)).tolist() == pytest.approx(hand, rel=1e-12)

@@ -19,7 +19,14 @@ from megatron_dapo.actor import compat, fused_output, moe_aux_loss, routing_repl
 from megatron_dapo.actor.context_parallel import cp_gather, cp_row_sum, cp_split_micro
 from megatron_dapo.actor.logprobs import DEFAULT_CHUNK_TOKENS
 from megatron_dapo.actor.micro_batches import MicroBatch, as_rows, row_view
-from megatron_dapo.algo import RolloutCorrection, entropy_loss, kl_loss, policy_loss, sequence_weights
+from megatron_dapo.algo import (
+    Aggregation,
+    RolloutCorrection,
+    entropy_loss,
+    kl_loss,
+    policy_loss,
+    sequence_weights,
+)
 
 # Per-mini-batch metric sums; the token-weighted ones are divided by "tokens" after reduction.
 STAT_NAMES = (
@@ -80,6 +87,10 @@ class LossSettings:
     # (actor.use_kl_loss); the estimate's token mean is reported as ref_kl either way.
     kl_loss_coef: float | None = None
     kl_type: str = "low_var_kl"
+
+    def aggregation(self, row_sum=None) -> Aggregation:
+        """The policy loss's aggregation, for the terms added to it."""
+        return Aggregation(self.loss_agg_mode, self.num_tokens, self.num_seqs, self.norm_len, row_sum)
 
 
 def _cp_group():
@@ -265,19 +276,13 @@ def micro_batch_loss(
     stats = dict.fromkeys(STAT_NAMES, torch.zeros((), dtype=torch.float64, device=mask.device))
     stats["loss"] = loss.detach().double()
     # the regularisers are aggregated exactly as the policy loss (same mode and normalisers)
-    agg = {
-        "loss_agg_mode": settings.loss_agg_mode,
-        "num_tokens": settings.num_tokens,
-        "num_seqs": settings.num_seqs,
-        "norm_len": settings.norm_len,
-        "row_sum": row_sum,
-    }
+    agg = settings.aggregation(row_sum)
     if settings.entropy_coeff:
-        ent_loss = entropy_loss(entropy, mask, **agg)
+        ent_loss = entropy_loss(entropy, mask, agg=agg)
         stats["entropy_loss"] = ent_loss.detach().double()
         loss = loss - settings.entropy_coeff * ent_loss
     if micro.ref_logprobs is not None:
-        ref_loss, ref_m = kl_loss(logprobs, micro.ref_logprobs, mask, kind=settings.kl_type, **agg)
+        ref_loss, ref_m = kl_loss(logprobs, micro.ref_logprobs, mask, kind=settings.kl_type, agg=agg)
         stats["ref_tokens"] = n
         stats["ref_kl"] = ref_m["ref_kl"].double() * n
         if settings.kl_loss_coef is not None:
@@ -335,14 +340,7 @@ def backward_micro_batches(
         routing_replay.apply(model, micro.routed_experts, micro.score_mask)
         rows, loss_micro = _loss_view(micro)
         if settings.moe_aux_loss_coeff is not None:
-            weights = sequence_weights(
-                loss_micro.loss_mask,
-                settings.loss_agg_mode,
-                settings.num_tokens,
-                settings.num_seqs,
-                norm_len=settings.norm_len,
-                row_sum=row_sum,
-            )
+            weights = sequence_weights(loss_micro.loss_mask, settings.aggregation(row_sum))
             moe_aux_loss.prepare(model, micro.seq_ids, weights, settings.moe_aux_loss_coeff)
         with fused_output.hidden_states_out(model):
             output = _forward(model, micro)

@@ -1,7 +1,7 @@
 """The RL algorithm core, pure torch (no torch.distributed, no Megatron).
 
 Public API: :func:`policy_loss` (loss types :data:`POLICY_LOSS_TYPES`, per-token terms in
-:data:`POLICY_LOSSES`), :func:`agg_loss`, :func:`sequence_weights`, :func:`sequence_pieces`,
+:data:`POLICY_LOSSES`), :func:`agg_loss` and :class:`Aggregation`, :func:`sequence_weights`, :func:`sequence_pieces`,
 :func:`kl_penalty`, :func:`kl_reward_penalty`, :func:`kl_loss`, :func:`entropy_loss`,
 :func:`kl_controller`, :func:`outcome_advantages`, :func:`group_advantages`,
 :func:`overlong_penalty`, :func:`mixed_group_mask`, :class:`RolloutCorrection`,
@@ -12,7 +12,7 @@ Dr. GRPO is ``outcome_advantages(..., estimator="grpo", norm_adv_by_std_in_grpo=
 """
 
 from megatron_dapo.algo.advantages import ADV_ESTIMATORS, group_advantages, outcome_advantages
-from megatron_dapo.algo.aggregation import LOSS_AGG_MODES, agg_loss, sequence_weights
+from megatron_dapo.algo.aggregation import LOSS_AGG_MODES, Aggregation, agg_loss, sequence_weights
 from megatron_dapo.algo.group_filter import mixed_group_mask
 from megatron_dapo.algo.kl import KL_PENALTY_KINDS, KLRewardPenalty, kl_penalty, kl_reward_penalty
 from megatron_dapo.algo.kl_control import (
@@ -43,6 +43,7 @@ __all__ = [
     "POLICY_LOSSES",
     "POLICY_LOSS_TYPES",
     "AdaptiveKLController",
+    "Aggregation",
     "FixedKLController",
     "KLController",
     "KLRewardPenalty",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -91,24 +92,49 @@ def agg_loss(
     )
 
 
-def sequence_weights(
-    mask: torch.Tensor,
-    mode: str,
-    num_tokens: int | float | torch.Tensor | None = None,
-    num_seqs: int | float | torch.Tensor | None = None,
-    *,
-    norm_len: int | float | None = None,
-    row_sum: RowSum | None = None,
-) -> torch.Tensor:
-    """Per-row weights ``w`` [B] such that ``sum(w * x)`` is what :func:`agg_loss` gives for a
+@dataclass(frozen=True)
+class Aggregation:
+    """How a per-token matrix becomes a loss: :func:`agg_loss`'s mode and normalisers, one object
+    for the policy loss and every term added to it (the KL loss, the entropy bonus), so that all
+    of them are aggregated alike. Calling it aggregates ``(loss_mat, mask)``."""
+
+    mode: str = "token-mean"
+    num_tokens: int | float | torch.Tensor | None = None
+    num_seqs: int | float | torch.Tensor | None = None
+    norm_len: int | float | None = None
+    row_sum: RowSum | None = None
+    row_tokens: torch.Tensor | None = None
+
+    def __call__(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return agg_loss(
+            loss_mat,
+            mask,
+            self.mode,
+            self.num_tokens,
+            self.num_seqs,
+            norm_len=self.norm_len,
+            row_sum=self.row_sum,
+            row_tokens=self.row_tokens,
+        )
+
+
+def sequence_weights(mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
+    """Per-row weights ``w`` [B] such that ``sum(w * x)`` is what ``agg`` gives for a
     per-sequence quantity ``x`` [B] placed on every masked token of its row: the same mode and the
-    same global normalisers as the policy loss. For sequence-level terms added to the loss (the
+    same global normalisers as the policy loss (``agg.row_tokens`` is not used). For sequence-level terms added to the loss (the
     MoE load-balancing loss) so they are aggregated exactly like it.
 
     token-mean: tokens / num_tokens; seq-mean-token-mean: 1 / num_seqs for each non-empty row;
     seq-mean-token-sum: tokens / num_seqs; seq-mean-token-sum-norm: tokens / (num_seqs *
     norm_len). Token counts are whole rows' (``row_sum`` over context-parallel pieces).
     """
+    mode, num_tokens, num_seqs, norm_len, row_sum = (
+        agg.mode,
+        agg.num_tokens,
+        agg.num_seqs,
+        agg.norm_len,
+        agg.row_sum,
+    )
     if mask.dim() != 2:
         raise ValueError(f"mask must be (B, T), got {tuple(mask.shape)}")
     if mode not in LOSS_AGG_MODES:

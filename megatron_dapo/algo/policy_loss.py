@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dapo.algo.aggregation import RowSum, agg_loss
+from megatron_dapo.algo.aggregation import Aggregation, RowSum
 from megatron_dapo.algo.loss_terms import (
     POLICY_LOSSES,
     SEQUENCE_LEVEL,
@@ -153,16 +153,7 @@ def policy_loss(
         metrics["tis_mean"] = _masked_mean(weight, keep, n_tok)
         metrics["tis_clipfrac"] = _masked_mean(raw_w > tis_cap, keep, n_tok)
 
-    loss = agg_loss(
-        per_token,
-        keep,
-        loss_agg_mode,
-        num_tokens,
-        num_seqs,
-        norm_len=norm_len,
-        row_sum=row_sum,
-        row_tokens=row_tokens,
-    )
+    loss = Aggregation(loss_agg_mode, num_tokens, num_seqs, norm_len, row_sum, row_tokens)(per_token, keep)
     metrics["num_tokens"] = n_tok.detach()
     metrics["num_seqs"] = (keep.sum(dim=-1) > 0).sum().detach()
     return loss, metrics
