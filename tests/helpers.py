@@ -227,3 +227,28 @@ def loss_settings(**over):
         norm_len=5.0,
     )
     return LossSettings(**{**base, **over})
+
+
+# The hand-computed micro-batch of the loss tests: 2 rows x 5 positions, 3 loss tokens each.
+HAND_MASK = ((0, 1, 1, 1, 0), (0, 0, 1, 1, 1))
+
+
+def hand_micro(old_logprobs, ref_logprobs=None):
+    """A padded ``MicroBatch`` of the two hand rows (advantages 1.5 and -0.5) carrying the given
+    [2, 5] pi_old (and reference) log-probs."""
+    from megatron_dapo.actor.micro_batches import MicroBatch
+
+    b, t = len(HAND_MASK), len(HAND_MASK[0])
+    mask = torch.tensor(HAND_MASK, dtype=torch.bool)
+    return MicroBatch(
+        sample_index=torch.arange(b),
+        tokens=torch.zeros(b, t, dtype=torch.long),
+        position_ids=torch.arange(t).repeat(b, 1),
+        labels=torch.zeros(b, t, dtype=torch.long),
+        loss_mask=mask,
+        score_mask=mask,
+        advantages=torch.tensor([1.5, -0.5], dtype=torch.float64),
+        old_logprobs=old_logprobs,
+        rollout_logprobs=None,
+        ref_logprobs=ref_logprobs,
+    )

@@ -12,16 +12,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_actor_tiny_prints_the_table():
+def _run_tiny(tool: str) -> subprocess.CompletedProcess:
+    """``tools/<tool> --shape tiny --repeats 1`` on the CPU; fails the test if it fails."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_actor.py"), "--shape", "tiny", "--repeats", "1"],
+        [sys.executable, str(ROOT / "tools" / tool), "--shape", "tiny", "--repeats", "1"],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_bench_actor_tiny_prints_the_table():
+    out = _run_tiny("bench_actor.py")
     lines = out.stdout.splitlines()
     assert lines[-1].startswith("RESULT ")
     r = json.loads(lines[-1][len("RESULT ") :])
@@ -40,15 +46,7 @@ def test_bench_actor_tiny_prints_the_table():
 def test_bench_reference_tiny_prints_its_ratios():
     """tools/bench_reference.py on CPU: the reference's pass against pi_old's, the update with
     the KL loss against the plain one; nothing is offloaded on CPU, which the table says."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_reference.py"), "--shape", "tiny", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run_tiny("bench_reference.py")
     r = json.loads(out.stdout.splitlines()[-1][len("RESULT ") :])
     assert r["device"] == "cpu" and not r["offloaded"] and r["resident_device_bytes"] == 0
     assert r["reference_param_bytes"] > 0 and r["transfer_gb_per_s"] is None

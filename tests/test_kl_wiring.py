@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import loss_settings
+from helpers import hand_micro, loss_settings
 
 from megatron_dapo.actor.batch import make_actor_batch
 from megatron_dapo.actor.micro_batches import MicroBatch
@@ -70,23 +70,9 @@ def test_the_adaptive_controller_needs_a_positive_target_and_horizon(name):
 
 def _micro(ref_shift: float):
     gen = torch.Generator().manual_seed(7)
-    b, t = 2, 5
-    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
-    lp = -torch.rand(b, t, generator=gen, dtype=torch.float64) - 0.1
-    ref = lp + ref_shift * torch.randn(b, t, generator=gen, dtype=torch.float64)
-    micro = MicroBatch(
-        sample_index=torch.arange(b),
-        tokens=torch.zeros(b, t, dtype=torch.long),
-        position_ids=torch.arange(t).repeat(b, 1),
-        labels=torch.zeros(b, t, dtype=torch.long),
-        loss_mask=mask,
-        score_mask=mask,
-        advantages=torch.tensor([1.5, -0.5], dtype=torch.float64),
-        old_logprobs=lp.clone(),
-        rollout_logprobs=None,
-        ref_logprobs=ref,
-    )
-    return lp.requires_grad_(), micro
+    lp = -torch.rand(2, 5, generator=gen, dtype=torch.float64) - 0.1
+    ref = lp + ref_shift * torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    return lp.requires_grad_(), hand_micro(lp.clone(), ref)
 
 
 def _settings(**over):

@@ -8,9 +8,8 @@ import math
 
 import pytest
 import torch
-from helpers import loss_settings
+from helpers import hand_micro, loss_settings
 
-from megatron_dapo.actor.micro_batches import MicroBatch
 from megatron_dapo.actor.train_step import STAT_NAMES, micro_batch_loss
 from megatron_dapo.algo import ADV_ESTIMATORS, POLICY_LOSS_TYPES
 from megatron_dapo.config import ConfigError, load_config
@@ -73,22 +72,9 @@ def _settings(**over):
 
 def _micro():
     gen = torch.Generator().manual_seed(3)
-    b, t = 2, 5
-    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool)
-    lp = -torch.rand(b, t, generator=gen, dtype=torch.float64) - 0.1
-    old = lp + 0.3 * torch.randn(b, t, generator=gen, dtype=torch.float64)
-    micro = MicroBatch(
-        sample_index=torch.arange(b),
-        tokens=torch.zeros(b, t, dtype=torch.long),
-        position_ids=torch.arange(t).repeat(b, 1),
-        labels=torch.zeros(b, t, dtype=torch.long),
-        loss_mask=mask,
-        score_mask=mask,
-        advantages=torch.tensor([1.5, -0.5], dtype=torch.float64),
-        old_logprobs=old,
-        rollout_logprobs=None,
-    )
-    return lp.requires_grad_(), micro
+    lp = -torch.rand(2, 5, generator=gen, dtype=torch.float64) - 0.1
+    old = lp + 0.3 * torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    return lp.requires_grad_(), hand_micro(old)
 
 
 def test_the_loss_type_and_sapo_temperatures_reach_the_loss():
