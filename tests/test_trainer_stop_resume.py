@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from trainer_fakes import (
     EmptyDataState,
     FakeDataset,
@@ -301,3 +302,60 @@ def test_a_kill_between_the_checkpoint_and_the_metrics_line_loses_no_line(tmp_pa
     assert [r["step"] for r in resumed] == [1, 2, 3], "a step's metrics line was lost or repeated"
     assert [_untimed(r) for r in resumed] == [_untimed(r) for r in reference]
     assert resumed[1]["val/avg@4"] == 0.2
+
+
+class _KLRanks(_CheckpointingRanks):
+    """Ranks whose pi_old and reference log-probs put the batch's KL far above the adaptive
+    controller's target, so its coefficient grows by the clipped factor every step."""
+
+    def call(self, method, *args, **kwargs):
+        if method == "score_old_and_ref":
+            batch = args[0]
+            shape = (len(batch), batch.max_response_len)
+            return [(torch.full(shape, -0.1), torch.full(shape, -0.9))]
+        return super().call(method, *args, **kwargs)
+
+
+class _StopAtStep3(OneGroupManager):
+    def __init__(self, log, stop, stop_at):
+        super().__init__(log)
+        self.stop, self.stop_at, self.calls = stop, stop_at, 0
+
+    def collect(self, dataset, version):
+        self.calls += 1
+        if self.calls == self.stop_at:
+            self.stop.set("SIGTERM")
+            raise RolloutAbandoned("stopping")
+        return super().collect(dataset, version)
+
+
+def test_stop_during_rollout_saves_the_kl_controller_of_the_last_step(tmp_path):
+    """A SIGTERM during step 3's rollout checkpoints step 2 (save_freq is far away); the adaptive
+    controller's coefficient of that checkpoint is the one after step 2's update, and the resumed
+    step 3 uses it. Before, only DAPOTrainer.save copied the controller into the state, so this
+    path saved {} and the resume started again from kl_coef."""
+    over = {
+        "trainer.save_freq": 100,
+        "actor.ppo_mini_batch_size": 1,
+        "algorithm.use_kl_in_reward": "true",
+        "algorithm.kl_ctrl.type": "adaptive",
+        "algorithm.kl_ctrl.kl_coef": 0.05,
+        "algorithm.kl_ctrl.target_kl": 1e-4,
+        "algorithm.kl_ctrl.horizon": 10,
+    }
+    cfg = trainer_config(tmp_path, **{"trainer.resume": "never", **over})
+    stop = StopFlag()
+    first = make_trainer(cfg, _KLRanks(), _StopAtStep3(Log(), stop, 3), FakeDataset(), stop)
+    assert first.fit()["step"] == 2
+    # KL 0.8 per token >> target: e = +0.2 each step, over the batch's 2 responses
+    after_two = 0.05 * (1 + 0.2 * 2 / 10) ** 2
+    saved = json.loads((first.run.checkpoints / "step_00000002" / "state.json").read_text())
+    assert saved["kl_ctrl"] == {"type": "adaptive", "value": pytest.approx(after_two, rel=1e-12)}
+
+    cfg = trainer_config(tmp_path, **{"trainer.resume": "auto", **over})
+    stop = StopFlag()
+    second = make_trainer(cfg, _KLRanks(), _StopAtStep3(Log(), stop, 2), FakeDataset(), stop)
+    assert second.fit()["step"] == 3
+    lines = [json.loads(x) for x in second.run.metrics.read_text().splitlines()]
+    step3 = next(r for r in lines if r.get("train/step") == 3)
+    assert step3["actor/reward_kl_penalty_coeff"] == pytest.approx(after_two, rel=1e-12)

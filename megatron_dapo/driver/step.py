@@ -116,6 +116,10 @@ def run_step(t: StepHost, step: int, progress: StepProgress) -> dict[str, Any] |
     sync_metrics.update(mode.wait_metrics(timer))
     state.step = state.weight_version = step
     state.prompts_consumed += int(rollout.metrics.get("rollout/prompts_drawn", 0))
+    if t.kl_in_reward is not None:
+        # part of the finished step's state from here on, so every save path (the step's own,
+        # a stop during the next rollout, the last step's at exit) writes this coefficient
+        state.kl_ctrl = t.kl_in_reward.state_dict()
 
     metrics: dict[str, Any] = {**rollout.metrics, **staleness, **batch_metrics}
     metrics.update({ACTOR_KEYS[k]: v for k, v in actor_metrics.items() if k in ACTOR_KEYS})

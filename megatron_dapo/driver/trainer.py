@@ -70,8 +70,6 @@ class DAPOTrainer:
         return self.run_state.state
 
     def save(self) -> str:
-        if self.kl_in_reward is not None:
-            self.state.kl_ctrl = self.kl_in_reward.state_dict()
         return self.run_state.save(self.mode.carried())
 
     def last_checkpoint(self) -> str:
