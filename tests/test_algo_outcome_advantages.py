@@ -133,3 +133,13 @@ def test_kl_controller_errors():
         kl_controller("adaptive", 0.1, target_kl=0.1, horizon=0)
     with pytest.raises(ValueError, match="needs kl_ctrl.target_kl and kl_ctrl.horizon"):
         kl_controller("adaptive", 0.1)
+
+
+def test_adaptive_controller_refuses_a_step_that_would_flip_its_sign():
+    """horizon 10 with 512 responses: 1 - 0.2 * 512 / 10 = -9.24, the coefficient would go
+    0.05 -> -0.462 and on to a growing KL bonus; the config refuses such a horizon, and the
+    controller refuses the update rather than apply it."""
+    ctl = kl_controller("adaptive", 0.05, target_kl=0.1, horizon=10)
+    with pytest.raises(ValueError, match=r"kl_ctrl.horizon=10 with 512 responses would multiply .* by -9.24"):
+        ctl.update(current_kl=0.0, n_steps=512)
+    assert ctl.value == 0.05

@@ -157,3 +157,32 @@ def test_logprob_chunk_default_is_the_kernels():
     from megatron_dapo.actor.logprobs import DEFAULT_CHUNK_TOKENS
 
     assert _load().actor.logprob_chunk_tokens == DEFAULT_CHUNK_TOKENS
+
+
+def test_adaptive_kl_horizon_must_keep_the_coefficient_positive():
+    """The demo's 512 responses a step (64 prompts x 8): with horizon=10 a KL below target made
+    the coefficient 0.05 -> -0.462 -> -5.19 ...; the smallest safe horizon is > 0.2 x 512."""
+    from megatron_dapo.algo import kl_control
+    from megatron_dapo.config import validate
+
+    base = [
+        "model.path=/x",
+        "trainer.train_batch_size=64",
+        "rollout.gen_batch_size=64",
+        "rollout.n=8",
+        "actor.ppo_mini_batch_size=64",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+    ]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "algorithm.kl_ctrl.horizon=10"])
+    msg = str(e.value)
+    assert "algorithm.kl_ctrl.horizon=10" in msg and "512 responses" in msg and "> 102.4" in msg, msg
+    assert "e.g. 103" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="horizon=102.4 "):
+        load_config(None, [*base, "algorithm.kl_ctrl.horizon=102.4"])  # multiplier exactly 0
+    assert load_config(None, [*base, "algorithm.kl_ctrl.horizon=103"]).algorithm.kl_ctrl.horizon == 103
+    # the fixed controller ignores the horizon
+    load_config(None, [*base[:-1], "algorithm.kl_ctrl.horizon=10"])
+    # config/ keeps its own copy of the clip (it must not import torch through algo/)
+    assert validate._ADAPTIVE_KL_ERROR_CLIP == kl_control._PROPORTIONAL_CLIP

@@ -69,7 +69,13 @@ class AdaptiveKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -_PROPORTIONAL_CLIP), _PROPORTIONAL_CLIP)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        factor = 1.0 + error * n_steps / self.horizon
+        if factor <= 0:  # config/validate.py refuses such a horizon for the run's batch size
+            raise ValueError(
+                f"kl_ctrl.horizon={self.horizon:g} with {n_steps} responses would multiply the KL coefficient "
+                f"by {factor:g}; it must be > {_PROPORTIONAL_CLIP:g} x the responses per step"
+            )
+        self.value *= factor
 
     def state_dict(self) -> dict[str, Any]:
         return {"type": self.kind, "value": self.value}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from omegaconf import DictConfig
 
 from megatron_dapo.actor.gpu_settings import GpuSettingsError, ddp_overlap
 from megatron_dapo.config.errors import ConfigError
+
+# algo/kl_control.py's clip of the adaptive controller's error (not imported: algo/ imports torch)
+_ADAPTIVE_KL_ERROR_CLIP = 0.2
 
 _KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
@@ -169,7 +173,7 @@ def check_algorithm(cfg: DictConfig) -> None:
         raise ConfigError(
             f"algorithm.entropy_coeff={alg.entropy_coeff} must be >= 0 (the entropy bonus's weight; 0 turns it off)"
         )
-    _check_kl_in_reward(alg)
+    _check_kl_in_reward(alg, cfg.trainer.train_batch_size * cfg.rollout.n)
     if not 0.0 <= alg.clip_ratio_high <= 10.0:
         raise ConfigError(f"algorithm.clip_ratio_high={alg.clip_ratio_high} must be in [0, 10] (DAPO: 0.28)")
     if alg.clip_ratio_c is not None and alg.clip_ratio_c <= 1.0:
@@ -346,7 +350,7 @@ def check_actor(cfg: DictConfig) -> None:
         )
 
 
-def _check_kl_in_reward(alg: DictConfig) -> None:
+def _check_kl_in_reward(alg: DictConfig, responses_per_step: int) -> None:
     ctrl = alg.kl_ctrl
     if not 0.0 <= ctrl.kl_coef < float("inf"):
         raise ConfigError(
@@ -358,6 +362,16 @@ def _check_kl_in_reward(alg: DictConfig) -> None:
                 raise ConfigError(
                     f"algorithm.kl_ctrl.{name}={ctrl[name]} must be > 0 with algorithm.kl_ctrl.type=adaptive (verl: {verl})"
                 )
+        # each update multiplies the coefficient by 1 + e * n / horizon with e down to -0.2 and n
+        # the step's responses: at horizon <= 0.2 n that reaches 0 or below, and a negative
+        # coefficient turns the penalty into a KL bonus that grows every step
+        floor = _ADAPTIVE_KL_ERROR_CLIP * responses_per_step
+        if ctrl.horizon <= floor:
+            raise ConfigError(
+                f"algorithm.kl_ctrl.horizon={ctrl.horizon:g} lets the adaptive coefficient reach 0 or turn negative "
+                f"with {responses_per_step} responses a step (trainer.train_batch_size x rollout.n); it must be "
+                f"> {floor:g} ({_ADAPTIVE_KL_ERROR_CLIP:g} x {responses_per_step}), e.g. {math.floor(floor) + 1}"
+            )
 
 
 def check_model(cfg: DictConfig) -> None:
