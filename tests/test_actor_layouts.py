@@ -35,6 +35,10 @@ LOSS_RUNS = {
     "gpg": "token-mean",
 }
 ENTROPY_COEFF = 0.3
+# Dr. GRPO (seq-mean-token-sum-norm): the run's generation budget, far from the batch's longest
+# response (8), and an explicit actor.loss_scale_factor
+DR_GRPO = "seq-mean-token-sum-norm"
+DR_GRPO_BUDGET, DR_GRPO_SCALE = 40, 13
 
 
 def _rank_run(rank, world, hf_dir, batch, old, runs):
@@ -44,7 +48,14 @@ def _rank_run(rank, world, hf_dir, batch, old, runs):
     for tp, pp, budget, mode, *extra in runs:  # extra: "padded" or a loss type
         init_parallel(tp=tp, pp=pp)
         loss = next((e for e in extra if e in LOSS_RUNS), "vanilla")
-        actor = layout_actor(hf_dir, budget, mode, pack_sequences="padded" not in extra, policy_loss=loss)
+        knobs = {}
+        if mode == DR_GRPO:
+            knobs = dict(max_response_length=DR_GRPO_BUDGET)
+            if "scale" in extra:
+                knobs["loss_scale_factor"] = DR_GRPO_SCALE
+        actor = layout_actor(
+            hf_dir, budget, mode, pack_sequences="padded" not in extra, policy_loss=loss, **knobs
+        )
         metrics = actor.update(batch.with_old_logprobs(old.float()))
         state = hf_state(actor)
         out[(tp, pp, world // (tp * pp), budget, mode, *extra)] = dict(
@@ -128,8 +139,10 @@ def results(layout_hf_dir, layout_data):
     batch, old, _ = layout_data
     solo = [(1, 1, b, m) for m in MODES for b in (BIG, SMALL)] + [(1, 1, SMALL, m, "padded") for m in MODES]
     solo += [(1, 1, b, m, loss) for loss, m in LOSS_RUNS.items() for b in (BIG, SMALL)]
+    solo += [(1, 1, b, DR_GRPO) for b in (BIG, SMALL)] + [(1, 1, BIG, DR_GRPO, "scale")]
     pair = [(tp, pp, BIG, m) for m in MODES for tp, pp in ((2, 1), (1, 2), (1, 1))] + PADDED_PAIRS
     pair += [(tp, pp, BIG, m, loss) for loss, m in LOSS_RUNS.items() for tp, pp in ((2, 1), (1, 2))]
+    pair += [(2, 1, BIG, DR_GRPO)]
     one = from_bytes(run_ranks(_rank_run, 1, layout_hf_dir, batch, old, solo, timeout_s=600)[0])
     two = from_bytes(run_ranks(_rank_run, 2, layout_hf_dir, batch, old, pair, timeout_s=600)[0])
     two["entropy_grads_tp2"] = two.pop("entropy_grads")
@@ -223,6 +236,41 @@ def test_loss_equals_policy_loss_on_hf_logprobs(results, layout_data, mode):
     assert abs(got["loss"] - float(loss)) < 1e-5 * max(1.0, abs(float(loss)))
     assert abs(got["ppo_kl"] - float(metrics["ppo_kl"])) < 1e-5
     assert got["clipfrac"] == pytest.approx(float(metrics["clipfrac"]), abs=1e-9)
+
+
+@pytest.mark.parametrize("scale", [None, DR_GRPO_SCALE], ids=["budget", "loss_scale_factor"])
+def test_dr_grpo_divides_by_the_budget_not_the_longest_response(results, layout_data, scale):
+    """seq-mean-token-sum-norm's divisor is data.max_response_length (or actor.loss_scale_factor),
+    a constant: the loss equals algo.policy_loss on HF's log-probs with that divisor, at one and
+    at several micro-batches and at TP=2, and not the value the batch's longest response gives.
+    Before, the actor divided by the step's longest response."""
+    from megatron_dapo.algo import policy_loss
+
+    batch, old, hf = layout_data
+    divisor = scale or DR_GRPO_BUDGET
+    assert batch.max_response_len != divisor
+
+    def expected(norm_len):
+        loss, _ = policy_loss(
+            hf,
+            old.float().double(),
+            batch.advantages.double(),
+            batch.response_mask,
+            **CLIP,
+            loss_agg_mode=DR_GRPO,
+            norm_len=norm_len,
+            rollout_logprobs=batch.rollout_logprobs.double(),
+            tis_cap=TIS_CAP,
+        )
+        return float(loss)
+
+    want, longest = expected(divisor), expected(batch.max_response_len)
+    assert abs(want - longest) > 0.5 * abs(want)  # the two divisors are far apart
+    runs = [(1, 1, 1, BIG, DR_GRPO, "scale")] if scale else [(1, 1, 1, b, DR_GRPO) for b in (BIG, SMALL)]
+    runs += [] if scale else [(2, 1, 1, BIG, DR_GRPO)]
+    for key in runs:
+        got = results[key]["metrics"]["updates"][0]["loss"]
+        assert abs(got - want) < 1e-5 * max(1.0, abs(want)), (key, got, want, longest)
 
 
 def test_pi_old_is_current_policy_before_first_update(results, layout_data):

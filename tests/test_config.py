@@ -44,6 +44,7 @@ def test_overrides_are_typed():
         ("model.fp8=e4m3", "model.fp8 needs Transformer Engine"),
         ("rollout.n", "not of the form key=value"),
         ("actor.logprob_chunk_tokens=0", "actor.logprob_chunk_tokens=0 must be >= 1"),
+        ("actor.loss_scale_factor=0", "actor.loss_scale_factor=0 must be >= 1"),
     ],
 )
 def test_bad_values_name_the_key_and_fix(override, expected):

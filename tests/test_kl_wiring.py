@@ -114,8 +114,16 @@ def test_reference_without_kl_loss_reports_ref_kl_only():
 
 
 def _cfg(**over):
+    # a step of 2 prompts x 2 responses, as _batch: the adaptive controller's horizon is checked
+    # against the responses per step
+    step = [
+        "trainer.train_batch_size=2",
+        "rollout.gen_batch_size=2",
+        "rollout.n=2",
+        "actor.ppo_mini_batch_size=2",
+    ]
     return _load(
-        "algorithm.use_kl_in_reward=true", *[f"algorithm.{k}={v}" for k, v in over.items()]
+        *step, "algorithm.use_kl_in_reward=true", *[f"algorithm.{k}={v}" for k, v in over.items()]
     ).algorithm
 
 

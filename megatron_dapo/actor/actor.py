@@ -104,8 +104,10 @@ class ActorConfig:
     tau_neg: float = knob("algorithm.tau_neg")
     # Entropy bonus: entropy_coeff x the entropy aggregated like the policy loss is subtracted.
     entropy_coeff: float = knob("algorithm.entropy_coeff")
-    # Divisor of seq-mean-token-sum-norm; None = the rollout step's longest response.
-    loss_norm_len: int | None = None
+    # Divisor of seq-mean-token-sum-norm (Dr. GRPO): a constant, the generation budget unless
+    # actor.loss_scale_factor sets another (norm_len).
+    loss_scale_factor: int | None = knob("actor.loss_scale_factor")
+    max_response_length: int = knob("data.max_response_length")
     # Truncated importance sampling cap (needs rollout log-probs); None disables TIS.
     tis_cap: float | None = None
     # algorithm.rollout_correction (algo/rollout_correction.py); None = no correction.
@@ -129,6 +131,11 @@ class ActorConfig:
     kl_loss_type: str = knob("actor.kl_loss_type")
     use_kl_in_reward: bool = knob("algorithm.use_kl_in_reward")
     kl_penalty: str = knob("algorithm.kl_penalty")
+
+    @property
+    def norm_len(self) -> int:
+        """seq-mean-token-sum-norm's divisor: the same every step, whatever its longest response."""
+        return self.loss_scale_factor or self.max_response_length
 
     @property
     def needs_reference(self) -> bool:
@@ -525,7 +532,7 @@ class Actor:
                 batch = batch.with_old_logprobs(self._score(self.model, micros, batch, cfg.temperature)[0])
             if need_ref:
                 batch = batch.with_ref_logprobs(self.compute_ref_logprobs(batch, micros))
-        norm_len = float(cfg.loss_norm_len or batch.max_response_len)
+        norm_len = float(cfg.norm_len)
         step_sums = empty_stats()
         updates: list[dict[str, Any]] = []
         mismatch = [STAT_NAMES.index(k) for k in ("mismatch_tokens", "mismatch_abs", "mismatch_k3")]

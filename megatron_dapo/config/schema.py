@@ -279,6 +279,11 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    # algorithm.loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO) divides each response's token
+    # sum by this constant (verl's name). null: data.max_response_length, the generation budget,
+    # which is verl's default too (its padded response width); never the step's longest response,
+    # which would change the loss's scale from step to step.
+    loss_scale_factor: Optional[int] = None
 
 
 @dataclass

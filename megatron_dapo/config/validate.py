@@ -343,6 +343,12 @@ def check_actor(cfg: DictConfig) -> None:
     aux = cfg.actor.moe_aux_loss_coeff
     if aux is not None and not aux >= 0:
         raise ConfigError(f"actor.moe_aux_loss_coeff={aux} must be >= 0 (or null: the HF config's)")
+    scale = cfg.actor.loss_scale_factor
+    if scale is not None and scale < 1:
+        raise ConfigError(
+            f"actor.loss_scale_factor={scale} must be >= 1 (the divisor of seq-mean-token-sum-norm), or null "
+            "for data.max_response_length"
+        )
     coef = cfg.actor.kl_loss_coef
     if not 0.0 <= coef < float("inf"):
         raise ConfigError(
