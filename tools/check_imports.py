@@ -50,6 +50,9 @@ ALLOWED: dict[str, set[str]] = {
     "weights": {"arch", "errors"},
     "actor": {"algo", "arch", "config", "weights", "data", "errors", "ports"},
     "rollout": {"algo", "arch", "config", "data", "rewards", "errors", "http_errors", "ports"},
+    # multi-turn episodes: the runner the rollout manager is handed, the chat-template bridge,
+    # tool-call parsers, tools in processes of their own
+    "agent": {"config", "data", "errors", "rollout"},
     # SGLang servers (launch, placement, health) and their HTTP client, an engine of rollout's protocol
     "sglang": {"config", "errors", "http_errors", "ports", "rollout"},
     # the weight transports: HF-named buckets to HF engines, SGLang servers or a checkpoint on disk
@@ -59,6 +62,7 @@ ALLOWED: dict[str, set[str]] = {
     "driver": {
         *(
             "actor",
+            "agent",
             "algo",
             "arch",
             "config",
@@ -74,10 +78,14 @@ ALLOWED: dict[str, set[str]] = {
         ),
     },
     # the CPU demo's assets and the torchrun entry point sit beside the commands, on the driver
-    "demo": {"actor", "algo", "arch", "config", "data", "driver", "errors", "rewards", "rollout", "weights"},
+    "demo": {
+        *("actor", "agent", "algo", "arch", "config", "data", "driver", "errors", "rewards", "rollout"),
+        "weights",
+    },
     "train": {
         *(
             "actor",
+            "agent",
             "algo",
             "config",
             "data",

@@ -111,6 +111,40 @@ class ValSamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn tool-use episodes (megatron_dapo/agent/), verl's names where verl has them.
+
+    An episode is the prompt, then model turns and environment (tool) turns, all as token ids; the
+    environment's tokens are in the response with loss mask 0. The response budget
+    (data.max_response_length) counts both kinds; overlong shaping counts the sampled ones."""
+
+    enable: bool = False
+    # Model turns per episode; an episode still calling tools after this many ends "turns".
+    max_assistant_turns: int = 8
+    # Cap on one model turn's new tokens; null: none (the budget left and the context left apply).
+    max_turn_tokens: Optional[int] = None
+    # A tool's answer is cut to this many tokens of the model's tokenizer (not characters).
+    max_tool_response_tokens: int = 256
+    # Which part of a long tool answer is kept: left (its start), right (its end) or middle (both
+    # ends, the middle elided).
+    tool_response_truncate_side: str = "middle"
+    # Tool YAML: `tools: [{function: path.py:fn | class_name: pkg.Cls, config: {...}, tool_schema:
+    # {type: function, function: {name, description, parameters}}}]` (verl's file loads as is).
+    tool_config_path: Optional[str] = None
+    # How a model turn's tool calls are written: hermes (<tool_call>{json}</tool_call>, Qwen2.5/3)
+    # or any name registered with megatron_dapo.agent.calls.register_call_format.
+    format: str = "hermes"
+    # Wall-clock limit of one tool call; the tool's process is killed past it.
+    tool_timeout_s: float = 30.0
+    # Tool calls of one model turn that run (in parallel); more get an error observation.
+    max_parallel_calls: int = 1
+    # Processes that run tools (user code runs only there, each restarted after a kill).
+    tool_workers: int = 4
+    # Address-space limit of each tool process, MiB.
+    tool_memory_mb: int = 2048
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "auto"  # auto (sglang on GPU, hf on CPU) | sglang | hf
     n: int = 16
@@ -140,6 +174,7 @@ class RolloutConfig:
     dump_rollouts: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple] = {
     "data.format": ("auto", "parquet", "jsonl", "hf"),
     "data.template": ("auto", "dapo", "none"),
     "rollout.engine": ("auto", "sglang", "hf"),
+    "rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),
     # algo/'s ADV_ESTIMATORS and POLICY_LOSS_TYPES (not imported: algo/ imports torch)
     "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
     "algorithm.policy_loss": ("vanilla", "gspo", "cispo", "sapo", "gpg"),
@@ -286,6 +287,39 @@ def check_rollout(cfg: DictConfig) -> None:
         raise ConfigError(
             f"rollout.health_probe_interval_s={ro.health_probe_interval_s} must be > 0 "
             "(seconds an engine holding requests may stay silent before its health is checked)"
+        )
+    _check_multi_turn(cfg)
+
+
+def _check_multi_turn(cfg: DictConfig) -> None:
+    mt = cfg.rollout.multi_turn
+    at_least_one = {
+        "max_assistant_turns": "model turns per episode",
+        "max_tool_response_tokens": "tokens of one tool answer",
+        "max_parallel_calls": "tool calls run per model turn",
+        "tool_workers": "tool processes",
+        "tool_memory_mb": "MiB per tool process",
+    }
+    for key, what in at_least_one.items():
+        if mt[key] < 1:
+            raise ConfigError(f"rollout.multi_turn.{key}={mt[key]} must be >= 1 ({what})")
+    if mt.max_turn_tokens is not None and mt.max_turn_tokens < 1:
+        raise ConfigError(
+            f"rollout.multi_turn.max_turn_tokens={mt.max_turn_tokens} must be >= 1, or null for no per-turn cap"
+        )
+    if not mt.tool_timeout_s > 0:
+        raise ConfigError(
+            f"rollout.multi_turn.tool_timeout_s={mt.tool_timeout_s} must be > 0 (seconds one tool call may take)"
+        )
+    if mt.tool_timeout_s >= cfg.rollout.request_timeout_s:
+        raise ConfigError(
+            f"rollout.multi_turn.tool_timeout_s={mt.tool_timeout_s:g} must be below rollout.request_timeout_s="
+            f"{cfg.rollout.request_timeout_s:g}: an episode's engine call includes its tool calls"
+        )
+    if mt.enable and mt.tool_config_path is None:
+        raise ConfigError(
+            "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool YAML: "
+            "tools: [{function: path.py:fn, tool_schema: {...}}]; see docs/agentic.md)"
         )
 
 
