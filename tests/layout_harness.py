@@ -5,6 +5,8 @@ transformers log-probs, and the actor settings every layout trains with."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 MODEL = dict(family="qwen2", tie_word_embeddings=False, num_layers=2, vocab=250, seed=5)
@@ -12,6 +14,8 @@ TEMPERATURE = 0.8
 CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
 TIS_CAP = 1.5
 BIG, SMALL = 10_000, 24  # token budgets: one micro-batch vs four (checked below)
+# environment (tool) tokens inside three responses of the layout batch: sample -> positions
+ENV_TOKENS = {0: [2, 3], 2: [3, 4, 5], 5: [1]}
 MODES = ("token-mean", "seq-mean-token-mean")
 
 
@@ -47,6 +51,15 @@ def make_batch(hf_dir):
         rollout_logprobs=rollout,
         loss_mask=[True, True, True, False, True, True, True, True],
     )
+    # three samples are multi-turn episodes: tool answers inside the response (sample 0: tokens
+    # 2-3, sample 2: 3-5, sample 5: 1) are read by the model but sampled by no one (loss mask 0,
+    # rollout log-prob 0.0, as the episode runner writes them), so every layout test also checks
+    # that the environment's tokens stay out of every loss, metric and normaliser
+    sampled = batch.response_mask.clone()
+    for i, gap in ENV_TOKENS.items():
+        sampled[i, gap] = False
+        batch.rollout_logprobs[i, gap] = 0.0
+    batch = replace(batch, response_mask=batch.response_mask & sampled, sampled_mask=sampled)
     r = batch.max_response_len
     old = torch.zeros(n, r, dtype=torch.float64)
     hf_mat = torch.zeros(n, r, dtype=torch.float64)

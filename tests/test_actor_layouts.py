@@ -211,7 +211,8 @@ def test_step_really_trains_and_clips(results, layout_hf_dir):
     updated = results[(1, 1, 1, BIG, "token-mean")]["state"]
     assert all((updated[k] - w).abs().max() > 1e-4 for k, w in initial.items() if "layernorm" not in k)
     m = results[(1, 1, 1, BIG, "token-mean")]["metrics"]
-    assert m["num_updates"] == 1 and m["tokens"] == 33  # 36 response tokens, sample 3 (3) masked
+    # 36 response tokens: sample 3's 3 masked, 6 the environment's
+    assert m["num_updates"] == 1 and m["tokens"] == 27
     assert m["clipfrac"] > 0 and m["clipfrac_high"] > 0 and m["clipfrac_low"] > 0
     assert m["grad_norm"] > 1.0  # clipping to 1.0 is active
     assert 0.5 < m["tis_mean"] <= TIS_CAP

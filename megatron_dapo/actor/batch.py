@@ -48,6 +48,10 @@ class ActorBatch:
         routed_experts: per sample an int ``[n, layers, k]`` tensor, the experts each MoE layer of
             the rollout engine chose for token positions ``0..n-1`` (``n`` is ``len(input_ids[i])``
             or one less: the engine never forwards the last sampled token), or None.
+        sampled_mask: ``[B, R]`` bool, the response tokens the model sampled (multi-turn: False
+            on the environment's tokens), before overlong filtering; None: every response token.
+            What the KL in the reward and the advantages' whitening count; ``response_mask`` is
+            within it.
     """
 
     input_ids: list[torch.Tensor]
@@ -62,6 +66,7 @@ class ActorBatch:
     scores: torch.Tensor | None = None
     metadata: list[dict[str, Any]] = field(default_factory=list)
     routed_experts: list[torch.Tensor] | None = None
+    sampled_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +85,12 @@ class ActorBatch:
 
     def num_loss_tokens(self) -> int:
         return int(self.response_mask.sum())
+
+    def sampled_tokens(self) -> torch.Tensor:
+        """``[B, R]`` bool: the response tokens the model sampled (overlong-filtered ones included)."""
+        if self.sampled_mask is not None:
+            return self.sampled_mask
+        return torch.arange(self.max_response_len).unsqueeze(0) < self.response_lens.unsqueeze(1)
 
     def validate(self) -> None:
         """Raise :class:`BatchError` naming the first inconsistent field and sample."""
@@ -129,6 +140,17 @@ class ActorBatch:
                 f"ActorBatch.response_mask is set beyond the response length of sample "
                 f"{_first((self.response_mask & beyond).any(dim=1))}"
             )
+        if self.sampled_mask is not None:
+            if self.sampled_mask.dtype != torch.bool or self.sampled_mask.shape != (b, r):
+                raise BatchError(
+                    f"ActorBatch.sampled_mask must be bool of shape ({b}, {r}), got "
+                    f"{self.sampled_mask.dtype} {tuple(self.sampled_mask.shape)}"
+                )
+            if (self.sampled_mask & beyond).any() or (self.response_mask & ~self.sampled_mask).any():
+                raise BatchError(
+                    "ActorBatch.sampled_mask must lie within the response lengths and hold response_mask "
+                    "(a loss token is a sampled token)"
+                )
         for name in RESPONSE_FLOAT_FIELDS:
             t = getattr(self, name)
             if t is None:
@@ -190,6 +212,7 @@ class ActorBatch:
             routed_experts=None
             if self.routed_experts is None
             else [self.routed_experts[i] for i in idx.tolist()],
+            sampled_mask=rows(self.sampled_mask),
         )
 
     def with_old_logprobs(self, old_logprobs: torch.Tensor) -> ActorBatch:

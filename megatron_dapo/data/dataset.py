@@ -28,6 +28,8 @@ class PromptDataset:
             the tokenizer's default special tokens.
         seed: shuffling seed; epoch ``e`` uses the permutation of ``seed + e``.
         shuffle: False keeps file order in every epoch.
+        tools: OpenAI function schemas the chat template renders into the prompt (multi-turn tool
+            use: the template's ``tools=`` argument); None for none.
 
     The order of epoch ``e`` is ``numpy.random.RandomState(seed + e).permutation(len(self))``;
     RandomState's stream is frozen by NumPy, so a run resumed on another machine or NumPy
@@ -44,6 +46,7 @@ class PromptDataset:
         apply_chat_template: bool,
         seed: int,
         shuffle: bool = True,
+        tools: list[dict] | None = None,
     ):
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be > 0, got {max_prompt_length}")
@@ -53,7 +56,11 @@ class PromptDataset:
             missing = [k for k in _ROW_KEYS if k not in row]
             if missing:
                 raise DataError(f"row {i} lacks {missing}; build rows with load_prompt_rows")
-        texts = [_render(row["messages"], tokenizer, apply_chat_template) for row in rows]
+        if tools and not apply_chat_template:
+            raise DataError(
+                "tool schemas need the chat template to reach the prompt; set data.apply_chat_template=true"
+            )
+        texts = [_render(row["messages"], tokenizer, apply_chat_template, tools) for row in rows]
         ids = _tokenize(tokenizer, texts, add_special_tokens=not apply_chat_template)
 
         self.samples: list[PromptSample] = []
@@ -178,13 +185,16 @@ def _identity(sample: PromptSample) -> tuple:
     return (sample.index, sample.data_source, sample.prompt_text, sample.ground_truth)
 
 
-def _render(messages: list[dict], tokenizer, apply_chat_template: bool) -> str:
+def _render(
+    messages: list[dict], tokenizer, apply_chat_template: bool, tools: list[dict] | None = None
+) -> str:
     if not apply_chat_template:
         return "\n\n".join(m["content"] for m in messages)
     if not hasattr(tokenizer, "apply_chat_template"):
         raise DataError("apply_chat_template is set but the tokenizer has no apply_chat_template method")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kwargs = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     except ValueError as e:  # transformers raises ValueError when no chat template is set
         raise DataError(
             f"the tokenizer cannot apply a chat template ({e}); set data.apply_chat_template=false for a "

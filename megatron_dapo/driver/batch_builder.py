@@ -55,9 +55,14 @@ def build_actor_batch(
         i = int((response_lens < 1).nonzero()[0])
         raise ValueError(f"rollout sample {i} (group {samples[i].group_id}) has an empty response")
     width = int(response_lens.max())
-    mask = torch.arange(width).unsqueeze(0) < response_lens.unsqueeze(1)
-    advantages = response_advantages(rewards, group_index, response_lens, adv_estimator, norm_adv_by_std)
+    sampled = torch.arange(width).unsqueeze(0) < response_lens.unsqueeze(1)
+    multi_turn = any(s.loss_mask is not None for s in samples)
+    for i, s in enumerate(samples):
+        if s.loss_mask is not None:  # multi-turn: the environment's tokens are not
+            sampled[i, : len(s.loss_mask)] = torch.as_tensor(s.loss_mask, dtype=torch.bool)
+    advantages = response_advantages(rewards, group_index, sampled, adv_estimator, norm_adv_by_std)
     truncated = torch.tensor([bool(s.truncated) for s in samples])
+    mask = sampled.clone()
     if overlong_filter:
         mask &= ~truncated.unsqueeze(1)
     rollout_lp = torch.zeros(len(samples), width, dtype=torch.float32)
@@ -79,6 +84,7 @@ def build_actor_batch(
         scores=rewards,
         metadata=[{"group_id": s.group_id, "index": s.prompt.index} for s in samples],
         routed_experts=_routed_experts(samples),
+        sampled_mask=sampled if multi_turn else None,
     )
     metrics = {
         **advantage_metrics(advantages),
@@ -94,16 +100,15 @@ def build_actor_batch(
 def response_advantages(
     rewards: torch.Tensor,
     group_index: torch.Tensor,
-    response_lens: torch.Tensor,
+    sampled: torch.Tensor,
     adv_estimator: str,
     norm_adv_by_std: bool,
 ) -> torch.Tensor:
     """``[B]``: each response's advantage from its reward (every estimator gives one value per
-    response, on each of its tokens; reinforce_plus_plus_baseline whitens over all of them,
-    truncated ones included)."""
-    mask = torch.arange(int(response_lens.max())).unsqueeze(0) < response_lens.unsqueeze(1)
+    response, on each of its tokens; reinforce_plus_plus_baseline whitens over the sampled tokens
+    ``sampled`` ``[B, R]``: truncated responses' included, the environment's tokens not)."""
     return outcome_advantages(
-        rewards, group_index, mask, adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std
+        rewards, group_index, sampled, adv_estimator, norm_adv_by_std_in_grpo=norm_adv_by_std
     )[:, 0].contiguous()
 
 

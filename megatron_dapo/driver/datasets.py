@@ -48,13 +48,20 @@ def _rows(files, cfg: DictConfig, what: str) -> tuple[list[dict], dict]:
     return rows, stats
 
 
-def train_dataset(cfg: DictConfig, tokenizer) -> PromptDataset:
+def train_dataset(cfg: DictConfig, tokenizer, tools: list[dict] | None = None) -> PromptDataset:
+    """The training prompts; ``tools``: the tool schemas their chat template renders (multi-turn)."""
     rows, _ = _rows(cfg.data.train_files, cfg, "train")
-    return _dataset(rows, tokenizer, cfg, "train", seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    return _dataset(rows, tokenizer, cfg, "train", seed=cfg.data.seed, shuffle=cfg.data.shuffle, tools=tools)
 
 
 def _dataset(
-    rows: list[dict], tokenizer, cfg: DictConfig, what: str, seed: int, shuffle: bool
+    rows: list[dict],
+    tokenizer,
+    cfg: DictConfig,
+    what: str,
+    seed: int,
+    shuffle: bool,
+    tools: list[dict] | None = None,
 ) -> PromptDataset:
     try:
         return PromptDataset(
@@ -64,6 +71,7 @@ def _dataset(
             apply_chat_template=cfg.data.apply_chat_template,
             seed=seed,
             shuffle=shuffle,
+            tools=tools,
         )
     except DataError as e:
         # every row was read: what is left is about the prompts of these files
@@ -71,11 +79,11 @@ def _dataset(
         raise DataError(f"data.{what}_files ({files}): {e}") from None
 
 
-def val_problems(cfg: DictConfig, tokenizer) -> list[EvalProblem]:
+def val_problems(cfg: DictConfig, tokenizer, tools: list[dict] | None = None) -> list[EvalProblem]:
     if not cfg.data.val_files:
         return []
     rows, _ = _rows(cfg.data.val_files, cfg, "val")
-    ds = _dataset(rows, tokenizer, cfg, "val", seed=0, shuffle=False)
+    ds = _dataset(rows, tokenizer, cfg, "val", seed=0, shuffle=False, tools=tools)
     problems = [
         EvalProblem(
             problem_id=str(s.index),

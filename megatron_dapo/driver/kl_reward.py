@@ -43,13 +43,14 @@ class KLInReward:
             raise ValueError(
                 "a KL penalty in the reward needs the batch's scores (build_actor_batch sets them)"
             )
-        every_token = torch.arange(batch.max_response_len).unsqueeze(0) < batch.response_lens.unsqueeze(1)
+        # every token the model sampled: overlong-filtered ones too, the environment's never
+        sampled = batch.sampled_tokens()
         coef = self.controller.value
         penalty = kl_reward_penalty(
-            batch.scores, old_logprobs, ref_logprobs, every_token, kind=self.kind, coef=coef
+            batch.scores, old_logprobs, ref_logprobs, sampled, kind=self.kind, coef=coef
         )
         advantages = response_advantages(
-            penalty.scores, batch.group_index, batch.response_lens, self.adv_estimator, self.norm_adv_by_std
+            penalty.scores, batch.group_index, sampled, self.adv_estimator, self.norm_adv_by_std
         )
         self.controller.update(penalty.current_kl, n_steps=len(batch))
         batch = replace(

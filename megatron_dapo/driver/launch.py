@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_dapo.agent.from_config import multi_turn_runner, tool_schemas
+from megatron_dapo.arch import load_hf_config
 from megatron_dapo.config import ConfigError, load_config, to_container, to_yaml
 from megatron_dapo.driver import cpu_warnings
 from megatron_dapo.driver.actor_worker import ActorWorker
@@ -268,13 +270,15 @@ class RunInputs:
 
 
 def prepare_run(cfg: DictConfig) -> RunInputs:
-    """The run directory (with the resolved config), tokenizer, training data, validation set, scorer."""
+    """The run directory (with the resolved config), tokenizer, training data, validation set, scorer.
+    With rollout.multi_turn the prompts carry the tools' schemas (the chat template renders them)."""
     run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
     preflight(cfg, run.checkpoints)
     run.config.write_text(to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
-    dataset = train_dataset(cfg, tokenizer)
-    problems = val_problems(cfg, tokenizer)
+    tools = tool_schemas(cfg)
+    dataset = train_dataset(cfg, tokenizer, tools)
+    problems = val_problems(cfg, tokenizer, tools)
     return RunInputs(run, tokenizer, dataset, problems, make_scorer(cfg))
 
 
@@ -284,18 +288,35 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     The caller has attached the weight transport to global rank 0's worker; `ranks.call` reaches
     every rank the same way whether they are Ray actors or torchrun processes.
     """
+    tokenizer = inputs.tokenizer
+    mcfg = RolloutManagerConfig.from_config(cfg)
+    mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
+    # multi-turn tool use: the episode runner (its tool processes end with the run)
+    episodes = multi_turn_runner(cfg, tokenizer, _max_context(cfg)) if cfg.rollout.multi_turn.enable else None
+    try:
+        return _drive(cfg, inputs, ranks, engines, stop, mcfg, episodes)
+    finally:
+        if episodes is not None:
+            episodes.close()
+
+
+def _max_context(cfg: DictConfig) -> int:
+    """Prompt + response tokens the model takes (an episode's turns stop short of it)."""
+    context = getattr(load_hf_config(cfg.model.path), "max_position_embeddings", None)
+    return int(context) if isinstance(context, int) else 1 << 30
+
+
+def _drive(cfg: DictConfig, inputs: RunInputs, ranks, engines, stop, mcfg, episodes) -> dict[str, Any]:
     run, tokenizer = inputs.run, inputs.tokenizer
 
     def sync(version: int) -> dict[str, float]:
         return ranks.call("push_weights", version, timeout_s=cfg.trainer.weight_sync.timeout_s + 60)[0]
 
-    mcfg = RolloutManagerConfig.from_config(cfg)
-    mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
-    manager = RolloutManager(engines, inputs.scorer, mcfg, tokenizer)
+    manager = RolloutManager(engines, inputs.scorer, mcfg, tokenizer, episodes=episodes)
     validate = None
     if inputs.problems:
         # the pool: engines the run goes on without leave it, and validation with it
-        validate = make_validator(cfg, manager.pool, inputs.scorer, inputs.problems, tokenizer)
+        validate = make_validator(cfg, manager.pool, inputs.scorer, inputs.problems, tokenizer, episodes)
     trainer = DAPOTrainer(
         cfg,
         run=run,

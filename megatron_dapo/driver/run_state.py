@@ -125,8 +125,9 @@ def _unflatten(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
         path = f"{prefix}{f.name}"
         if path in values:
             kwargs[f.name] = values[path]
-        else:  # a nested dataclass: its fields are columns under `path.`
+        elif dataclasses.is_dataclass(hints[f.name]):  # its fields are columns under `path.`
             kwargs[f.name] = _unflatten(hints[f.name], values, path + ".")
+        # else: a field added after the file was written (e.g. a sample's loss_mask): its default
     return cls(**kwargs)
 
 

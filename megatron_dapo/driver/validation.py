@@ -6,23 +6,34 @@ periodic validation (the training engines, right after a weight sync).
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_dapo.eval.runner import Completion, EvalProblem, evaluate
+from megatron_dapo.rollout.episodes import EpisodeRunner, SingleTurn, reward_input, sampled_length
 from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
 
 
 def engine_generator(
-    engines: Sequence[Any], tokenizer, sampling: SamplingParams, *, seed: int, requests_per_call: int = 64
+    engines: Sequence[Any],
+    tokenizer,
+    sampling: SamplingParams,
+    *,
+    seed: int,
+    requests_per_call: int = 64,
+    episodes: EpisodeRunner | None = None,
 ):
     """A `Generator` for `evaluate` that spreads k samples per problem over `engines`.
 
     Seeds depend on (seed, problem id, sample index) only, so a validation is reproducible and
-    the same problem gets the same samples whatever the engine count.
+    the same problem gets the same samples whatever the engine count. ``episodes``: the runner a
+    training rollout uses (multi-turn tool use is validated with its tools, as it trains), one turn
+    by default.
     """
+    runner = episodes or SingleTurn()
 
     def generate(problems: Sequence[EvalProblem], k: int) -> list[list[Completion]]:
         requests = []
@@ -41,22 +52,27 @@ def engine_generator(
         chunks = [requests[i : i + requests_per_call] for i in range(0, len(requests), requests_per_call)]
         with ThreadPoolExecutor(max(1, len(engines))) as pool:
             parts = list(
-                pool.map(lambda ic: engines[ic[0] % len(engines)].generate(ic[1]), enumerate(chunks))
+                pool.map(
+                    lambda ic: runner.run(engines[ic[0] % len(engines)], ic[1], threading.Event()),
+                    enumerate(chunks),
+                )
             )
         results = [r for part in parts for r in part]
         out: list[list[Completion]] = []
-        for i, _ in enumerate(problems):
+        for i, p in enumerate(problems):
             mine = results[i * k : (i + 1) * k]
-            out.append(
-                [
+            row = []
+            for r in mine:
+                text, extra = reward_input(r, tokenizer, p.extra_info)
+                row.append(
                     Completion(
-                        tokenizer.decode(r.output_ids, skip_special_tokens=True),
-                        len(r.output_ids),
+                        text,
+                        sampled_length(r),
                         r.finish_reason == "length",
+                        extra_info=None if r.episode is None else extra,
                     )
-                    for r in mine
-                ]
-            )
+                )
+            out.append(row)
         return out
 
     return generate
@@ -74,8 +90,10 @@ def val_sampling(cfg, tokenizer) -> SamplingParams:
     )
 
 
-def make_validator(cfg, engines, scorer, problems, tokenizer):
-    generate = engine_generator(engines, tokenizer, val_sampling(cfg, tokenizer), seed=cfg.trainer.seed)
+def make_validator(cfg, engines, scorer, problems, tokenizer, episodes: EpisodeRunner | None = None):
+    generate = engine_generator(
+        engines, tokenizer, val_sampling(cfg, tokenizer), seed=cfg.trainer.seed, episodes=episodes
+    )
 
     def validate(step: int) -> dict[str, float]:
         return evaluate(problems, generate, scorer, k=cfg.rollout.val.n, pass_ks=(1,))

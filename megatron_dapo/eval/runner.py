@@ -22,6 +22,8 @@ class Completion:
     text: str
     num_tokens: int
     truncated: bool
+    # a multi-turn episode's extra_info for the reward (its turns, tool calls); None: the problem's
+    extra_info: dict | None = None
 
 
 @dataclass
@@ -71,7 +73,8 @@ def evaluate(
     for prob, comps in zip(problems, completions):
         samples = ProblemSamples(prob.problem_id)
         for c in comps:
-            r = scorer.score(prob.data_source, c.text, prob.ground_truth, prob.extra_info)
+            extra = prob.extra_info if c.extra_info is None else c.extra_info
+            r = scorer.score(prob.data_source, c.text, prob.ground_truth, extra)
             samples.correct.append(bool(r.acc))
             samples.preds.append(r.pred)
             samples.lengths.append(c.num_tokens)

@@ -33,5 +33,8 @@ def dump_rollouts(batch: RolloutBatch, path: str | Path) -> Path:
                 "finish_reason": s.finish_reason,
                 "weight_version": s.weight_version,
             }
+            if s.episode is not None:  # multi-turn: the turns (role, token span) and why it ended
+                row["episode"] = s.episode
+                row["sampled_tokens"] = s.sampled_length
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return path

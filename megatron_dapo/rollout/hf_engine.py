@@ -147,12 +147,7 @@ class HFEngine:
 
         temps = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32, device=self.device)
         top_ps = torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32, device=self.device)
-        gens = [
-            torch.Generator(device="cpu").manual_seed(int(r.sampling.seed))
-            if r.sampling.seed is not None
-            else None
-            for r in reqs
-        ]
+        gens = [_request_generator(r.sampling) for r in reqs]
         stops = [
             set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(self.eos_token_ids))
             for r in reqs
@@ -396,6 +391,18 @@ def _eos_ids(model) -> list[int]:
         if eos is not None:
             return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
     return []
+
+
+def _request_generator(sampling) -> torch.Generator | None:
+    """The request's own generator, past the ``seed_offset`` draws an earlier, aborted call of the
+    same response spent (one uniform per sampled token, see ``_sample``), so a continuation draws
+    what the uninterrupted request would have."""
+    if sampling.seed is None:
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(int(sampling.seed))
+    if sampling.seed_offset:
+        torch.rand(sampling.seed_offset, generator=gen)
+    return gen
 
 
 def _sample(

@@ -53,6 +53,7 @@ from megatron_dapo.config.knobs import from_config, knob
 from megatron_dapo.rollout.engine import EngineError, launched_by_this_run
 from megatron_dapo.rollout.engine_pool import EnginePool, healthy
 from megatron_dapo.rollout.engine_probe import InFlightProbe
+from megatron_dapo.rollout.episodes import EpisodeRunner, SingleTurn
 from megatron_dapo.rollout.ledger import Ledger
 from megatron_dapo.rollout.partial import (
     CarriedGroup,
@@ -146,9 +147,18 @@ class RolloutManager:
         scorer: a :class:`~megatron_dapo.rewards.scorer.Scorer` (``score_many``).
         cfg: :class:`RolloutManagerConfig`.
         tokenizer: decodes response ids to text for the reward (``decode(ids, skip_special_tokens=True)``).
+        episodes: what one engine call runs (``rollout/episodes.py``): ``SingleTurn`` by default,
+            ``agent.runner.MultiTurn`` for tool-use episodes.
     """
 
-    def __init__(self, engines: list[Any], scorer: Any, cfg: RolloutManagerConfig, tokenizer: Any):
+    def __init__(
+        self,
+        engines: list[Any],
+        scorer: Any,
+        cfg: RolloutManagerConfig,
+        tokenizer: Any,
+        episodes: EpisodeRunner | None = None,
+    ):
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
         names = [e.name for e in engines]
@@ -156,6 +166,7 @@ class RolloutManager:
             raise ValueError(f"engine names must be unique, got {names}")
         self.pool = EnginePool(engines)  # the engines and which of them serve
         self.cfg = cfg
+        self.episodes = episodes or SingleTurn()
         self.scoring = GroupScoring(cfg, scorer, tokenizer)  # reward, overlong shaping, the filter
         self._keep_rate: float | None = None  # last observed, drives over-sampling
         self._zombies: dict[Future, Call] = {}  # timed-out calls whose threads have not returned
@@ -444,6 +455,8 @@ class RolloutManager:
             raise RolloutAbandoned("the run is stopping: rollout abandoned")
 
     def _abort_engines(self, calls: dict[Future, Call]) -> None:
+        for call in calls.values():
+            call.stop.set()
         self._abort_all({c.engine.name: c.engine for c in calls.values()}.values())
 
     def _abort_all(self, engines) -> None:
@@ -474,8 +487,9 @@ class RolloutManager:
             engine = free[0]
             if self._probe is not None:  # before the call starts: its silence counts from here
                 self._probe.busy(engine.name)
-            calls[pool.submit(engine.generate, unit.send)] = Call(
-                unit, engine, time.perf_counter(), self.clock()
+            stop = threading.Event()
+            calls[pool.submit(self.episodes.run, engine, unit.send, stop)] = Call(
+                unit, engine, time.perf_counter(), self.clock(), stop
             )
 
     def _finish_call(self, call: Call, fut: Future, queue, scoring, score_pool, ledger: Ledger) -> None:
@@ -527,6 +541,7 @@ class RolloutManager:
             if now - call.since > self.cfg.request_timeout_s:
                 del calls[fut]
                 self._zombies[fut] = call  # its thread may still return; the result is dropped
+                call.stop.set()
                 call.engine.abort()
                 self._retry(
                     call.unit,
@@ -556,6 +571,7 @@ class RolloutManager:
         )
         for fut in reversed(stuck):
             call = calls.pop(fut)
+            call.stop.set()
             self._zombies[fut] = call
             call.unit.avoid = engine.name
             queue.appendleft(call.unit)
@@ -601,6 +617,8 @@ class RolloutManager:
         """The batch is decided: abort the tail (all of it past the cut) and let it settle, so no
         call of this step still runs when the weights change; ``settle`` counts it as unused."""
         queue.clear()
+        for call in calls.values():
+            call.stop.set()
         live = {c.engine.name: c.engine for c in calls.values()}
         for engine in live.values():
             try:

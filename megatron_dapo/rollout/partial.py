@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.data.types import PromptSample
-from megatron_dapo.rollout.types import GenerationRequest, GenerationResult, SamplingParams
+from megatron_dapo.rollout.types import EpisodeInfo, GenerationRequest, GenerationResult, SamplingParams
 
 
 @dataclass
@@ -41,6 +41,10 @@ class PartialSample:
     weight_version: int | None = None
     routed_experts: Any = None
     interrupted: int = 0
+    # multi-turn: the tokens' loss mask (None: all sampled) and the episode so far
+    # (EpisodeInfo.as_dict(); its last turn tells where it stopped: mid-turn or after a tool answer)
+    loss_mask: list[int] | None = None
+    episode: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -77,6 +81,11 @@ def join(prefix: PartialSample | None, result: GenerationResult) -> GenerationRe
         if prefix.token_versions is not None and result.token_versions is not None
         else None
     )
+    mask = None
+    if prefix.loss_mask is not None or result.loss_mask is not None:
+        mask = _mask(prefix.loss_mask, len(prefix.output_ids)) + _mask(
+            result.loss_mask, len(result.output_ids)
+        )
     return GenerationResult(
         result.request_id,
         prefix.output_ids + result.output_ids,
@@ -85,7 +94,14 @@ def join(prefix: PartialSample | None, result: GenerationResult) -> GenerationRe
         result.weight_version,
         token_versions=versions,
         routed_experts=result.routed_experts,
+        loss_mask=mask,
+        # the runner's episode covers every turn since the response began
+        episode=result.episode,
     )
+
+
+def _mask(mask: list[int] | None, n: int) -> list[int]:
+    return [1] * n if mask is None else list(mask)
 
 
 def from_result(result: GenerationResult, prefix: PartialSample | None) -> PartialSample:
@@ -100,6 +116,8 @@ def from_result(result: GenerationResult, prefix: PartialSample | None) -> Parti
         weight_version=result.weight_version,
         routed_experts=None if aborted else result.routed_experts,
         interrupted=before + aborted,
+        loss_mask=None if result.loss_mask is None else list(result.loss_mask),
+        episode=None if result.episode is None else result.episode.as_dict(),
     )
 
 
@@ -113,6 +131,8 @@ def as_result(request_id: str, sample: PartialSample) -> GenerationResult:
         sample.weight_version,
         token_versions=None if sample.token_versions is None else list(sample.token_versions),
         routed_experts=sample.routed_experts,
+        loss_mask=None if sample.loss_mask is None else list(sample.loss_mask),
+        episode=None if sample.episode is None else EpisodeInfo.from_dict(sample.episode),
     )
 
 
@@ -120,15 +140,27 @@ def continuation(
     request_id: str, prompt_ids: list[int], sample: PartialSample, sampling: SamplingParams
 ) -> GenerationRequest:
     """The request that continues ``sample``: prompt + its tokens as the input, the rest of the
-    response budget as ``max_new_tokens`` (same stop tokens and sampling settings)."""
+    response budget as ``max_new_tokens`` (same stop tokens and sampling settings), and the
+    seeded draws already spent skipped (``seed_offset``: with the same seed and weights, an engine
+    that honours it continues exactly as the uninterrupted request). A multi-turn episode carries
+    its turns, so the runner resumes it mid-turn or after its last tool answer."""
     done = len(sample.output_ids)
     if done >= sampling.max_new_tokens:  # cannot happen: such a response finished with "length"
         raise ValueError(
             f"request {request_id}: partial response of {done} tokens has no budget left "
             f"(max_new_tokens={sampling.max_new_tokens})"
         )
-    params = SamplingParams(**{**asdict(sampling), "max_new_tokens": sampling.max_new_tokens - done})
-    return GenerationRequest(request_id, list(prompt_ids) + list(sample.output_ids), params)
+    episode = None if sample.episode is None else EpisodeInfo.from_dict(sample.episode)
+    # the draws of the turn being continued: a turn's seed starts fresh (agent/runner.py)
+    drawn = done
+    if episode is not None:
+        last = episode.turns[-1] if episode.turns else None
+        mid_turn = last is not None and last.role == "assistant" and last.finish_reason is None
+        drawn = last.end - last.start if mid_turn else 0
+    params = SamplingParams(
+        **{**asdict(sampling), "max_new_tokens": sampling.max_new_tokens - done, "seed_offset": drawn}
+    )
+    return GenerationRequest(request_id, list(prompt_ids) + list(sample.output_ids), params, episode=episode)
 
 
 # ---------------------------------------------------------------- checkpoint form

@@ -7,7 +7,7 @@ from typing import Any
 
 from megatron_dapo.rollout.engine_pool import EnginePool
 from megatron_dapo.rollout.ledger import Ledger
-from megatron_dapo.rollout.types import RolloutSample
+from megatron_dapo.rollout.types import EpisodeInfo, RolloutSample
 
 # rollout metrics that measure time or race the abort; every other one is a function of
 # (seed, config, weights) alone
@@ -65,6 +65,8 @@ def rollout_metrics(
     }
     if cfg.partial:
         m.update(partial_metrics(samples, ledger, version))
+    if any(s.episode is not None for s in samples):
+        m.update(multiturn_metrics(samples))
     if samples:
         n = len(samples)
         m.update(
@@ -83,6 +85,24 @@ def rollout_metrics(
             }
         )
     return m
+
+
+def multiturn_metrics(samples: list[RolloutSample]) -> dict[str, float]:
+    """``rollout/multiturn/*`` over the batch's episodes: model turns and tool calls per episode,
+    the calls answered by an error or a time-out, environment tokens per episode, and the
+    episodes a prefix break kept out of the loss, or that ended at the turn limit."""
+    episodes = [EpisodeInfo.from_dict(s.episode) for s in samples if s.episode is not None]
+    n = max(len(episodes), 1)
+    turns = [t for e in episodes for t in e.turns]
+    return {
+        "rollout/multiturn/turns_mean": sum(t.role == "assistant" for t in turns) / n,
+        "rollout/multiturn/tool_calls_mean": sum(t.calls for t in turns if t.role == "assistant") / n,
+        "rollout/multiturn/tool_errors": float(sum(t.errors for t in turns if t.role == "tool")),
+        "rollout/multiturn/tool_timeouts": float(sum(t.timeouts for t in turns if t.role == "tool")),
+        "rollout/multiturn/env_tokens_mean": sum(t.end - t.start for t in turns if t.role == "tool") / n,
+        "rollout/multiturn/prefix_breaks": float(sum(e.prefix_breaks for e in episodes)),
+        "rollout/multiturn/ended_turns": float(sum(e.end == "turns" for e in episodes)),
+    }
 
 
 def partial_metrics(samples: list[RolloutSample], ledger: Ledger, version: int) -> dict[str, float]:

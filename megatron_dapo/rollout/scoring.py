@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.algo import mixed_group_mask, overlong_penalty
+from megatron_dapo.rollout.episodes import reward_input, sampled_length
 from megatron_dapo.rollout.types import GenerationResult, RolloutSample
 from megatron_dapo.rollout.units import Unit
 
@@ -29,7 +30,13 @@ class GroupScoring:
 
     def score(self, unit: Unit, by_id: dict[str, GenerationResult]) -> list[list[RolloutSample]]:
         """The scored samples of each of ``unit``'s groups (``by_id``: every request's full
-        response): reward from the text, plus the overlong penalty from the length."""
+        response): reward from the text, plus the overlong penalty from the length.
+
+        A multi-turn episode is scored on its last model turn's text (the final answer; a tool's
+        output never is), with the whole episode in ``extra_info["turns"]`` (role and text per
+        turn) and ``extra_info["tool_calls"]``: verl's reward signature, so existing reward
+        functions see what they always saw. Its overlong penalty counts the tokens the model
+        sampled, not the environment's."""
         cfg = self.cfg
         per_group: list[list[tuple[GenerationResult, str]]] = []
         items = []
@@ -38,14 +45,20 @@ class GroupScoring:
             for j in range(cfg.n):
                 rid = unit.requests[gi * cfg.n + j].request_id
                 res = by_id[rid]
-                text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+                text, extra = reward_input(res, self.tokenizer, g.prompt.extra_info)
                 held = unit.held.get(rid)
-                rows.append((res, text, held.interrupted if held is not None else 0))
-                items.append((g.prompt.data_source, text, g.prompt.ground_truth, g.prompt.extra_info))
+                # the whole response (every turn) for the dump; the reward's text is the answer
+                whole = (
+                    text
+                    if res.episode is None
+                    else self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+                )
+                rows.append((res, whole, held.interrupted if held is not None else 0))
+                items.append((g.prompt.data_source, text, g.prompt.ground_truth, extra))
             per_group.append(rows)
         rewards = self.scorer.score_many(items)
         lengths = torch.tensor(
-            [len(r.output_ids) for rows in per_group for r, _, _ in rows], dtype=torch.float64
+            [sampled_length(r) for rows in per_group for r, _, _ in rows], dtype=torch.float64
         )
         if cfg.overlong_buffer_enable:
             penalties = overlong_penalty(
@@ -78,6 +91,8 @@ class GroupScoring:
                         token_versions=res.token_versions,
                         routed_experts=res.routed_experts,
                         interrupted=interrupted,
+                        loss_mask=res.loss_mask,
+                        episode=None if res.episode is None else res.episode.as_dict(),
                     )
                 )
             out.append(samples)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from megatron_dapo.data.types import PromptSample
 
-FinishReason = Literal["stop", "length", "abort"]
-FINISH_REASONS = ("stop", "length", "abort")
+# "turns": a multi-turn episode still calling tools at rollout.multi_turn.max_assistant_turns
+FinishReason = Literal["stop", "length", "abort", "turns"]
+FINISH_REASONS = ("stop", "length", "abort", "turns")
 
 
 @dataclass
@@ -24,6 +25,9 @@ class SamplingParams:
             ``ignore_eos``). The stop token is kept in the response, as SGLang's token output does.
         seed: per-request sampling seed; None draws from the engine's global generator.
         ignore_eos: do not stop on the model's EOS ids.
+        seed_offset: draws of the seeded generator already spent on this response's tokens (a
+            continuation after an abort): an engine that can skip them (the HF engine) samples
+            what the uninterrupted request would have; SGLang cannot and ignores it.
     """
 
     temperature: float = 1.0
@@ -33,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    seed_offset: int = 0
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -43,15 +48,78 @@ class SamplingParams:
             raise ValueError(f"sampling top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed_offset < 0:
+            raise ValueError(f"sampling seed_offset must be >= 0, got {self.seed_offset}")
+
+
+@dataclass
+class EpisodeTurn:
+    """One turn of a multi-turn response: its response tokens ``[start, end)``.
+
+    ``role`` "assistant": tokens the model sampled (loss mask 1); ``finish_reason`` is how the turn
+    ended ("stop", "length"), None while it is unfinished (aborted mid-turn, to be continued), and
+    ``calls`` the tool calls it made. ``role`` "tool": the environment's answer to those calls
+    (loss mask 0), with how many of them were answered by an error or a time-out.
+    """
+
+    role: str
+    start: int
+    end: int
+    finish_reason: str | None = None
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+
+
+@dataclass
+class EpisodeInfo:
+    """What a multi-turn response is made of, beyond its tokens and loss mask.
+
+    ``end``: why the episode ended ("stop": a turn without a tool call; "length": the response
+    budget or the context ran out; "turns": max_assistant_turns reached; "prefix_break": a turn's
+    request did not extend the previous one, the episode is not trained on), None while it runs.
+    ``prefix_breaks`` counts those breaks (0 or 1: an episode stops at its first).
+    """
+
+    turns: list[EpisodeTurn] = field(default_factory=list)
+    end: str | None = None
+    prefix_breaks: int = 0
+    # the tools' per-episode instance key (verl class tools keep state per episode), kept across
+    # continuations of the episode
+    key: str | None = None
+
+    @property
+    def length(self) -> int:
+        return self.turns[-1].end if self.turns else 0
+
+    def assistant_turns(self) -> list[EpisodeTurn]:
+        return [t for t in self.turns if t.role == "assistant"]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form samples and checkpoints hold."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EpisodeInfo:
+        return cls(
+            turns=[EpisodeTurn(**t) for t in d.get("turns", [])],
+            end=d.get("end"),
+            prefix_breaks=int(d.get("prefix_breaks", 0)),
+            key=d.get("key"),
+        )
 
 
 @dataclass
 class GenerationRequest:
-    """One prompt to sample one response for. ``request_id`` must be unique among in-flight requests."""
+    """One prompt to sample one response for. ``request_id`` must be unique among in-flight requests.
+
+    ``episode``: a multi-turn episode continued after an abort (``prompt_ids`` then ends with its
+    response so far); engines ignore it, the episode runner resumes from it."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
+    episode: EpisodeInfo | None = None
 
 
 @dataclass
@@ -78,6 +146,12 @@ class GenerationResult:
     # for every token the engine forwarded (prompt and output; the last output token is never
     # forwarded), or None when the engine does not record them.
     routed_experts: Any = None
+    # Multi-turn: 1 for each output token the model sampled, 0 for the environment's (their
+    # logprobs are 0.0); None when every token was sampled (every engine's own answer).
+    loss_mask: list[int] | None = None
+    # Multi-turn: the episode's turns from the start of its response (a continuation's include the
+    # turns before the abort), or None for a single-turn response.
+    episode: EpisodeInfo | None = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -85,6 +159,10 @@ class GenerationResult:
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"request {self.request_id}: {len(self.output_ids)} output ids but {len(self.logprobs)} logprobs"
+            )
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.output_ids):
+            raise ValueError(
+                f"request {self.request_id}: {len(self.output_ids)} output ids but {len(self.loss_mask)} loss-mask entries"
             )
         if self.token_versions is None and self.weight_version is not None:
             self.token_versions = [self.weight_version] * len(self.output_ids)
@@ -124,10 +202,19 @@ class RolloutSample:
     # rollout.partial: how many times the generation was stopped (tail abort) and continued
     # later, possibly with newer weights (0: generated in one go)
     interrupted: int = 0
+    # Multi-turn: 1 per response token the model sampled, 0 per environment token; None when
+    # every token was sampled. The episode (EpisodeInfo.as_dict()), None for a single turn.
+    loss_mask: list[int] | None = None
+    episode: dict[str, Any] | None = None
 
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def sampled_length(self) -> int:
+        """Response tokens the model sampled (all of them for a single turn)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 @dataclass

@@ -8,6 +8,7 @@ sample index), so a response does not depend on the engine that ran it, on retri
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,8 @@ class Call:
     engine: Any
     start: float  # perf_counter at dispatch (the engines' busy intervals)
     since: float  # the manager's clock at dispatch: the request timeout counts from here
+    # set when the manager aborts this call's engine for it: a multi-turn runner starts no turn after
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 def request_seed(seed: int, version: int, serial: int, sample: int) -> int:

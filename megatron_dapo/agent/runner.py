@@ -1,0 +1,398 @@
+"""The episode loop: one engine call of the rollout manager, run as multi-turn tool-use episodes.
+
+Each request of the call is an episode. Turns go in lockstep over the call's live episodes: one
+``engine.generate`` with every live episode's next model turn (the HF engine batches within a call,
+SGLang across calls; a call sticks to one engine, whose prefix cache then holds the episode), then
+the tool calls those turns made, all at once on the tool processes, then the next turn. A turn's
+request is the episode's context as token ids: the prompt, every earlier turn's sampled tokens and
+every tool answer's tokens, never re-rendered from text (``TurnBridge``). Before each request the
+runner checks that its ids extend the previous request's ids plus that request's output; a break is
+counted (``EpisodeInfo.prefix_breaks``) and the episode ends with its loss mask cleared, so it is
+never trained on.
+
+Budgets: a turn's ``max_new_tokens`` is the least of ``max_turn_tokens``, the response budget left
+(the request's ``max_new_tokens``: model and environment tokens together never exceed
+``data.max_response_length``) and the context left (the model's ``max_position_embeddings``). A
+tool answer is cut to ``max_tool_response_tokens`` tokens; one that does not fit the budget left
+(with room for one more model token) ends the episode "length" without it.
+
+Seeds: turn ``k`` of an episode samples with ``turn_seed(seed, k)``, so a turn's draws do not depend
+on how long the earlier turns were; a turn continued after an abort skips the draws it already
+spent (``SamplingParams.seed_offset``), so with the same weights the HF engine continues exactly as
+the uninterrupted episode would have.
+
+Aborts: when the engine aborted a turn (the manager's abort: the batch is full, a weight-sync
+pause) or the call's ``stop`` is set, no new turn starts; the tool calls already made still run
+(each is bounded by its time-out), so an episode stops either mid-turn or right after a tool
+answer, and ``GenerationRequest.episode`` resumes it from exactly there.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from megatron_dapo.config.knobs import from_config, knob
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.types import (
+    EpisodeInfo,
+    EpisodeTurn,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
+
+
+# ---------------------------------------------------------------- what the loop is handed
+class ToolCallLike(Protocol):
+    name: str
+    arguments: dict[str, Any]
+    error: str | None
+
+
+class CallParser(Protocol):
+    """``agent/calls.py``'s formats: the tool calls in a model turn's text."""
+
+    def parse(self, text: str) -> list[Any]: ...
+
+
+class ToolRunner(Protocol):
+    """``agent/tools/host.py``'s ToolHost: a call returns within its time-out, whatever the tool."""
+
+    def call(self, episode_id: str, call: Any) -> Any: ...
+
+    def release(self, episode_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TurnBridge(Protocol):
+    """How the environment's messages join the episode's tokens (``agent/bridge.py``)."""
+
+    end_of_turn_ids: list[int]
+
+    def next_context(
+        self, context: list[int], messages: list[dict[str, str]], ended_with_eot: bool
+    ) -> list[int]:
+        """The next model turn's request ids after ``context`` (the last request's ids and its
+        output) and the environment's ``messages``."""
+        ...
+
+    def truncate(self, text: str, max_tokens: int, side: str) -> str: ...
+
+
+class ChatTemplateBridge(Protocol):
+    """``agent/bridge.py``'s ChatBridge: the suffix the chat template puts after a model turn."""
+
+    end_of_turn_ids: list[int]
+
+    def env_ids(self, messages: list[dict[str, str]], *, ended_with_eot: bool = True) -> list[int]: ...
+
+    def truncate(self, text: str, max_tokens: int, side: str) -> str: ...
+
+
+class AppendOnly:
+    """The runner's bridge: the next request is the last one's ids and output, then the tokens the
+    chat template renders for the environment's messages after an assistant turn."""
+
+    def __init__(self, chat: ChatTemplateBridge):
+        self.chat = chat
+        self.end_of_turn_ids = list(chat.end_of_turn_ids)
+
+    def next_context(
+        self, context: list[int], messages: list[dict[str, str]], ended_with_eot: bool
+    ) -> list[int]:
+        return context + self.chat.env_ids(messages, ended_with_eot=ended_with_eot)
+
+    def truncate(self, text: str, max_tokens: int, side: str) -> str:
+        return self.chat.truncate(text, max_tokens, side)
+
+
+@dataclass
+class MultiTurnSettings:
+    max_assistant_turns: int = knob("rollout.multi_turn.max_assistant_turns")
+    max_turn_tokens: int | None = knob("rollout.multi_turn.max_turn_tokens")
+    max_tool_response_tokens: int = knob("rollout.multi_turn.max_tool_response_tokens")
+    tool_response_truncate_side: str = knob("rollout.multi_turn.tool_response_truncate_side")
+    max_parallel_calls: int = knob("rollout.multi_turn.max_parallel_calls")
+    # prompt + response tokens the model takes (its max_position_embeddings); learnt at start-up
+    max_context: int = 1 << 30
+
+    @classmethod
+    def from_config(cls, cfg: Any, max_context: int) -> MultiTurnSettings:
+        return from_config(cls, cfg, max_context=max_context)
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The seed of an episode's model turn ``turn`` (0: the request's own seed)."""
+    if seed is None or turn == 0:
+        return seed
+    return (int(seed) * 1_000_003 + turn) % (2**31 - 1)
+
+
+@dataclass
+class ToolOutcome:
+    """One call's answer as the loop needs it (ToolHost's ToolResult, or a refusal made here)."""
+
+    text: str
+    status: str  # "ok" | "error" | "timeout"
+
+
+# ---------------------------------------------------------------- one episode
+class _Episode:
+    """An episode's state within one engine call: what it holds from before (a continuation), what
+    this call added, and the request of its next turn."""
+
+    def __init__(self, request: GenerationRequest, settings: MultiTurnSettings):
+        self.request = request
+        self.settings = settings
+        info = request.episode
+        self.info = EpisodeInfo() if info is None else EpisodeInfo.from_dict(info.as_dict())
+        if not self.info.key:
+            self.info.key = request.request_id  # the tools' instance key, kept across continuations
+        self.offset = self.info.length  # response tokens before this call
+        self.budget = request.sampling.max_new_tokens  # response tokens left at its start
+        self.context = list(request.prompt_ids)
+        self.sent: list[int] | None = None  # the last turn request's ids + its output
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int | None] = []
+        self.pending: list[Any] = []  # the last turn's tool calls, to run
+        self.aborted = False
+        self.last: GenerationResult | None = None
+        self.first_request = True
+
+    @property
+    def live(self) -> bool:
+        return self.info.end is None and not self.aborted
+
+    def _turn_index(self) -> int:
+        return len(self.info.assistant_turns())
+
+    def next_request(self, extra_stops: list[int]) -> GenerationRequest | None:
+        """The request of the next model turn (or of the turn an abort interrupted), None when no
+        budget or context is left (the episode then ends "length")."""
+        s = self.settings
+        left = min(self.budget - len(self.ids), s.max_context - len(self.context))
+        if s.max_turn_tokens is not None:
+            left = min(left, s.max_turn_tokens)
+        if left < 1:
+            self.info.end = "length"
+            return None
+        turns = self.info.turns
+        resuming = bool(turns) and turns[-1].role == "assistant" and turns[-1].finish_reason is None
+        if not resuming:
+            start = self.offset + len(self.ids)
+            turns.append(EpisodeTurn("assistant", start, start))
+        index = self._turn_index() - 1
+        base = self.request.sampling
+        offset = base.seed_offset if (resuming and self.first_request) else 0
+        self.first_request = False
+        sampling = SamplingParams(
+            **{
+                **asdict(base),
+                "max_new_tokens": left,
+                "seed": turn_seed(base.seed, index),
+                "seed_offset": offset,
+                "stop_token_ids": list(dict.fromkeys([*base.stop_token_ids, *extra_stops])),
+            }
+        )
+        return GenerationRequest(f"{self.request.request_id}/t{index}", list(self.context), sampling)
+
+    def take_turn(self, result: GenerationResult, parser: CallParser, decode) -> None:
+        """Append the turn's sampled tokens; decide whether the episode ends or calls tools."""
+        self.last = result
+        turn = self.info.turns[-1]
+        out = list(result.output_ids)
+        versions = result.token_versions or [result.weight_version] * len(out)
+        self.ids += out
+        self.mask += [1] * len(out)
+        self.logprobs += list(result.logprobs)
+        self.versions += list(versions)
+        turn.end += len(out)
+        self.sent = self.context + out
+        self.context = self.sent
+        if result.finish_reason == "abort":
+            self.aborted = True  # mid-turn: the turn stays unfinished, to be continued
+            return
+        turn.finish_reason = result.finish_reason
+        if result.finish_reason == "length":
+            self.info.end = "length"
+            return
+        n = turn.end - turn.start
+        calls = parser.parse(decode(self.context[len(self.context) - n :]))
+        turn.calls = len(calls)
+        if not calls:
+            self.info.end = "stop"
+        elif self._turn_index() >= self.settings.max_assistant_turns:
+            self.info.end = "turns"
+        else:
+            self.pending = calls
+
+    def take_answers(self, outcomes: list[ToolOutcome], bridge: TurnBridge, eot: set[int]) -> None:
+        """Append the environment's answer to the last turn's calls (loss mask 0)."""
+        s = self.settings
+        messages = [
+            {
+                "role": "tool",
+                "content": bridge.truncate(o.text, s.max_tool_response_tokens, s.tool_response_truncate_side),
+            }
+            for o in outcomes
+        ]
+        ended_with_eot = bool(self.sent) and self.sent[-1] in eot
+        after = bridge.next_context(list(self.sent), messages, ended_with_eot)
+        if after[: len(self.sent)] != self.sent:
+            # the environment's rendering rewrote tokens the model already saw: never train on it
+            self.info.prefix_breaks += 1
+            self.info.end = "prefix_break"
+            self.pending = []
+            return
+        env = after[len(self.sent) :]
+        self.pending = []
+        if len(self.ids) + len(env) + 1 > self.budget or len(after) + 1 > s.max_context:
+            self.info.end = "length"  # the answer does not fit with room for a reply
+            return
+        start = self.offset + len(self.ids)
+        version = self.versions[-1] if self.versions else None
+        self.ids += env
+        self.mask += [0] * len(env)
+        self.logprobs += [0.0] * len(env)
+        self.versions += [version] * len(env)
+        self.context = after
+        self.info.turns.append(
+            EpisodeTurn(
+                "tool",
+                start,
+                start + len(env),
+                calls=len(outcomes),
+                errors=sum(o.status == "error" for o in outcomes),
+                timeouts=sum(o.status == "timeout" for o in outcomes),
+            )
+        )
+
+    def result(self) -> GenerationResult:
+        if self.info.end is None:
+            finish = "abort"
+        elif self.info.end == "prefix_break":
+            finish = "stop"
+        else:
+            finish = self.info.end
+        mask = [0] * len(self.mask) if self.info.prefix_breaks else list(self.mask)
+        known = all(v is not None for v in self.versions)
+        last = self.last
+        return GenerationResult(
+            self.request.request_id,
+            list(self.ids),
+            list(self.logprobs),
+            finish,
+            None if last is None else last.weight_version,
+            token_versions=list(self.versions) if known and self.ids else None,
+            routed_experts=None if last is None else last.routed_experts,
+            loss_mask=mask,
+            episode=self.info,
+        )
+
+
+# ---------------------------------------------------------------- the loop
+class MultiTurn:
+    """The rollout manager's episode runner for ``rollout.multi_turn`` (``rollout/episodes.py``).
+
+    Args:
+        settings: :class:`MultiTurnSettings`.
+        bridge: a :class:`TurnBridge` (``agent.bridge.AppendOnly`` over the model's chat template).
+        tools: a :class:`ToolRunner` (``agent.tools.host.ToolHost``).
+        parser: the call format (``agent.calls.get_call_format(rollout.multi_turn.format)``).
+        tokenizer: decodes a turn's tokens for the parser (special tokens kept: ``<tool_call>`` is one).
+    """
+
+    def __init__(
+        self,
+        settings: MultiTurnSettings,
+        bridge: TurnBridge,
+        tools: ToolRunner,
+        parser: CallParser,
+        tokenizer: Any,
+    ):
+        self.settings = settings
+        self.bridge = bridge
+        self.tools = tools
+        self.parser = parser
+        self.tokenizer = tokenizer
+        self._eot = set(bridge.end_of_turn_ids)
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tool-call")
+
+    def close(self) -> None:
+        """End the tool processes (the run is over)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.tools.close()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def run(
+        self, engine: Any, requests: Sequence[GenerationRequest], stop: threading.Event
+    ) -> list[GenerationResult]:
+        episodes = [_Episode(r, self.settings) for r in requests]
+        stopping = False
+        while True:
+            live = [e for e in episodes if e.live]
+            if not live:
+                break
+            if stopping or stop.is_set():
+                for e in live:
+                    e.aborted = True
+                break
+            batch = [(e, e.next_request(list(self._eot))) for e in live]
+            batch = [(e, q) for e, q in batch if q is not None]
+            if not batch:
+                continue
+            results = engine.generate([q for _, q in batch])
+            _check_turn(engine, [q for _, q in batch], results)
+            for (e, _), r in zip(batch, results):
+                e.take_turn(r, self.parser, self._decode)
+                stopping |= r.finish_reason == "abort"
+            self._answer([e for e, _ in batch if e.pending])
+        for e in episodes:
+            if e.info.end is not None:
+                self.tools.release(e.info.key)
+        return [e.result() for e in episodes]
+
+    def _answer(self, episodes: list[_Episode]) -> None:
+        """Run every pending call of ``episodes`` at once; append each episode's answers in order."""
+        limit = self.settings.max_parallel_calls
+        jobs = []
+        for e in episodes:
+            for i, call in enumerate(e.pending):
+                if i >= limit:
+                    refusal = ToolOutcome(
+                        f"Error: at most {limit} tool calls per turn (rollout.multi_turn.max_parallel_calls); "
+                        f"call {i + 1} was not run",
+                        "error",
+                    )
+                    done: Future = Future()
+                    done.set_result(refusal)
+                    jobs.append((e, done))
+                else:
+                    jobs.append((e, self._pool.submit(self._call, e.info.key, call)))
+        answers: dict[int, list[ToolOutcome]] = {}
+        for e, fut in jobs:
+            answers.setdefault(id(e), []).append(fut.result())
+        for e in episodes:
+            e.take_answers(answers[id(e)], self.bridge, self._eot)
+
+    def _call(self, key: str, call: Any) -> ToolOutcome:
+        result = self.tools.call(key, call)
+        return ToolOutcome(result.text, result.status)
+
+
+def _check_turn(engine: Any, sent: list[GenerationRequest], results: Any) -> None:
+    """An engine's answer to a turn must answer every request, in order; otherwise the manager
+    retries the call (on another engine when it can)."""
+    ids = [r.request_id for r in results] if isinstance(results, list) else None
+    if ids != [q.request_id for q in sent]:
+        got = len(results) if isinstance(results, list) else type(results).__name__
+        raise EngineError(f"engine {engine.name} answered a turn of {len(sent)} requests with {got} results")

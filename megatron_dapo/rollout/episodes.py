@@ -1,0 +1,68 @@
+"""How one engine call's requests become responses: the episode runner the manager is handed.
+
+The manager schedules engine calls (units of ``groups_per_call`` groups) and never looks inside
+them; what a call does with its engine is the runner's. A single-turn response is the one-turn
+episode: ``SingleTurn`` asks the engine once. Multi-turn tool use (``rollout.multi_turn``) is
+``agent.runner.MultiTurn``: model turns on the same engine (its prefix cache holds the episode),
+tool calls in between, built by the driver and handed to the manager, so there is one scheduler
+for both.
+
+``stop`` is set when the manager aborts the engine for this call (the batch is full, a weight-sync
+pause, a time-out): the engine returns what it has as "abort", and a runner that would start
+another turn returns instead, its unfinished episodes as "abort" with their tokens so far.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+
+
+class EpisodeRunner(Protocol):
+    def run(
+        self, engine: Any, requests: Sequence[GenerationRequest], stop: threading.Event
+    ) -> list[GenerationResult]:
+        """One result per request, in request order (the engine protocol's contract)."""
+        ...
+
+
+class SingleTurn:
+    """One ``engine.generate`` per call: each response is one model turn."""
+
+    def run(
+        self, engine: Any, requests: Sequence[GenerationRequest], stop: threading.Event
+    ) -> list[GenerationResult]:
+        del stop  # the engine's own abort ends its call
+        return engine.generate(requests)
+
+
+def reward_input(
+    result: GenerationResult, tokenizer: Any, extra_info: dict | None
+) -> tuple[str, dict | None]:
+    """The text a reward function scores for ``result`` and the ``extra_info`` it is given.
+
+    A single-turn response is scored on its text. A multi-turn episode is scored on its last model
+    turn (the final answer; what a tool printed never is), with the whole episode in
+    ``extra_info["turns"]`` (role and text of every turn) and the number of tool calls in
+    ``extra_info["tool_calls"]``: verl's ``compute_score(data_source, solution_str, ground_truth,
+    extra_info)`` signature, so a reward function written for one turn works unchanged."""
+    if result.episode is None:
+        return tokenizer.decode(result.output_ids, skip_special_tokens=True), extra_info
+    turns = [
+        {
+            "role": t.role,
+            "content": tokenizer.decode(result.output_ids[t.start : t.end], skip_special_tokens=True),
+        }
+        for t in result.episode.turns
+    ]
+    final = next((t["content"] for t in reversed(turns) if t["role"] == "assistant"), "")
+    calls = sum(t.calls for t in result.episode.turns if t.role == "assistant")
+    return final, {**(extra_info or {}), "turns": turns, "tool_calls": calls}
+
+
+def sampled_length(result: GenerationResult) -> int:
+    """The response tokens the model sampled (what overlong shaping and length metrics count)."""
+    return len(result.output_ids) if result.loss_mask is None else sum(result.loss_mask)

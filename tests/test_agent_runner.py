@@ -1,0 +1,275 @@
+"""The multi-turn episode loop (agent/runner.py) against a scripted engine, stand-in tools and a
+character bridge, every value written out by hand: turns and their token spans, loss mask and
+log-probs of the environment's tokens, budgets, the turn limit, refused and failed calls, aborts
+and prefix breaks."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings, turn_seed
+from megatron_dapo.rollout.types import EpisodeInfo, GenerationRequest, GenerationResult, SamplingParams
+
+EOT = ord("$")
+
+
+def toks(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+@dataclass
+class Call:
+    name: str
+    arguments: dict
+    error: str | None = None
+
+
+class BracketCalls:
+    """A turn's calls are its ``[name:arg]`` pieces."""
+
+    def parse(self, text):
+        out, rest = [], text
+        while "[" in rest and "]" in rest:
+            body, rest = rest.split("[", 1)[1].split("]", 1)
+            name, _, arg = body.partition(":")
+            out.append(Call(name, {"x": arg}))
+        return out
+
+
+@dataclass
+class Answer:
+    text: str
+    status: str
+
+
+class Tools:
+    """``up`` answers its argument upper-cased; ``fail`` an error; ``slow`` a time-out."""
+
+    def __init__(self):
+        self.calls, self.released = [], []
+
+    def call(self, episode_id, call):
+        self.calls.append((episode_id, call.name, call.arguments["x"]))
+        if call.name == "fail":
+            return Answer("Error: ValueError: no", "error")
+        if call.name == "slow":
+            return Answer("Error: tool slow timed out after 1 s", "timeout")
+        return Answer(call.arguments["x"].upper(), "ok")
+
+    def release(self, episode_id):
+        self.released.append(episode_id)
+
+    def close(self):
+        pass
+
+
+class CharChat:
+    """A template whose tool turn renders as ``\\n<answer>\\n`` after the end-of-turn token."""
+
+    end_of_turn_ids = [EOT]
+
+    def env_ids(self, messages, *, ended_with_eot=True):
+        body = "".join(f"\n<{m['content']}>\n" for m in messages)
+        return ([] if ended_with_eot else [EOT]) + toks(body)
+
+    def truncate(self, text, max_tokens, side):
+        return text[:max_tokens]
+
+
+class Scripted:
+    """An engine that answers turn ``k`` of an episode with ``script[k]`` (cut at max_new_tokens,
+    "stop" when it ends with the end-of-turn token) and records what it was sent."""
+
+    name = "scripted"
+
+    def __init__(self, script, abort_turn=None):
+        self.script, self.sent, self.abort_turn = script, [], abort_turn
+
+    def generate(self, requests):
+        self.sent.append(requests)
+        out = []
+        for q in requests:
+            turn = int(q.request_id.rsplit("/t", 1)[1])
+            text = self.script[q.request_id.split("/")[0]][turn]
+            ids = toks(text)[q.sampling.seed_offset :][: q.sampling.max_new_tokens]
+            finish = "stop" if ids and ids[-1] == EOT else "length"
+            if self.abort_turn == turn:
+                ids, finish = ids[:2], "abort"
+            out.append(GenerationResult(q.request_id, ids, [-0.5] * len(ids), finish, weight_version=7))
+        return out
+
+
+def runner(tools=None, **over):
+    settings = MultiTurnSettings(
+        **{
+            "max_assistant_turns": 3,
+            "max_turn_tokens": None,
+            "max_tool_response_tokens": 50,
+            "tool_response_truncate_side": "right",
+            "max_parallel_calls": 2,
+            **over,
+        }
+    )
+    return MultiTurn(settings, AppendOnly(CharChat()), tools or Tools(), BracketCalls(), CharTokenizer())
+
+
+def request(rid="e0", budget=100, prompt="Q?", seed=11, episode=None):
+    return GenerationRequest(rid, toks(prompt), SamplingParams(max_new_tokens=budget, seed=seed), episode=episode)
+
+
+def test_two_turn_episode_tokens_mask_and_turns():
+    engine = Scripted({"e0": ["[up:ab]$", "AB$"]})
+    tools = Tools()
+    (res,) = runner(tools).run(engine, [request()], threading.Event())
+    env = "\n<AB>\n"
+    assert res.output_ids == toks("[up:ab]$" + env + "AB$")
+    assert res.loss_mask == [1] * 8 + [0] * len(env) + [1] * 3
+    assert res.logprobs == [-0.5] * 8 + [0.0] * len(env) + [-0.5] * 3
+    assert res.token_versions == [7] * len(res.output_ids) and res.finish_reason == "stop"
+    info = res.episode
+    assert [(t.role, t.start, t.end, t.calls) for t in info.turns] == [
+        ("assistant", 0, 8, 1),
+        ("tool", 8, 8 + len(env), 1),
+        ("assistant", 8 + len(env), 11 + len(env), 0),
+    ]
+    assert info.end == "stop" and info.prefix_breaks == 0
+    # turn 1's request is the prompt, turn 0's tokens and the tool's, as ids; its own seed
+    second = engine.sent[1][0]
+    assert second.prompt_ids == toks("Q?[up:ab]$" + env)
+    assert engine.sent[0][0].sampling.seed == 11 and second.sampling.seed == turn_seed(11, 1) != 11
+    assert second.sampling.max_new_tokens == 100 - 8 - len(env) and EOT in second.sampling.stop_token_ids
+    assert tools.calls == [("e0", "up", "ab")] and tools.released == ["e0"]
+
+
+def test_episodes_of_a_call_go_in_lockstep_one_engine_call_per_turn():
+    engine = Scripted({"a": ["[up:x]$", "X$"], "b": ["done$"], "c": ["[up:y]$", "[up:z]$", "Z$"]})
+    results = runner().run(engine, [request("a"), request("b"), request("c")], threading.Event())
+    assert [[q.request_id for q in call] for call in engine.sent] == [
+        ["a/t0", "b/t0", "c/t0"],
+        ["a/t1", "c/t1"],
+        ["c/t2"],
+    ]
+    assert [r.episode.end for r in results] == ["stop", "stop", "stop"]
+    assert results[1].loss_mask == [1] * 5 and len(results[1].episode.turns) == 1
+
+
+def test_the_turn_limit_ends_turns_without_running_the_last_calls():
+    engine = Scripted({"e0": ["[up:a]$", "[up:b]$", "[up:c]$"]})
+    tools = Tools()
+    (res,) = runner(tools, max_assistant_turns=3).run(engine, [request()], threading.Event())
+    assert res.finish_reason == "turns" and res.episode.end == "turns"
+    assert [t.role for t in res.episode.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert [c[2] for c in tools.calls] == ["a", "b"]  # the third turn's call is not run
+    assert res.output_ids[-7:] == toks("[up:c]$") and res.loss_mask[-7:] == [1] * 7
+
+
+def test_budget_counts_both_kinds_and_a_tool_answer_that_does_not_fit_ends_length():
+    env = "\n<AB>\n"  # 6 tokens
+    engine = Scripted({"e0": ["[up:ab]$", "AB$"]})
+    # 8 sampled + 6 environment + 1 for a reply = 15: a budget of 14 cannot take the answer
+    (res,) = runner().run(engine, [request(budget=14)], threading.Event())
+    assert res.finish_reason == "length" and res.output_ids == toks("[up:ab]$") and len(engine.sent) == 1
+    (res,) = runner().run(engine, [request(budget=15)], threading.Event())
+    assert res.finish_reason == "length" and res.output_ids == toks("[up:ab]$" + env + "A")
+    assert engine.sent[-1][0].sampling.max_new_tokens == 1
+    # the per-turn cap and the context cap
+    engine = Scripted({"e0": ["[up:ab]$", "AB$"]})
+    runner(max_turn_tokens=5).run(engine, [request()], threading.Event())
+    assert engine.sent[0][0].sampling.max_new_tokens == 5
+    engine = Scripted({"e0": ["[up:ab]$", "AB$"]})
+    runner(max_context=12).run(engine, [request()], threading.Event())
+    assert engine.sent[0][0].sampling.max_new_tokens == 10  # 12 - the prompt's 2
+
+
+def test_refused_failed_and_timed_out_calls_are_answered_and_counted():
+    engine = Scripted({"e0": ["[fail:1][slow:2][up:3]$", "ok$"]})
+    tools = Tools()
+    (res,) = runner(tools, max_parallel_calls=2, max_tool_response_tokens=200).run(
+        engine, [request(budget=400)], threading.Event()
+    )
+    tool_turn = res.episode.turns[1]
+    assert (tool_turn.calls, tool_turn.errors, tool_turn.timeouts) == (3, 2, 1)
+    text = CharTokenizer().decode(res.output_ids[tool_turn.start : tool_turn.end])
+    assert "Error: ValueError: no" in text and "timed out" in text and "at most 2 tool calls per turn" in text
+    assert [c[1] for c in tools.calls] == ["fail", "slow"]  # the third call is refused, not run
+
+
+def test_an_abort_stops_new_turns_but_finishes_the_calls_made():
+    engine = Scripted({"a": ["[up:x]$", "XX$"], "b": ["[up:y]$", "YY$"]}, abort_turn=1)
+    tools = Tools()
+    results = runner(tools).run(engine, [request("a"), request("b")], threading.Event())
+    for r, up in zip(results, "XY"):
+        assert r.finish_reason == "abort" and r.episode.end is None
+        last = r.episode.turns[-1]
+        assert last.role == "assistant" and last.finish_reason is None and last.end - last.start == 2
+        assert r.output_ids[-2:] == toks(up * 2)
+    assert tools.released == []  # unfinished: its tools' instances live on
+    # a stop set before the call: nothing runs, every episode comes back unfinished and empty
+    engine = Scripted({"a": ["[up:x]$"]})
+    stop = threading.Event()
+    stop.set()
+    (res,) = runner().run(engine, [request("a")], stop)
+    assert res.finish_reason == "abort" and res.output_ids == [] and engine.sent == []
+
+
+def test_a_continued_episode_resumes_mid_turn_and_equals_the_uninterrupted_one():
+    from megatron_dapo.rollout.partial import PartialSample, continuation, from_result, join
+
+    script = {"e0": ["[up:ab]$", "ABCD$"]}
+    (whole,) = runner().run(Scripted(script), [request()], threading.Event())
+    (cut,) = runner().run(Scripted(script, abort_turn=1), [request()], threading.Event())
+    carried = from_result(cut, None)
+    assert isinstance(carried, PartialSample) and carried.episode["turns"][-1]["finish_reason"] is None
+    again = continuation("e0", toks("Q?"), carried, SamplingParams(max_new_tokens=100, seed=11))
+    assert again.sampling.seed_offset == 2 and again.episode.key == "e0"
+    engine = Scripted(script)
+    (rest,) = runner().run(engine, [again], threading.Event())
+    assert engine.sent[0][0].request_id == "e0/t1" and engine.sent[0][0].sampling.seed == turn_seed(11, 1)
+    joined = join(carried, rest)
+    assert joined.output_ids == whole.output_ids and joined.loss_mask == whole.loss_mask
+    assert joined.episode.as_dict() == whole.episode.as_dict()
+
+
+class ReRender:
+    """A bridge that re-renders the conversation from text (what verl's docs warn about): its
+    tokens differ from the sampled ones when the text does not round-trip."""
+
+    end_of_turn_ids = [EOT]
+
+    def next_context(self, context, messages, ended_with_eot):
+        text = CharTokenizer().decode(context).replace("[up:", "[UP:")
+        return toks(text) + toks("".join(f"\n<{m['content']}>\n" for m in messages))
+
+    def truncate(self, text, max_tokens, side):
+        return text
+
+
+def test_a_prefix_break_is_counted_and_never_trained_on():
+    settings = MultiTurnSettings(3, None, 50, "right", 2)
+    loop = MultiTurn(settings, ReRender(), Tools(), BracketCalls(), CharTokenizer())
+    (res,) = loop.run(Scripted({"e0": ["[up:ab]$", "AB$"]}), [request()], threading.Event())
+    assert res.episode.prefix_breaks == 1 and res.episode.end == "prefix_break"
+    assert res.loss_mask == [0] * len(res.output_ids) and res.output_ids == toks("[up:ab]$")
+
+
+def test_episode_info_round_trips_as_json():
+    import json
+
+    (res,) = runner().run(Scripted({"e0": ["[up:ab]$", "AB$"]}), [request()], threading.Event())
+    back = EpisodeInfo.from_dict(json.loads(json.dumps(res.episode.as_dict())))
+    assert back == res.episode
+
+
+@pytest.mark.parametrize("seed", [None, 0, 5])
+def test_turn_seed(seed):
+    assert turn_seed(seed, 0) == seed
+    if seed is not None:
+        assert len({turn_seed(seed, k) for k in range(50)}) == 50
