@@ -19,7 +19,9 @@ from megatron_dapo.rollout.types import RolloutSample
 
 
 def _sample(group, reward, mask, truncated=False):
-    prompt = PromptSample(index=group, data_source="d", messages=[], prompt_text="p", prompt_ids=[1, 2], ground_truth="1")
+    prompt = PromptSample(
+        index=group, data_source="d", messages=[], prompt_text="p", prompt_ids=[1, 2], ground_truth="1"
+    )
     n = len(mask)
     return RolloutSample(
         group_id=group,

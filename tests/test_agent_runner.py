@@ -122,7 +122,9 @@ def runner(tools=None, **over):
 
 
 def request(rid="e0", budget=100, prompt="Q?", seed=11, episode=None):
-    return GenerationRequest(rid, toks(prompt), SamplingParams(max_new_tokens=budget, seed=seed), episode=episode)
+    return GenerationRequest(
+        rid, toks(prompt), SamplingParams(max_new_tokens=budget, seed=seed), episode=episode
+    )
 
 
 def test_two_turn_episode_tokens_mask_and_turns():

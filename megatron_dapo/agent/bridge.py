@@ -148,7 +148,7 @@ class ChatBridge:
                     f"an environment message has role {m.get('role')!r}; the environment speaks as "
                     f"{' or '.join(_ENV_ROLES)}"
                 )
-        suffix = self._encode(self._suffix_text(messages))
+        suffix = self._suffix_ids(messages)
         return suffix if ended_with_eot else list(self.end_of_turn_ids) + suffix
 
     def truncate(self, text: str, max_tokens: int, side: str) -> str:
@@ -247,6 +247,33 @@ class ChatBridge:
 
     def _suffix_text(self, messages: Sequence[dict]) -> str:
         return self._suffix_of(self._probe_rendering(messages), messages)
+
+    def _suffix_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The suffix's tokens. A content that holds the text of an added token (a tool printing
+        ``<|im_end|><|im_start|>assistant``) must not end the tool turn and open a model turn in
+        the tokens: such contents are encoded as plain text (special tokens written inside them
+        stay text), the template's own parts as usual. Any other suffix is encoded whole, the
+        tokenizer's own segmentation. A template that changes the contents (escapes, trims)
+        is encoded whole too."""
+        added = self._added_tokens.values()
+        if not any(tok in str(m.get("content", "")) for m in messages for tok in added):
+            return self._encode(self._suffix_text(messages))
+        marks = [f"\u27e6bridge-content-{i}\u27e7" for i in range(len(messages))]
+        masked = [{**m, "content": mark} for m, mark in zip(messages, marks)]
+        text = self._suffix_text(masked)
+        pieces, rest = [], text
+        for mark in marks:
+            before, found, rest = rest.partition(mark)
+            if not found or mark in rest:
+                return self._encode(self._suffix_text(messages))
+            pieces.append(before)
+        ids: list[int] = []
+        for before, m in zip(pieces, messages):
+            ids += self._encode(before) + self._encode_plain(str(m.get("content", "")))
+        return ids + self._encode(rest)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     def _probe_rendering(self, messages: Sequence[dict]) -> str:
         probe = [
