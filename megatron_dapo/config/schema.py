@@ -132,7 +132,9 @@ class MultiTurnConfig:
     # {type: function, function: {name, description, parameters}}}]` (verl's file loads as is).
     tool_config_path: Optional[str] = None
     # How a model turn's tool calls are written: hermes (<tool_call>{json}</tool_call>, Qwen2.5/3)
-    # or any name registered with megatron_dapo.agent.calls.register_call_format.
+    # or any name registered with megatron_dapo.agent.calls.register_call_format; MODULE:NAME or
+    # path/to/file.py:NAME imports the module that registers NAME first (the calculator demo's:
+    # megatron_dapo.demo.calculator.calls:demo_calc).
     format: str = "hermes"
     # Wall-clock limit of one tool call; the tool's process is killed past it.
     tool_timeout_s: float = 30.0
