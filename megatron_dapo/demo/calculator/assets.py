@@ -170,9 +170,10 @@ def prepare_calculator_assets(
             f"{recipe.sft_stop_accuracy:.0%} of the probe)"
         )
 
-    # One thread: on 2 cores shared with other work, two threads' spin-waits made a warm-start
-    # step ~10x slower (2.5 s against 0.25-0.45 s with one, load ~10); the tiny model's matmuls
-    # gain little from a second thread anyway. The run's processes set their own.
+    # One thread. A warm-start step took 0.08 s with one and 0.05 s with two on 2 idle cores, but
+    # 0.25-0.45 s with one and 2.5 s with two beside other work (load ~10: two threads' spin-waits
+    # lose their core): ~10 s more alone, minutes saved on a shared machine. The run's processes
+    # set their own.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
