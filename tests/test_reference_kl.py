@@ -133,7 +133,14 @@ def test_kl_loss_equals_the_tp1_run(results, layout):
     for step in ("first", "second"):
         for key in ("loss", "kl_loss", "ref_kl", "grad_norm", "tokens"):
             a, b = one[step][key], other[step][key]
-            assert close(a, b, REL) or abs(a - b) < 1e-12, (step, key, a, b)
+            # After one update the weights of the layouts agree to ~1e-7 (state2, below, at REL),
+            # but the second step's KL and its gradient are differences of nearly equal
+            # log-probs (the policy moved little from the reference): their relative fp32 noise
+            # is ~30x the weights' (2.5e-6 seen at TP=2). Environment tokens counted in the loss
+            # are caught against HF's k3 (test_first_update_has_no_kl_and_second_equals_hf_k3).
+            second = step == "second" and key in ("kl_loss", "ref_kl", "grad_norm")
+            rel = 10 * REL if second else REL
+            assert close(a, b, rel) or abs(a - b) < 1e-12, (step, key, a, b)
     for name, w in one["state2"].items():
         assert (other["state2"][name] - w).abs().max() <= REL * max(1.0, float(w.abs().max())), name
 
