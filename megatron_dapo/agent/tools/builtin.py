@@ -277,6 +277,8 @@ class PythonLimits:
     ``max_file_mb``: largest file the code may write (RLIMIT_FSIZE). ``max_output_chars``: what is
     returned, the start and the end of longer output (a traceback sits at the end).
     ``netns``: run in a network namespace of its own (``unshare``) when the machine allows.
+    RLIMIT_NPROC is left alone: it counts every process of the user (a trainer has many) and root
+    is exempt from it; the interpreter's audit hook refuses to start processes instead.
     """
 
     timeout_s: float = 10.0
