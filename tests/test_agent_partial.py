@@ -109,7 +109,7 @@ def test_an_episode_aborted_mid_turn_and_continued_equals_the_uninterrupted_one(
     for abort_at in range(2, first_turn + 6):  # forwards: inside turn 0, then inside turn 1
         forwards = []
 
-        def hook(*_, at=abort_at):
+        def hook(*_, at=abort_at, forwards=forwards):
             forwards.append(1)
             if len(forwards) == at:
                 engine.abort()
