@@ -136,7 +136,13 @@ class RolloutManagerConfig:
     @classmethod
     def from_config(cls, cfg: Any) -> RolloutManagerConfig:
         """Build from the run's ``DAPOConfig``, validated when it was loaded (``config/validate.py``)."""
-        return from_config(cls, cfg, partial_max_lag=None if cfg.trainer.mode == "sync" else 0)
+        mt = cfg.rollout.multi_turn
+        # an aborted episode first finishes the tool calls its last turn made (each bounded by
+        # tool_timeout_s), so the abort's wait covers one of them
+        abort_s = max(cls.abort_timeout_s, mt.tool_timeout_s + 30.0) if mt.enable else cls.abort_timeout_s
+        return from_config(
+            cls, cfg, partial_max_lag=None if cfg.trainer.mode == "sync" else 0, abort_timeout_s=abort_s
+        )
 
 
 class RolloutManager:
