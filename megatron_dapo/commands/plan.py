@@ -37,6 +37,21 @@ def register(p: argparse.ArgumentParser) -> None:
         "--decode-tok-s-per-gpu", type=float, default=None, help="measured decode tokens/s per GPU"
     )
     p.add_argument("--mfu", type=float, default=0.30, help="assumed training MFU (0.30)")
+    p.add_argument(
+        "--env-token-frac",
+        type=float,
+        default=None,
+        help="multi-turn: assumed share of a response that is tool answers, prefilled not decoded (0.15)",
+    )
+    p.add_argument(
+        "--tool-calls-per-episode",
+        type=float,
+        default=None,
+        help="multi-turn: assumed tool calls per episode (4, at most max_assistant_turns - 1)",
+    )
+    p.add_argument(
+        "--tool-s-per-call", type=float, default=0.5, help="multi-turn: assumed seconds per tool call (0.5)"
+    )
     p.add_argument("--overhead-gb", type=float, default=5.0, help="assumed per-GPU runtime overhead, GiB (5)")
     p.set_defaults(func=run)
 
@@ -54,6 +69,17 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < value <= 1:
             print(f"plan: --{name.replace('_', '-')}={value} must be in (0, 1]", file=sys.stderr)
             return 2
+    if args.env_token_frac is not None and not 0 <= args.env_token_frac < 1:
+        print(
+            f"plan: --env-token-frac={args.env_token_frac} must be in [0, 1) (1 would leave nothing to decode)",
+            file=sys.stderr,
+        )
+        return 2
+    for name in ("tool_calls_per_episode", "tool_s_per_call"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            print(f"plan: --{name.replace('_', '-')}={value} must be >= 0", file=sys.stderr)
+            return 2
     try:
         shape = resolve_model_shape(cfg.model.path)
         gpu = gpu_for(args.gpu, args.gpu_mem_gb)
@@ -64,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
             decode_tok_s_per_gpu=args.decode_tok_s_per_gpu,
             mfu=args.mfu,
             overhead_gib=args.overhead_gb,
+            env_token_frac=args.env_token_frac,
+            tool_calls_per_episode=args.tool_calls_per_episode,
+            tool_s_per_call=args.tool_s_per_call,
         )
         plan = make_plan(inputs_from_config(cfg), shape, gpu, assumptions, args.num_gpus)
     except ValueError as e:

@@ -1,8 +1,11 @@
 """Load a run config: YAML file(s) + `key=value` overrides merged onto the dataclass schema.
 
 A YAML file may name `base: other.yaml` (relative to itself) to inherit from another recipe;
-the chain is merged base first. Unknown keys and wrong types become `ConfigError`s that name the
-key and the nearest valid one, instead of OmegaConf's tracebacks.
+the chain is merged base first. A relative path a YAML gives for a key of `PATHS_FROM_YAML` is read
+against that YAML's directory too when the file is there, so a recipe and the files it names work
+from any working directory; otherwise it stays as written (read against the working directory, as
+verl's paths are and as an override's always is). Unknown keys and wrong types become
+`ConfigError`s that name the key and the nearest valid one, instead of OmegaConf's tracebacks.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ REMOVED_KEYS = {
     ),
     "logging.jsonl": "metrics.jsonl is always written (resume and the plots read it); remove the key",
 }
+
+
+# Keys naming a file that a recipe ships beside itself (a tool YAML next to the run YAML).
+PATHS_FROM_YAML = ("rollout.multi_turn.tool_config_path",)
 
 
 def all_keys(cls: type = DAPOConfig, prefix: str = "") -> list[str]:
@@ -86,7 +93,24 @@ def _read_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str,
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)
     chain = _read_yaml_chain(path.parent / base, (*seen, path)) if base else []
+    _paths_from_yaml(data, path.parent)
     return [*chain, (str(path), data)]
+
+
+def _paths_from_yaml(data: dict, directory: Path) -> None:
+    """Each relative `PATHS_FROM_YAML` path of a YAML's `data` that names a file in `directory`
+    becomes that file's absolute path; the others are left as written."""
+    for key in PATHS_FROM_YAML:
+        *sections, leaf = key.split(".")
+        node: Any = data
+        for part in sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        beside = directory / value
+        if beside.is_file():
+            node[leaf] = str(beside)
 
 
 def _parse_overrides(overrides: list[str]) -> list[str]:

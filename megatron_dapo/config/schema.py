@@ -130,6 +130,7 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = "middle"
     # Tool YAML: `tools: [{function: path.py:fn | class_name: pkg.Cls, config: {...}, tool_schema:
     # {type: function, function: {name, description, parameters}}}]` (verl's file loads as is).
+    # Relative, in a YAML: the file beside that YAML when there is one, else the working directory.
     tool_config_path: Optional[str] = None
     # How a model turn's tool calls are written: hermes (<tool_call>{json}</tool_call>, Qwen2.5/3)
     # or any name registered with megatron_dapo.agent.calls.register_call_format.

@@ -44,6 +44,10 @@ class PlanInputs:
     # either builds the frozen reference model (actor/reference.py)
     use_kl_loss: bool = knob("actor.use_kl_loss")
     use_kl_in_reward: bool = knob("algorithm.use_kl_in_reward")
+    # multi-turn tool use: responses hold the environment's tokens, and the tools take time
+    multi_turn: bool = knob("rollout.multi_turn.enable")
+    max_assistant_turns: int = knob("rollout.multi_turn.max_assistant_turns")
+    tool_workers: int = knob("rollout.multi_turn.tool_workers")
 
     @property
     def reference(self) -> bool:
@@ -96,3 +100,15 @@ class Assumptions:
     a2a_intra_node_gb_s: float = 200.0
     a2a_inter_node_gb_s: float = 40.0
     gpus_per_node: int = 8
+    # Multi-turn tool use (rollout.multi_turn.enable), None: resolve_assumptions' defaults. The
+    # share of a response that is the environment's (tool answers in the chat template's tool turn).
+    env_token_frac: float | None = None
+    tool_calls_per_episode: float | None = None
+    tool_s_per_call: float = 0.5  # wall time of one call on one tool worker
+
+
+# Multi-turn defaults (guesses, stated with the plan): a ReTool-like episode makes ~4 calls (verl's
+# 32B ReTool run: 10 turns on average = the prompt + 4 tool answers + 5 model turns), each answer
+# ~150 tokens (a 400-character output and the tool turn's template), of a ~4k-token response.
+MULTI_TURN_ENV_TOKEN_FRAC = 0.15
+MULTI_TURN_TOOL_CALLS = 4.0

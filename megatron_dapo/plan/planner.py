@@ -7,7 +7,13 @@ import math
 from dataclasses import dataclass, replace
 
 from megatron_dapo.plan.gpus import GPU
-from megatron_dapo.plan.inputs import Assumptions, PlanInputs, as_overrides
+from megatron_dapo.plan.inputs import (
+    MULTI_TURN_ENV_TOKEN_FRAC,
+    MULTI_TURN_TOOL_CALLS,
+    Assumptions,
+    PlanInputs,
+    as_overrides,
+)
 from megatron_dapo.plan.memory import (
     GIB,
     EngineMemory,
@@ -94,6 +100,7 @@ class Plan:
     assumptions: list[tuple[str, str, str]]  # (name, value, why)
     active_params: int = 0  # per token (MoE: the top-k experts only); = total_params for dense
     a2a_bytes_per_gpu: float = 0.0  # MoE token dispatch + combine sent per actor GPU per step
+    tool_s_per_call: float = 0.0  # multi-turn: the assumed wall time of one tool call
 
     @property
     def fits(self) -> bool:
@@ -113,7 +120,25 @@ def resolve_assumptions(
     # Decode is bound by HBM bandwidth at high concurrency; ~40k tok/s per H100 divided by the model's
     # size in billions matches published large-batch SGLang figures within ~2x. Measure and pass yours.
     decode = a.decode_tok_s_per_gpu or 40_000.0 / (total_params / 1e9) * (gpu.hbm_tb_s / 3.35)
-    return {"mean_prompt": mean_prompt, "mean_response": mean_response, "decode": decode}
+    if not p.multi_turn:
+        if a.env_token_frac or a.tool_calls_per_episode:
+            raise ValueError(
+                "environment tokens and tool calls need a multi-turn config: set "
+                "rollout.multi_turn.enable=true, or drop --env-token-frac / --tool-calls-per-episode"
+            )
+        env, calls = 0.0, 0.0
+    else:
+        env = MULTI_TURN_ENV_TOKEN_FRAC if a.env_token_frac is None else a.env_token_frac
+        # the last model turn answers: at most one call per earlier turn
+        default_calls = min(MULTI_TURN_TOOL_CALLS, max(0, p.max_assistant_turns - 1))
+        calls = default_calls if a.tool_calls_per_episode is None else a.tool_calls_per_episode
+    return {
+        "mean_prompt": mean_prompt,
+        "mean_response": mean_response,
+        "decode": decode,
+        "env_frac": env,
+        "tool_calls": calls,
+    }
 
 
 def assign_roles(p: PlanInputs, num_gpus: int | None) -> tuple[Roles, PlanInputs]:
@@ -447,6 +472,8 @@ def make_plan(
         a.keep_rate,
         r["mean_prompt"],
         r["mean_response"],
+        env_token_frac=r["env_frac"],
+        tool_calls_per_episode=r["tool_calls"],
     )
     a2a_bytes = moe_all_to_all_bytes_per_gpu(
         shape, tokens.train_tokens, p.ppo_epochs, p.recompute, p.ep, roles.actor_gpus
@@ -467,6 +494,8 @@ def make_plan(
         overlapped=p.mode in ("one_step_off", "async") and not roles.colocated,
         a2a_s=a2a_bytes / a2a_rate,
         reference=p.reference,
+        tool_s_per_call=a.tool_s_per_call,
+        tool_workers=p.tool_workers,
     )
     assumptions = [
         (
@@ -499,6 +528,27 @@ def make_plan(
         ("micro-batch packing", f"{a.packing_efficiency:g}", "filled fraction of the token budget"),
         ("grads", "fp32", "Megatron reduces bf16 grads in fp32 (main_grad)"),
     ]
+    if p.multi_turn:
+        assumptions += [
+            (
+                "environment tokens",
+                f"{r['env_frac']:g} of each response",
+                "tool answers (loss mask 0): prefilled, not decoded (earlier turns are in the prefix "
+                "cache), trained on like the rest; guess: ~4 calls x ~150 tokens of a ~4k response",
+            ),
+            (
+                "tool calls",
+                f"{r['tool_calls']:g} per episode",
+                "verl's 32B ReTool run: 10 turns on average = prompt + 4 answers + 5 model turns; "
+                "at most max_assistant_turns - 1",
+            ),
+            (
+                "tool time",
+                f"{a.tool_s_per_call:g} s per call on one of {p.tool_workers} workers",
+                "guess: the builtin python took 0.1 s to print, 0.27 s to import numpy (fresh "
+                "interpreter); imports, loops, time-outs add; overlaps decoding",
+            ),
+        ]
     if a2a_bytes:
         assumptions.append(
             (
@@ -533,4 +583,5 @@ def make_plan(
         assumptions,
         active_params=active_params,
         a2a_bytes_per_gpu=a2a_bytes,
+        tool_s_per_call=a.tool_s_per_call if p.multi_turn else 0.0,
     )

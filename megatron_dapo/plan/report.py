@@ -105,8 +105,21 @@ def render(plan: Plan, console: Console) -> None:
     step.add_row(
         "generated",
         f"{t.gen_rounds} round(s) x {p.gen_batch_size if p.filter_groups else p.train_batch_size}"
-        f" prompts x n={p.n} = {t.generated_responses:,} responses, {t.decode_tokens / 1e6:.1f} M decode tokens",
+        f" prompts x n={p.n} = {t.generated_responses:,} responses, {t.decode_tokens / 1e6:.1f} M decode tokens"
+        + (f" + {t.env_tokens / 1e6:.1f} M environment tokens (prefilled)" if t.env_tokens else ""),
     )
+    if p.multi_turn:
+        bound = (
+            f"longer than decoding ({_hms(ts.decode_s)}): the tools bound the rollout; raise "
+            "rollout.multi_turn.tool_workers"
+            if ts.tool_s > ts.decode_s
+            else f"within decoding's {_hms(ts.decode_s)}"
+        )
+        step.add_row(
+            "tools",
+            f"{t.tool_calls:,.0f} calls x {plan.tool_s_per_call:g} s / {p.tool_workers} tool workers = "
+            f"{_hms(ts.tool_s)}, {bound}",
+        )
     step.add_row(
         "trained",
         f"{t.train_sequences:,} sequences, {t.train_tokens / 1e6:.1f} M tokens, "
