@@ -371,9 +371,11 @@ def _hook(event, args):
         raise PermissionError("network access is disabled in this interpreter (%s)" % event)
     if event in _PROCESS:
         raise PermissionError("starting or signalling other processes is not allowed (%s)" % event)
+    if event == "ctypes.dlopen" and args[0] is None:
+        return  # `import ctypes` opens the interpreter itself (sympy imports it); symbols stay refused
     if event in _NATIVE:
         raise PermissionError("%s is not allowed in this interpreter" % event)
-    if event == "import" and args[0] in ("_posixsubprocess", "_ctypes"):
+    if event == "import" and args[0] == "_posixsubprocess":
         raise ImportError("%s is not available in this interpreter" % args[0])
     if event == "open" and args[2] & _WRITE and args[0] is not None and not _inside(args[0]):
         raise PermissionError("writing outside the working directory is not allowed: %r" % (args[0],))
@@ -383,11 +385,21 @@ def _hook(event, args):
                 raise PermissionError("changing files outside the working directory is not allowed: %r" % (args[_i],))
 sys.addaudithook(_hook)
 sys.argv = ["main.py"]
+import ast as _ast
 try:
     with open("main.py", encoding="utf-8") as _f:
-        _code = compile(_f.read(), "main.py", "exec")
-    del _f, _p, _r, _soft, _hard, _old
-    exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
+        _tree = _ast.parse(_f.read(), "main.py")
+    # as a notebook cell (and ReTool's interpreter): a last bare expression shows its value
+    _last = _tree.body.pop() if _tree.body and isinstance(_tree.body[-1], _ast.Expr) else None
+    _code = compile(_tree, "main.py", "exec")
+    _show = None if _last is None else compile(_ast.Expression(_last.value), "main.py", "eval")
+    del _f, _p, _r, _soft, _hard, _old, _tree, _last
+    _globals = {"__name__": "__main__", "__builtins__": __builtins__}
+    exec(_code, _globals)
+    if _show is not None:
+        _value = eval(_show, _globals)
+        if _value is not None:
+            print(repr(_value))
 except SystemExit:
     raise
 except BaseException as _e:
