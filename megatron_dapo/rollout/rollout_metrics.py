@@ -42,6 +42,10 @@ def rollout_metrics(
         "rollout/filtered_all_correct": ledger.filtered["all_correct"],
         "rollout/filtered_all_wrong": ledger.filtered["all_wrong"],
         "rollout/filtered_other": ledger.filtered["other"],
+        "rollout/filtered_unscored": ledger.filtered["unscored"],
+        # responses the reward model could not score (timeout, 5xx, unparseable, down): left out
+        # of their groups, never scored 0
+        "reward/unscored": float(ledger.unscored_samples),
         "rollout/zero_spread_fraction": (
             ledger.zero_spread / ledger.scored_groups if ledger.scored_groups else 0.0
         ),
@@ -69,6 +73,8 @@ def rollout_metrics(
         m.update(multiturn_metrics(samples))
     if samples:
         n = len(samples)
+        scored = [s for s in samples if s.unscored is None]  # rewards of the scored ones only
+        k = max(len(scored), 1)
         m.update(
             {
                 "rollout/response_length/mean": sum(lengths) / n,
@@ -77,9 +83,9 @@ def rollout_metrics(
                 # verl: share of responses that used the whole budget
                 "rollout/response_length/clip_ratio": sum(x >= cfg.max_response_length for x in lengths) / n,
                 "rollout/truncation_rate": sum(s.truncated for s in samples) / n,
-                "rollout/reward/mean": sum(s.final_reward for s in samples) / n,
-                "rollout/score/mean": sum(s.score for s in samples) / n,
-                "rollout/acc/mean": sum(s.acc for s in samples) / n,
+                "rollout/reward/mean": sum(s.final_reward for s in scored) / k,
+                "rollout/score/mean": sum(s.score for s in scored) / k,
+                "rollout/acc/mean": sum(s.acc for s in scored) / k,
                 "rollout/overlong_penalty/mean": sum(s.overlong_penalty for s in samples) / n,
                 "rollout/reward_errors": sum(s.reward_error is not None for s in samples),
             }

@@ -100,8 +100,13 @@ class GroupScoring:
 
     def judge(self, samples: list[RolloutSample]) -> tuple[str, bool]:
         """The group filter: "kept", or why the group is dropped ("all_correct", "all_wrong",
-        "other"); and whether the filter metric has spread (measured whether or not the filter
-        is on)."""
+        "other", "unscored": the reward model left it fewer than two scored responses, so its
+        advantages would have no baseline); and whether the filter metric has spread among the
+        scored responses (measured whether or not the filter is on)."""
+        scored = [s for s in samples if s.unscored is None]
+        if len(scored) < len(samples) and len(scored) < 2:
+            return "unscored", False
+        samples = scored
         spread = bool(self._keep_mask(samples).all())
         if not self.cfg.filter_groups_enable or spread:
             return "kept", spread
