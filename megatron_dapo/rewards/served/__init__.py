@@ -8,3 +8,42 @@ servers), ``classifier``, ``judge`` (and its verdict parsers), ``client`` (one r
 async and blocking), ``checkpoint`` (the served copy), ``startup_check``, ``combine``
 (``reward.combine``), ``settings`` (the config section, the servers to start).
 """
+
+from megatron_dapo.rewards.served.client import BlockingRewardModel, RewardModel, open_reward_model
+from megatron_dapo.rewards.served.combine import CombinedReward, Combiner
+from megatron_dapo.rewards.served.judge import DEFAULT_PROMPT_TEMPLATE, parse_boxed_score, parse_yes_no
+from megatron_dapo.rewards.served.outcome import (
+    UNSCORED_REASONS,
+    RewardModelError,
+    RewardRequestError,
+    RewardSample,
+    RewardServerDown,
+    ScoreOutcome,
+)
+from megatron_dapo.rewards.served.settings import (
+    RewardServerSpec,
+    ServedRewardSettings,
+    server_specs,
+    settings_from_config,
+)
+
+__all__ = [
+    "DEFAULT_PROMPT_TEMPLATE",
+    "UNSCORED_REASONS",
+    "BlockingRewardModel",
+    "CombinedReward",
+    "Combiner",
+    "RewardModel",
+    "RewardModelError",
+    "RewardRequestError",
+    "RewardSample",
+    "RewardServerDown",
+    "RewardServerSpec",
+    "ScoreOutcome",
+    "ServedRewardSettings",
+    "open_reward_model",
+    "parse_boxed_score",
+    "parse_yes_no",
+    "server_specs",
+    "settings_from_config",
+]
