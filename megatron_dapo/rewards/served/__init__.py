@@ -9,6 +9,7 @@ async and blocking), ``checkpoint`` (the served copy), ``startup_check``, ``comb
 (``reward.combine``), ``settings`` (the config section, the servers to start).
 """
 
+from megatron_dapo.rewards.served.checkpoint import ServedCheckpoint, prepare_served_checkpoint
 from megatron_dapo.rewards.served.client import BlockingRewardModel, RewardModel, open_reward_model
 from megatron_dapo.rewards.served.combine import CombinedReward, Combiner
 from megatron_dapo.rewards.served.judge import DEFAULT_PROMPT_TEMPLATE, parse_boxed_score, parse_yes_no
@@ -26,6 +27,7 @@ from megatron_dapo.rewards.served.settings import (
     server_specs,
     settings_from_config,
 )
+from megatron_dapo.rewards.served.startup_check import ProbeCheck, check_classifier_server
 
 __all__ = [
     "DEFAULT_PROMPT_TEMPLATE",
@@ -33,6 +35,7 @@ __all__ = [
     "BlockingRewardModel",
     "CombinedReward",
     "Combiner",
+    "ProbeCheck",
     "RewardModel",
     "RewardModelError",
     "RewardRequestError",
@@ -40,10 +43,13 @@ __all__ = [
     "RewardServerDown",
     "RewardServerSpec",
     "ScoreOutcome",
+    "ServedCheckpoint",
     "ServedRewardSettings",
+    "check_classifier_server",
     "open_reward_model",
     "parse_boxed_score",
     "parse_yes_no",
+    "prepare_served_checkpoint",
     "server_specs",
     "settings_from_config",
 ]
