@@ -43,12 +43,13 @@ class RewardModel:
         if not tasks:
             return []
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
-        if failed is not None:
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if failed:
             for t in pending:
                 t.cancel()
+            # gathered, so that no other task's error is reported later as never retrieved
             await asyncio.gather(*pending, return_exceptions=True)
-            raise failed.exception()
+            raise failed[0].exception()
         return [t.result() for t in tasks]
 
     def check_down(self) -> None:
