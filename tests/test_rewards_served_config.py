@@ -13,6 +13,19 @@ def load(*overrides: str):
     return load_config(None, ["model.path=/x", *overrides])
 
 
+def test_the_settings_defaults_are_the_schemas():
+    import dataclasses
+
+    from megatron_dapo.config.schema import RewardConfig, RewardModelConfig
+    from megatron_dapo.rewards.served.settings import ServedRewardSettings
+
+    schema = {**dataclasses.asdict(RewardModelConfig()), "combine": RewardConfig().combine}
+    for f in dataclasses.fields(ServedRewardSettings):
+        if f.default is not dataclasses.MISSING:
+            assert f.default == schema[f.name], f"ServedRewardSettings.{f.name} != the schema's default"
+    assert {f.name for f in dataclasses.fields(ServedRewardSettings)} == set(schema)
+
+
 def test_off_by_default():
     cfg = load()
     assert cfg.reward.model.kind is None and cfg.reward.combine is None
