@@ -195,6 +195,14 @@ def test_garbage_json_is_unscored_unparseable_and_not_retried(stand_in):
     assert s.posts() == 1
 
 
+def test_an_answer_without_text_is_unscored_unparseable(stand_in):
+    message = {"role": "assistant", "content": None, "reasoning_content": "thinking about yes"}
+    s = stand_in(default=("status", 200, {"choices": [{"message": message, "finish_reason": "length"}]}))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "unparseable" and "has no text" in out.detail and out.verdict is None
+
+
 def test_a_verdict_without_yes_or_no_is_unscored_unparseable_with_the_verdict(stand_in):
     s = stand_in(default=("verdict", "I cannot decide."))
     with judge(s.url) as model:

@@ -239,7 +239,9 @@ class JudgeClient:
                 kind = reason.get("type") if isinstance(reason, dict) else reason
                 return str(body["text"]), kind == "length"
             choice = body["choices"][0]
-            return str(choice["message"]["content"]), choice.get("finish_reason") == "length"
+            content = choice["message"]["content"]
+            # None when the server put everything elsewhere (a reasoning field, a tool call)
+            return (None if content is None else str(content)), choice.get("finish_reason") == "length"
         except (KeyError, IndexError, TypeError, AttributeError):
             return None, False
 
