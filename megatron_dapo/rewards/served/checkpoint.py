@@ -5,8 +5,8 @@ The defect. SGLang 0.5.23 builds the score head of some ``*ForSequenceClassifica
 ``nn.Linear(hidden_size, num_labels)``, bias included, while transformers' class has no bias, so
 the checkpoint has none. SGLang's loader fills only the tensors the checkpoint holds: the bias
 keeps ``nn.Linear``'s random initialisation, and every score is off by a constant that changes at
-each server start (measured on a tiny Qwen2: +0.0498 on one start, -0.0438 on the next). Two
-reward servers, or one restarted, then disagree.
+each server start (issue 37 saw +0.0498 on one start and -0.0438 on the next on a tiny Qwen2;
+-0.0332 here on another). Two reward servers, or one restarted, then disagree.
 
 The correction. A *served copy* of the checkpoint directory: symbolic links to every file of the
 original, plus one safetensors file holding the missing biases as zeros (what transformers
