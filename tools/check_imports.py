@@ -39,7 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     "ports": set(),
     "http_errors": set(),
     "algo": set(),
-    "rewards": {"errors"},
+    # http_errors: the reward-model clients' 4xx lines carry the server's own reason
+    "rewards": {"errors", "http_errors"},
     "data": {"errors"},
     "eval": {"rewards", "data", "errors", "http_errors"},
     # the schema and its checks; algo for the rollout-correction settings, actor.gpu_settings'
