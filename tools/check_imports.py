@@ -55,7 +55,8 @@ ALLOWED: dict[str, set[str]] = {
     # tool-call parsers, tools in processes of their own
     "agent": {"config", "data", "errors", "rollout"},
     # SGLang servers (launch, placement, health) and their HTTP client, an engine of rollout's protocol
-    "sglang": {"config", "errors", "http_errors", "ports", "rollout"},
+    # (rewards: the served reward model's servers, sglang/reward_servers.py)
+    "sglang": {"config", "errors", "http_errors", "ports", "rewards", "rollout"},
     # the weight transports: HF-named buckets to HF engines, SGLang servers or a checkpoint on disk
     "sync": {"config", "errors", "ports", "rollout", "sglang", "weights"},
     # offline conversion: builds the model on ranks it launches

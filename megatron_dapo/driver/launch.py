@@ -30,6 +30,7 @@ from megatron_dapo.driver.plots import plot_run
 from megatron_dapo.driver.preflight import preflight
 from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
 from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
+from megatron_dapo.driver.reward_model import ServedReward
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag, blocked_signals
 from megatron_dapo.driver.trainer import DAPOTrainer
@@ -293,11 +294,13 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
     # multi-turn tool use: the episode runner (its tool processes end with the run)
     episodes = multi_turn_runner(cfg, tokenizer, _max_context(cfg)) if cfg.rollout.multi_turn.enable else None
+    rewards = ServedReward.start(cfg, inputs.run.root)
     try:
-        return _drive(cfg, inputs, ranks, engines, stop, mcfg, episodes)
+        return _drive(cfg, inputs, ranks, engines, stop, mcfg, episodes, rewards)
     finally:
         if episodes is not None:
             episodes.close()
+        rewards.close()
 
 
 def _max_context(cfg: DictConfig) -> int:
@@ -306,13 +309,23 @@ def _max_context(cfg: DictConfig) -> int:
     return int(context) if isinstance(context, int) else 1 << 30
 
 
-def _drive(cfg: DictConfig, inputs: RunInputs, ranks, engines, stop, mcfg, episodes) -> dict[str, Any]:
+def _drive(
+    cfg: DictConfig, inputs: RunInputs, ranks, engines, stop, mcfg, episodes, rewards
+) -> dict[str, Any]:
     run, tokenizer = inputs.run, inputs.tokenizer
 
     def sync(version: int) -> dict[str, float]:
         return ranks.call("push_weights", version, timeout_s=cfg.trainer.weight_sync.timeout_s + 60)[0]
 
-    manager = RolloutManager(engines, inputs.scorer, mcfg, tokenizer, episodes=episodes)
+    manager = RolloutManager(
+        engines,
+        inputs.scorer,
+        mcfg,
+        tokenizer,
+        episodes=episodes,
+        reward_model=rewards.model,
+        combiner=rewards.combiner,
+    )
     validate = None
     if inputs.problems:
         # the pool: engines the run goes on without leave it, and validation with it

@@ -43,6 +43,8 @@ class Ledger:
         self.retries = 0
         self.tokens = 0
         self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in engine_names}
+        # when units were scored (reward), appended by the scoring threads
+        self.score_intervals: list[tuple[float, float]] = []
         self.hung: list[str] = []  # engines found hung with calls in flight this step
 
     def record(self, group: Group, outcome: str) -> None:
