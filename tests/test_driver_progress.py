@@ -87,7 +87,8 @@ def rank():
     dist.destroy_process_group()
     warnings.warn("a real warning stays")
 
-ray.get(rank.remote())
+# with an env of its own, as RayRankGroup starts the ranks
+ray.get(rank.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}).remote())
 deadline = time.time() + 120  # Ray forwards a worker's stderr to the driver's on its own time
 while "a real warning stays" not in console.read_text() and time.time() < deadline:
     time.sleep(0.5)
