@@ -278,6 +278,56 @@ CASES = [
         2,
         ["/nonexistent/hf"],
     ),
+    # sampling and length flags are checked before anything else reads the model, the data or
+    # the URL: a bad number must not surface as some later check's complaint
+    (
+        "eval-k-zero",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--no-chat-template", "--k", "0"),
+        2,
+        ["--k=0", ">= 1"],
+    ),
+    (
+        "eval-k-before-url",
+        lambda x: _eval(x, "--url", x["closed_url"], "--no-chat-template", "--k", "-3"),
+        2,
+        ["--k=-3", ">= 1"],
+    ),
+    (
+        "eval-temperature-negative",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--temperature", "-0.5"),
+        2,
+        ["--temperature=-0.5", ">= 0"],
+    ),
+    (
+        "eval-top-p-zero",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--top-p", "0"),
+        2,
+        ["--top-p=0.0", "(0, 1]"],
+    ),
+    (
+        "eval-top-p-nan",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--top-p", "nan"),
+        2,
+        ["--top-p=nan", "(0, 1]"],
+    ),
+    (
+        "eval-pass-k-zero",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--pass-k", "1", "0"),
+        2,
+        ["--pass-k", "0", ">= 1"],
+    ),
+    (
+        "eval-limit-negative",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--limit", "-1"),
+        2,
+        ["--limit=-1", ">= 1"],
+    ),
+    (
+        "eval-max-prompt-length-zero",
+        lambda x: _eval(x, "--url", x["closed_url"], "--tokenizer", x["good"], "--max-prompt-length", "0"),
+        2,
+        ["--max-prompt-length=0", ">= 1"],
+    ),
     (
         "convert-from-missing-checkpoint",
         lambda x: [

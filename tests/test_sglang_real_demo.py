@@ -5,7 +5,7 @@ passed in by wrapping it), 8 held-out problems: the command exits 0, its run use
 (their logs, the resolved config), and the trainer scored the servers' samples as they did at
 both steps (a broken weight sync shows at step 2: the training moved the weights, checked on the
 exported ones). Accuracy is not checked here: the full demo's bar is measured separately
-(README). Without `make setup-sglang` it skips, and fails in CI (tests/conftest.py).
+(docs/results.md). Without `make setup-sglang` it skips, and fails in CI (tests/conftest.py).
 """
 
 from __future__ import annotations

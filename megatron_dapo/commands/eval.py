@@ -128,6 +128,34 @@ def _load_run(run_dir: str):
         raise EvalInputError(f"--run {path}: {e}") from e
 
 
+# Each numeric flag: (the valid range in words, the test). Written as `not (test)` below, so NaN,
+# which every comparison rejects, is refused too.
+_RANGES = {
+    "k": (">= 1", lambda v: v >= 1),
+    "temperature": (">= 0 (0: greedy)", lambda v: v >= 0),
+    "top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "max_tokens": (">= 1", lambda v: v >= 1),
+    "max_prompt_length": (">= 1", lambda v: v >= 1),
+    "limit": (">= 1", lambda v: v >= 1),
+    "seed": (">= 0", lambda v: v >= 0),
+}
+
+
+def _check_numbers(args) -> None:
+    """Every numeric flag against its range, before the URL, the run, the data or the model are
+    read: a bad number would otherwise surface as whatever later check it happens to upset."""
+    for dest, (valid, ok) in _RANGES.items():
+        value = getattr(args, dest)
+        if value is not None and not ok(value):
+            flag = "--" + dest.replace("_", "-")
+            raise EvalInputError(f"{flag}={value} must be {valid}")
+    bad = [k for k in args.pass_k if not k >= 1]
+    if bad:
+        raise EvalInputError(
+            f"--pass-k {' '.join(map(str, args.pass_k))}: every k must be >= 1 (got {bad[0]})"
+        )
+
+
 def _settings(args, cfg, cfg_path):
     """Prompt settings: an explicit flag, else the run's config, else the CLI's default."""
     flags = {
@@ -280,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    _check_numbers(args)
     cards: list[dict] = []
     if args.url:
         # before the data and tokenizer: a wrong port is the usual mistake

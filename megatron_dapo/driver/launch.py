@@ -72,8 +72,11 @@ def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    routed = None
     if device == "cpu":
-        print(cpu_warnings.CPU_NOTE, file=sys.stderr)
+        run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
+        routed = cpu_warnings.worker_runtime_env(run_dir)
+        print(cpu_warnings.CPU_NOTE.format(log=cpu_warnings.route_driver(run_dir)), file=sys.stderr)
     # Ray starts workers at niceness +15 by default; here the workers are the trainer's ranks and
     # engines, so on a shared machine the run would crawl behind any other job. They keep the
     # driver's priority instead (the raylet reads this when it starts).
@@ -85,12 +88,15 @@ def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
     # Its processes are started with SIGTERM/SIGINT blocked: a signal to the whole process group
     # (Slurm) must reach only the driver, which stops them after the checkpoint.
     with blocked_signals():
-        _init_local_ray(num_cpus, device)
+        _init_local_ray(num_cpus, device, routed)
 
 
-def _init_local_ray(num_cpus: int, device: str) -> None:
+def _init_local_ray(num_cpus: int, device: str, routed: dict | None = None) -> None:
+    """``routed``: ``cpu_warnings.worker_runtime_env``, the workers' known library warnings to the
+    run's log."""
     import ray
 
+    routed = routed or {}
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -98,11 +104,12 @@ def _init_local_ray(num_cpus: int, device: str) -> None:
         log_to_driver=True,
         object_store_memory=(1 << 30) if device == "cpu" else None,
         runtime_env={
+            **routed,
             "env_vars": {
                 "TOKENIZERS_PARALLELISM": "false",
                 "OMP_NUM_THREADS": "1",
-                **(cpu_warnings.worker_env() if device == "cpu" else {}),
-            }
+                **routed.get("env_vars", {}),
+            },
         },
     )
 
