@@ -168,11 +168,19 @@ class Float64Policy:
         self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float64)
         self.params = dict(self.model.named_parameters())
 
-    def logprobs(self, prompt: list[int], response: list[int]):
+    def logprobs(self, samples: list[tuple[list[int], list[int]]]) -> list:
+        """Each (prompt, response)'s response log-probs, from one forward of the right-padded
+        batch: under causal attention no token sees the padding after it."""
         import torch
 
-        logits = self.model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+        ids = torch.zeros(len(samples), max(len(p) + len(r) for p, r in samples), dtype=torch.long)
+        for row, (prompt, response) in enumerate(samples):
+            ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        logp = torch.log_softmax(self.model(ids).logits, -1)
+        return [
+            logp[row, len(p) - 1 : len(p) - 1 + len(r)].gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+            for row, (p, r) in enumerate(samples)
+        ]
 
     def grad_norm(self) -> float:
         return math.sqrt(sum(float(p.grad.square().sum()) for p in self.params.values()))

@@ -98,18 +98,20 @@ def _two_updates_by_hand(hf_dir, rows: list[dict], adv: list[float], loss: str) 
         """The token-mean loss (its gradient left in .grad) and the other loss's value, against
         ``old`` as pi_old (the current policy when None)."""
         n = sum(len(samples[i][1]) for i in indices)
-        lps = {i: policy.logprobs(*samples[i]) for i in indices}
+        lps = dict(zip(indices, policy.logprobs([samples[i] for i in indices])))
         olds = {i: lps[i].detach() if old is None else old[i] for i in indices}
         value = sum(terms(lps[i], olds[i], adv[i], loss).sum() for i in indices) / n
         value.backward()
         other = "gpg" if loss == "cispo" else "cispo"
         other_value = sum(float(terms(lps[i].detach(), olds[i], adv[i], other).sum()) for i in indices) / n
         log_ratio = torch.cat([lps[i].detach() - olds[i] for i in indices])
-        return dict(loss=float(value), other=other_value, norm=policy.grad_norm(), log_ratio=log_ratio)
+        return dict(
+            loss=float(value.detach()), other=other_value, norm=policy.grad_norm(), log_ratio=log_ratio
+        )
 
     first = mini_batch(minis[0], None)
     with torch.no_grad():  # pi_old, recomputed before the first update
-        pi_old = {i: policy.logprobs(*samples[i]) for i in minis[1]}
+        pi_old = dict(zip(minis[1], policy.logprobs([samples[i] for i in minis[1]])))
     policy.first_adamw_step(lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD)
     second = mini_batch(minis[1], pi_old)
     tokens = sum(r["length"] for r in rows)

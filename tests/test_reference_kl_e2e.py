@@ -83,13 +83,13 @@ def _kl_by_hand(hf_dir, run) -> dict:
     adv = outcome_advantages(rows, "grpo")
     first = token_ids(hf_dir, rows)
     tokens = sum(len(response) for _, response in first)
-    (sum(-a * policy.logprobs(*s).sum() for a, s in zip(adv, first)) / tokens).backward()
+    (sum(-a * lp.sum() for a, lp in zip(adv, policy.logprobs(first))) / tokens).backward()
     first_grad_norm = policy.grad_norm()
     second = token_ids(hf_dir, read_rollouts(run, 2))
     with torch.no_grad():
-        ref = [policy.logprobs(*s) for s in second]  # the reference: the initial weights
+        ref = policy.logprobs(second)  # the reference: the initial weights
         policy.first_adamw_step(lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD)
-        old = [policy.logprobs(*s) for s in second]  # pi_old at step 2: the actor after step 1
+        old = policy.logprobs(second)  # pi_old at step 2: the actor after step 1
     d = [o - r for o, r in zip(old, ref)]  # log pi - log pi_ref per token
     k3 = torch.cat([torch.exp(-x) + x - 1 for x in d])
     return dict(
