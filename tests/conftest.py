@@ -184,6 +184,7 @@ LONG_FILES_FIRST = (
     "test_cli_bad_inputs.py",
     "test_sglang_routing_replay.py",
     "test_rewards_served_real_judge.py",
+    "test_eval_reward_real_classifier.py",
 )
 
 

@@ -19,6 +19,7 @@ def test_the_recipes_are_there():
         "dapo_qwen2.5_1.5b_1node.yaml",
         "grpo_baseline.yaml",
         "retool_qwen2.5_32b.yaml",
+        "dapo_judge_qwen2.5_7b.yaml",
     } <= names
 
 
@@ -89,10 +90,9 @@ def test_single_node_recipes_use_one_node():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipes_fit_per_the_planner(path):
-    from megatron_dapo.plan import gpu_for, inputs_from_config, make_plan, resolve_model_shape
+    from megatron_dapo.plan import gpu_for, plan_from_config
 
-    cfg = load_config(path)
-    plan = make_plan(inputs_from_config(cfg), resolve_model_shape(cfg.model.path), gpu_for("h100"))
+    plan = plan_from_config(load_config(path), gpu_for("h100"))
     assert plan.fits, [c for c in plan.checks if not c.ok]
 
 
@@ -158,3 +158,37 @@ def test_retool_recipe_carries_retools_published_settings():
     base = load_config(CONFIGS / "dapo_qwen2.5_32b.yaml")
     assert c.parallel == base.parallel and c.parallel.actor_world_size == 128
     assert r.num_engines * r.tensor_parallel_size == 128
+
+
+def test_judge_recipe_is_the_7b_recipe_judged_by_the_multi_sub_rm():
+    """configs/dapo_judge_qwen2.5_7b.yaml: Su et al. 2025's verifier (Qwen2.5-7B-Instruct-RLVR) with
+    its YES/NO prompt, parsed to the DAPO rule's ±1, on 4 servers of 1 GPU beside the 7B layout."""
+    c = load_config(CONFIGS / "dapo_judge_qwen2.5_7b.yaml")
+    base = load_config(CONFIGS / "dapo_qwen2.5_7b.yaml")
+    m = c.reward.model
+    assert (m.kind, Path(m.path).name, m.url) == ("judge", "Qwen2.5-7B-Instruct-RLVR", None)
+    assert (m.num_servers, m.gpus_per_server, m.parser, m.temperature, m.max_new_tokens) == (
+        4,
+        1,
+        "yes_no",
+        0.0,
+        64,
+    )
+    t = m.prompt_template
+    assert "Solution Process (Final Step Only)" in t and "strictly **'YES'** or **'NO'**" in t
+    # every placeholder once, in the model's order: question, response, reference
+    assert [t.count(x) for x in ("{question}", "{response}", "{ground_truth}")] == [1, 1, 1]
+    assert t.index("{question}") < t.index("{response}") < t.index("{ground_truth}")
+    assert c.reward.combine is None and c.reward.custom_fn is None  # the judge's score alone
+    # the dataset's own prompts, ROLL's judge example's lengths, the 7B recipe's ratio of buffer
+    assert c.data.template == "none" and "multi_subject_rlvr" in c.data.train_files[0]
+    assert (c.data.max_prompt_length, c.data.max_response_length, c.algorithm.overlong_buffer.len) == (
+        2048,
+        4096,
+        1024,
+    )
+    # the 7B recipe's algorithm and layout, unchanged
+    for section in ("optim", "parallel", "actor"):
+        assert c[section] == base[section], section
+    assert (c.trainer.train_batch_size, c.rollout.n, c.rollout.gen_batch_size) == (64, 16, 192)
+    assert c.algorithm.filter_groups == base.algorithm.filter_groups

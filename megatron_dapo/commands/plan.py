@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.plan import Assumptions, gpu_for, inputs_from_config, make_plan, resolve_model_shape
+from megatron_dapo.plan import Assumptions, gpu_for, plan_from_config
 from megatron_dapo.plan.report import render
 
 
@@ -52,6 +52,18 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tool-s-per-call", type=float, default=0.5, help="multi-turn: assumed seconds per tool call (0.5)"
     )
+    p.add_argument(
+        "--score-tok-s-per-gpu",
+        type=float,
+        default=None,
+        help="reward.model: measured prefill tokens/s per reward GPU (default: 2 FLOPs a parameter at --mfu)",
+    )
+    p.add_argument(
+        "--verdict-tokens",
+        type=float,
+        default=8.0,
+        help="reward.model judge: assumed tokens of a verdict (8, at most reward.model.max_new_tokens)",
+    )
     p.add_argument("--overhead-gb", type=float, default=5.0, help="assumed per-GPU runtime overhead, GiB (5)")
     p.set_defaults(func=run)
 
@@ -75,13 +87,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for name in ("tool_calls_per_episode", "tool_s_per_call"):
+    for name in ("tool_calls_per_episode", "tool_s_per_call", "verdict_tokens"):
         value = getattr(args, name)
         if value is not None and value < 0:
             print(f"plan: --{name.replace('_', '-')}={value} must be >= 0", file=sys.stderr)
             return 2
+    if args.score_tok_s_per_gpu is not None and args.score_tok_s_per_gpu <= 0:
+        print(f"plan: --score-tok-s-per-gpu={args.score_tok_s_per_gpu} must be > 0", file=sys.stderr)
+        return 2
     try:
-        shape = resolve_model_shape(cfg.model.path)
         gpu = gpu_for(args.gpu, args.gpu_mem_gb)
         assumptions = Assumptions(
             mean_prompt_len=args.mean_prompt_len,
@@ -93,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
             env_token_frac=args.env_token_frac,
             tool_calls_per_episode=args.tool_calls_per_episode,
             tool_s_per_call=args.tool_s_per_call,
+            score_tok_s_per_gpu=args.score_tok_s_per_gpu,
+            verdict_tokens=args.verdict_tokens,
         )
-        plan = make_plan(inputs_from_config(cfg), shape, gpu, assumptions, args.num_gpus)
+        plan = plan_from_config(cfg, gpu, assumptions, args.num_gpus)
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2

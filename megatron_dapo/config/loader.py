@@ -23,7 +23,15 @@ from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DAPOConfig
 from megatron_dapo.config.validate import validate
 
-__all__ = ["ConfigError", "all_keys", "load_config", "nearest_key", "to_container", "to_yaml"]
+__all__ = [
+    "ConfigError",
+    "all_keys",
+    "load_config",
+    "merge_overrides",
+    "nearest_key",
+    "to_container",
+    "to_yaml",
+]
 
 
 # Keys the schema no longer has, with what to do instead: a run that sets one must not train
@@ -129,11 +137,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
         except OmegaConfBaseException as e:
             raise _friendly(e, source) from None
-    for item in _parse_overrides(list(overrides or [])):
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as e:
-            raise _friendly(e, f"override '{item}'") from None
+    cfg = merge_overrides(cfg, overrides)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(
@@ -142,6 +146,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         )
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def merge_overrides(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
+    """``cfg`` with ``key=value`` overrides merged in, one at a time, so that an unknown key or a
+    wrong type is a ConfigError naming that override. Not validated (``load_config`` validates)."""
+    for item in _parse_overrides(list(overrides or [])):
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise _friendly(e, f"override '{item}'") from None
     return cfg
 
 

@@ -97,9 +97,11 @@ class TimeSplit:
     # deeper queue also absorbs a slow round, which this does not model)
     overlapped: bool = False
     a2a_s: float = 0.0
-    # rollout_s is the longer of the engines' decoding and the tool workers' busy time
+    # rollout_s is the longest of the engines' decoding, the tool workers' busy time and the
+    # reward servers' scoring
     decode_s: float = 0.0
     tool_s: float = 0.0
+    score_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -129,11 +131,14 @@ def time_split(
     reference: bool = False,
     tool_s_per_call: float = 0.0,
     tool_workers: int = 1,
+    score_s: float = 0.0,
 ) -> TimeSplit:
     """Rollout: decode tokens / (per-GPU decode rate * rollout GPUs), prefill and the long tail
     ignored; with tools, the longer of that and the tool calls' seconds / `tool_workers` (the
     engines decode other episodes while one waits for its tools, so the two overlap; an episode's
-    own wait is ignored like the long tail). Train: one forward for the old log-probs, then per epoch forward + backward (3
+    own wait is ignored like the long tail); with a served reward model, also `score_s` (each
+    response is scored as it completes, while others decode: the scores of the last ones, after
+    decoding ends, are ignored like the long tail). Train: one forward for the old log-probs, then per epoch forward + backward (3
     forwards' worth) plus one more forward under full recompute, and with a `reference` model one
     forward of it (its log-probs), at `mfu` of peak. The sync DAPO
     step adds the two up whether the roles share GPUs or not; `overlapped` (one_step_off/async on
@@ -144,4 +149,43 @@ def time_split(
     passes = 1 + (1 if reference else 0) + ppo_epochs * (3 + (1 if recompute else 0))
     flops = tokens.train_tokens * fwd_flops_per_token * passes
     train_s = flops / (actor_gpus * peak_tflops * 1e12 * mfu) + a2a_s
-    return TimeSplit(max(decode_s, tool_s), train_s, flops, overlapped, a2a_s, decode_s, tool_s)
+    return TimeSplit(
+        max(decode_s, tool_s, score_s), train_s, flops, overlapped, a2a_s, decode_s, tool_s, score_s
+    )
+
+
+@dataclass(frozen=True)
+class ScoringLoad:
+    """A served reward model's work in one step: every generated response is one request."""
+
+    requests: int
+    prefill_tokens: float  # prompt + response + a judge's template, per request, summed
+    verdict_tokens: float  # a judge's decoded verdicts, summed (0 for a classifier)
+    prefill_s: float
+    verdict_s: float
+
+    @property
+    def score_s(self) -> float:
+        return self.prefill_s + self.verdict_s
+
+
+def scoring_load(
+    responses: int,
+    request_tokens: float,
+    verdict_tokens: float,
+    reward_gpus: int,
+    prefill_tok_s_per_gpu: float,
+    decode_tok_s_per_gpu: float,
+) -> ScoringLoad:
+    """The reward servers' time for one step: the requests' tokens prefilled at
+    `prefill_tok_s_per_gpu`, the verdicts decoded at `decode_tok_s_per_gpu`, on `reward_gpus`
+    GPUs (servers share the requests evenly)."""
+    prefill = responses * request_tokens
+    verdicts = responses * verdict_tokens
+    return ScoringLoad(
+        responses,
+        prefill,
+        verdicts,
+        prefill / (prefill_tok_s_per_gpu * reward_gpus),
+        verdicts / (decode_tok_s_per_gpu * reward_gpus) if verdicts else 0.0,
+    )
