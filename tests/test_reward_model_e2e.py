@@ -67,6 +67,8 @@ def test_a_judge_killed_mid_step_is_restarted_and_no_sample_is_scored_0(assets, 
             "reward.model.kind": "judge",
             "reward.model.path": str(judge),
             "reward.model.parser": f"{PARSER}:parity",
+            # the tiny judge takes 128 tokens: the response alone is its question
+            "reward.model.prompt_template": "'{response}'",
             "reward.model.max_new_tokens": 4,
             # one request at a time, so the kill lands while the step's other responses wait
             "reward.model.max_in_flight": 1,

@@ -335,8 +335,10 @@ def _drive(
     )
     validate = None
     if inputs.problems:
-        # the pool: engines the run goes on without leave it, and validation with it
-        validate = make_validator(cfg, manager.pool, inputs.scorer, inputs.problems, tokenizer, episodes)
+        # the pool: engines the run goes on without leave it, and validation with it; a held-out
+        # set is judged by the reward model as the rollouts are
+        scorer = inputs.scorer if rewards.model is None else rewards.val_scorer(inputs.scorer)
+        validate = make_validator(cfg, manager.pool, scorer, inputs.problems, tokenizer, episodes)
     trainer = DAPOTrainer(
         cfg,
         run=run,

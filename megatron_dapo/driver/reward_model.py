@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.eval.served import ServedScorer
 from megatron_dapo.rewards.served import BlockingRewardModel, Combiner, settings_from_config
 from megatron_dapo.sglang.reward_servers import RewardServers
 
@@ -35,6 +36,10 @@ class ServedReward:
         if servers is not None:
             servers.watch(model.mark_restarted)
         return cls(model, Combiner(settings.combine), servers)
+
+    def val_scorer(self, rule: Any) -> ServedScorer:
+        """What validation scores with: this model (left open: the run closes it) and ``reward.combine``."""
+        return ServedScorer(lambda: self.model, combine=self.combiner.spec, rule=rule)
 
     def close(self) -> None:
         if self.model is not None:

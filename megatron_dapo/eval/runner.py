@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.eval.metrics import ProblemSamples, aggregate
+from megatron_dapo.eval.served import ServedScorer
 
 
 @dataclass
@@ -77,7 +78,7 @@ def evaluate(
             f"{len(problems)} problems; expected {k} each"
         )
     pairs = [(prob, c) for prob, comps in zip(problems, completions) for c in comps]
-    served = hasattr(scorer, "score_batch")
+    served = isinstance(scorer, ServedScorer)
     if served:
         results = scorer.score_batch(pairs)
     else:
@@ -97,7 +98,7 @@ def evaluate(
     for i, prob in enumerate(problems):
         samples = ProblemSamples(prob.problem_id, unscored=[] if served else None)
         for c, r in zip(completions[i], results[i * k : (i + 1) * k]):
-            unscored = getattr(r, "unscored", None)
+            unscored = r.unscored if served else None
             if unscored is not None:
                 samples.unscored.append(unscored)
             else:

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_dapo.rewards.registry import UnknownDataSourceError, builtin_reward
 from megatron_dapo.rewards.served import Combiner, RewardSample, ScoreOutcome
 
 # Completions per score_many call: the in-flight slots of 16 servers at the default 32 each, and
@@ -111,7 +110,7 @@ class ServedScorer:
         wanted = [
             i
             for i, (s, o) in enumerate(zip(samples, outcomes))
-            if o.scored and self._rule_knows(s.data_source)
+            if o.scored and self.rule.knows(s.data_source)
         ]
         scored = self.rule.score_many(
             [
@@ -122,15 +121,6 @@ class ServedScorer:
         for i, r in zip(wanted, scored):
             results[i] = r
         return results
-
-    def _rule_knows(self, data_source: str) -> bool:
-        if getattr(self.rule, "custom_fn", None):
-            return True
-        try:
-            builtin_reward(data_source)
-        except UnknownDataSourceError:
-            return False
-        return True
 
     def _combine(self, sample: RewardSample, outcome: ScoreOutcome, rule) -> ServedScore:
         if not outcome.scored:

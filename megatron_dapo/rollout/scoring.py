@@ -155,7 +155,11 @@ class GroupScoring:
                 SampleReward(r.score, r.acc, r.pred, r.error, rule_score=float(r.score))
                 for r in self.scorer.score_many(items)
             ]
-        rule = self.scorer.score_many(items) if self.combiner.fn is not None else [None] * len(items)
+        rule: list[Any] = [None] * len(items)
+        if self.combiner.fn is not None:  # the rule's score where it has a reward for the data_source
+            known = [i for i, item in enumerate(items) if self.scorer.knows(item[0])]
+            for i, r in zip(known, self.scorer.score_many([items[i] for i in known])):
+                rule[i] = r
         prompts = [g.prompt for g in unit.groups for _ in range(self.cfg.n)]
         ids = [q.request_id for q in unit.requests]
         samples = [
