@@ -218,6 +218,15 @@ def test_connection_refused_is_unscored_down():
     assert out.unscored == "down" and url in out.detail and out.attempts == 2
 
 
+def test_a_long_outage_stays_unscored_down_however_many_requests_fail():
+    """A step's worth of requests failing against a dead server (the e2e kill saw 1025 in a row):
+    each is unscored down, the back-off stays bounded (it overflowed a float at 2**1024 before)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with judge(url, max_retries=0, max_in_flight=64) as model:
+        outs = model.score_many(samples(1100))
+    assert {o.unscored for o in outs} == {"down"}
+
+
 def test_a_connection_dropped_mid_answer_is_unscored_down(stand_in):
     s = stand_in(default=("drop",))
     with judge(s.url, max_retries=0) as model:

@@ -216,7 +216,9 @@ class ServerPool:
         if server.down_since is None:
             server.down_since = now
         server.down_failures += 1
-        server.retry_at = now + min(_DOWN_RETRY_FIRST_S * 2 ** (server.down_failures - 1), _DOWN_RETRY_MAX_S)
+        # the exponent is capped: a server down for long fails every request of the step quickly
+        backoff = _DOWN_RETRY_FIRST_S * 2.0 ** min(server.down_failures - 1, 30)
+        server.retry_at = now + min(backoff, _DOWN_RETRY_MAX_S)
         server.last_error = error
         return Failure("down", f"{server.url}: {error}", server.url, 0)
 
