@@ -195,12 +195,15 @@ LONG_FILES_FIRST = (
     "test_sglang_real_torchrun.py",
     "test_convert_roundtrip.py",
     "test_sglang_real_server.py",
+    "test_rewards_served_real_classifier.py",
     "test_sglang_driver_cluster.py",
     "test_qwen3_e2e.py",
     "test_reference_kl_e2e.py",
     "test_loss_types_e2e.py",
     "test_cli_bad_inputs.py",
     "test_sglang_routing_replay.py",
+    "test_rewards_served_real_judge.py",
+    "test_eval_reward_real_classifier.py",
 )
 
 

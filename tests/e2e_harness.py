@@ -1,10 +1,12 @@
 """The harness of the end-to-end training tests: the demo config's overrides for a tiny run on the
-warm-started assets (conftest's ``assets``), the `megatron-dapo train` command, and a way to stop
-a run at a chosen step on any machine, however loaded."""
+warm-started assets (conftest's ``assets``), the `megatron-dapo train` command, a way to stop a
+run at a chosen step on any machine, however loaded, and float64 references to check a run's
+metrics against, built from its dumped rollouts and HF transformers."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -96,3 +98,105 @@ def start_and_wait_for_step(args, metrics: Path, step: int) -> subprocess.Popen:
 def release(run: Path) -> None:
     """Let a run held by `start_and_wait_for_step` go on."""
     (run / "release_hold").touch()
+
+
+# ---------------------------------------------------------------- float64 references of a run
+# What a run's metrics are checked against, computed without the trainer: the dumped rollouts
+# (rollout.dump_rollouts) re-tokenised, HF transformers in float64, the advantages, losses and
+# the optimizer's first step written out by hand.
+
+
+def read_rollouts(run_dir: Path, step: int) -> list[dict]:
+    return [
+        json.loads(line) for line in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+    ]
+
+
+def outcome_advantages(rows: list[dict], estimator: str) -> list[float]:
+    """verl's outcome advantages of the dumped responses, from their rewards."""
+    groups: dict[int, list[float]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r["reward"])
+    out = []
+    for r in rows:
+        g = groups[r["group_id"]]
+        mean, n = sum(g) / len(g), len(g)
+        if estimator == "grpo":
+            std = math.sqrt(sum((x - mean) ** 2 for x in g) / (n - 1))
+            out.append((r["reward"] - mean) / (std + 1e-6))
+        elif estimator == "rloo":
+            out.append(n / (n - 1) * (r["reward"] - mean))
+        else:
+            out.append(r["reward"] - mean)
+    if estimator == "reinforce_plus_plus_baseline":  # whitened over the response tokens
+        tokens = [a for a, r in zip(out, rows) for _ in range(r["length"])]
+        m = sum(tokens) / len(tokens)
+        v = sum((x - m) ** 2 for x in tokens) / (len(tokens) - 1)
+        out = [(a - m) / math.sqrt(v + 1e-8) for a in out]
+    return out
+
+
+def token_ids(hf_dir, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) of each dumped sample: the demo's tokenizer has one token per
+    character, the prompt was tokenised without special tokens added (it holds the chat
+    template's), and a response that stopped ends with EOS, which its decoded text leaves out.
+    The tokenizer.json as saved: AutoTokenizer would pick Qwen2's class from config.json, whose
+    pre-tokenizer drops the spaces (megatron_dapo/data/tokenizer.py)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
+    out = []
+    for r in rows:
+        prompt = tok(r["prompt"], add_special_tokens=False)["input_ids"]
+        response = tok(r["response"], add_special_tokens=False)["input_ids"]
+        response += [tok.eos_token_id] if r["finish_reason"] == "stop" else []
+        assert len(response) == r["length"], (
+            f"{r['response']!r} does not re-tokenise to its {r['length']} tokens"
+        )
+        out.append((prompt, response))
+    return out
+
+
+class Float64Policy:
+    """HF transformers' model of an HF checkpoint in float64: response log-probs at temperature 1
+    (with a graph), the gradient norm, and the optimizer's first step."""
+
+    def __init__(self, hf_dir):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float64)
+        self.params = dict(self.model.named_parameters())
+
+    def logprobs(self, samples: list[tuple[list[int], list[int]]]) -> list:
+        """Each (prompt, response)'s response log-probs, from one forward of the right-padded
+        batch: under causal attention no token sees the padding after it."""
+        import torch
+
+        ids = torch.zeros(len(samples), max(len(p) + len(r) for p, r in samples), dtype=torch.long)
+        for row, (prompt, response) in enumerate(samples):
+            ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response)
+        logp = torch.log_softmax(self.model(ids).logits, -1)
+        return [
+            logp[row, len(p) - 1 : len(p) - 1 + len(r)].gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+            for row, (p, r) in enumerate(samples)
+        ]
+
+    def grad_norm(self) -> float:
+        return math.sqrt(sum(float(p.grad.square().sum()) for p in self.params.values()))
+
+    def first_adamw_step(self, *, lr: float, eps: float, weight_decay: float, clip_grad: float) -> None:
+        """megatron's first optimizer step on the gradients in .grad: clipped to ``clip_grad`` by
+        the total norm (``clip_grad_by_total_norm_fp32``), then AdamW with decoupled weight decay
+        on matrices only (megatron decays neither biases nor norms) and, at Adam's first step,
+        ``m_hat = g`` and ``sqrt(v_hat) = |g|``."""
+        import torch
+
+        scale = min(1.0, clip_grad / (self.grad_norm() + 1e-6))
+        with torch.no_grad():
+            for p in self.params.values():
+                g = p.grad * scale
+                if p.dim() > 1:
+                    p.mul_(1 - lr * weight_decay)
+                p.sub_(lr * g / (g.abs() + eps))
+        self.model.zero_grad()

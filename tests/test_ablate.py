@@ -72,6 +72,18 @@ def test_loss_variants_are_full_dapo_with_another_loss_and_valid_configs():
     )
 
 
+def test_loss_variants_aggregate_as_verl_does():
+    # verl's compute_policy_loss_sapo aggregates with "seq-mean-token-mean" whatever
+    # loss_agg_mode says, and its GSPO recipe sets the same; the ladder's own token-mean would
+    # make those rungs a different loss from the one their names point at
+    by_loss = {}
+    for i in range(len(LADDER), len(RUNGS)):
+        cfg = load_config(REPO / "configs/demo.yaml", [f"{k}={v}" for k, v in rung_overrides(i).items()])
+        by_loss.setdefault(cfg.algorithm.policy_loss, cfg.algorithm.loss_agg_mode)
+    assert by_loss["sapo"] == "seq-mean-token-mean"
+    assert by_loss["gspo"] == "seq-mean-token-mean"
+
+
 def _metrics(path: Path, evals: dict[int, float], step_s: float) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -213,3 +213,50 @@ def test_an_unregistered_item_is_refused_naming_the_fix(tmp_path):
 
     with pytest.raises(TypeError, match="register_carried_type"):
         write_carried(tmp_path / "c", [Unknown(1)])
+
+
+def _episode(turns):
+    from megatron_dapo.rollout.types import EpisodeInfo, EpisodeTurn
+
+    return EpisodeInfo([EpisodeTurn(*t) for t in turns], key="v3-g1-s0").as_dict()
+
+
+def test_multi_turn_samples_and_episodes_round_trip(tmp_path):
+    """A multi-turn response's loss mask and turns travel with a carried batch (one_step_off) and
+    with an unfinished episode of the partial tail, beside single-turn rows without them."""
+    episode = _sample(0, 5)
+    episode.loss_mask = [1, 1, 0, 0, 1]
+    episode.episode = _episode(
+        [("assistant", 0, 2, "stop", 1), ("tool", 2, 4, None, 1, 1, 0), ("assistant", 4, 5, "stop")]
+    )
+    batch = RolloutBatch([episode, _sample(1, 3)], {})
+    mid_turn = PartialSample([5, 6, 0, 7], [-0.5, -1.0, 0.0, -2.0], [3, 3, 3, 3], None, 3, None, 1)
+    mid_turn.loss_mask = [1, 1, 0, 1]
+    mid_turn.episode = _episode(
+        [("assistant", 0, 2, "stop", 1), ("tool", 2, 3, None, 1), ("assistant", 3, 4)]
+    )
+    tail, index = carry_to_items([CarriedGroup(_prompt(3), [mid_turn, PartialSample()])])
+    write_carried(tmp_path / "c", [batch, *tail])
+    back = read_carried(tmp_path / "c")
+    assert_same([batch, *tail], back)
+    assert back[0].samples[0].episode["turns"][1]["role"] == "tool" and back[0].samples[1].loss_mask is None
+    (group,) = carry_from_items(back[1:], index)
+    assert group.samples[0].episode == mid_turn.episode and group.samples[0].loss_mask == [1, 1, 0, 1]
+
+
+def test_a_file_written_before_the_multi_turn_fields_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before loss_mask/episode existed hold no such columns: their rows load
+    with the fields' defaults (single-turn)."""
+    import megatron_dapo.driver.run_state as run_state
+
+    original = run_state._flatten
+
+    def without_new_fields(row, prefix=""):
+        return {k: v for k, v in original(row, prefix).items() if k not in ("loss_mask", "episode")}
+
+    monkeypatch.setattr(run_state, "_flatten", without_new_fields)
+    write_carried(tmp_path / "old", [RolloutBatch([_sample(0, 3)], {}), *carry_to_items(_tail())[0]])
+    monkeypatch.undo()
+    back = read_carried(tmp_path / "old")
+    assert back[0].samples[0].loss_mask is None and back[0].samples[0].episode is None
+    assert all(s.loss_mask is None and s.episode is None for s in back[3:])

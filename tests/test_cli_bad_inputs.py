@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from helpers import make_tiny_hf_checkpoint
+from judge_standin import StandIn, refuse
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = str(REPO / "configs/demo.yaml")
@@ -104,7 +105,24 @@ def _inputs(d: Path) -> dict[str, str]:
     out["damaged_megatron"] = str(damaged)
 
     out["closed_url"] = f"http://127.0.0.1:{_closed_port()}"
+
+    # servers on loopback for the forked eval runs (daemon threads, alive as long as this process):
+    # a policy that answers every prompt; a judge that refuses every request (a 4xx), one that
+    # drops every connection (a server that died)
+    def complete(body):
+        return 200, {
+            "choices": [{"index": i, "text": "Answer: 1", "finish_reason": "stop"} for i in range(body["n"])]
+        }
+
+    policy = StandIn({"/v1/completions": complete})
+    refusing = StandIn({"/v1/chat/completions": refuse(400, "The input (9000 tokens) is longer than 8192")})
+    dropping = StandIn({"/v1/chat/completions": lambda body: "drop"})
+    _STAND_INS.extend((policy, refusing, dropping))
+    out["policy"], out["judge_4xx"], out["judge_drop"] = policy.url, refusing.url, dropping.url
     return out
+
+
+_STAND_INS: list = []
 
 
 def _train(x, *overrides, model="good"):
@@ -122,6 +140,25 @@ def _train(x, *overrides, model="good"):
 
 def _eval(x, *args):
     return ["eval", *args]
+
+
+def _eval_judged(x, *reward):
+    """One problem, one sample of a stand-in policy, judged with ``reward`` overrides."""
+    policy = [
+        "--url",
+        x["policy"],
+        "--tokenizer",
+        x["good"],
+        "--data",
+        x["train"],
+        "--limit",
+        "1",
+        "--k",
+        "1",
+    ]
+    policy += ["--pass-k", "1"]
+    prompts = ["--max-tokens", "2", "--template", "none", "--no-chat-template"]
+    return ["eval", *policy, *prompts, *reward]
 
 
 # (id, argv builder, exit status, what the message must name)
@@ -277,6 +314,99 @@ CASES = [
         lambda x: _eval(x, "--hf-dir", "/nonexistent/hf", "--data", x["latin1"]),
         2,
         ["/nonexistent/hf"],
+    ),
+    # sampling and length flags are checked before anything else reads the model, the data or
+    # the URL: a bad number must not surface as some later check's complaint
+    (
+        "eval-k-zero",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--no-chat-template", "--k", "0"),
+        2,
+        ["--k=0", ">= 1"],
+    ),
+    (
+        "eval-k-before-url",
+        lambda x: _eval(x, "--url", x["closed_url"], "--no-chat-template", "--k", "-3"),
+        2,
+        ["--k=-3", ">= 1"],
+    ),
+    (
+        "eval-temperature-negative",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--temperature", "-0.5"),
+        2,
+        ["--temperature=-0.5", ">= 0"],
+    ),
+    (
+        "eval-top-p-zero",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--top-p", "0"),
+        2,
+        ["--top-p=0.0", "(0, 1]"],
+    ),
+    (
+        "eval-top-p-nan",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--top-p", "nan"),
+        2,
+        ["--top-p=nan", "(0, 1]"],
+    ),
+    (
+        "eval-pass-k-zero",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--pass-k", "1", "0"),
+        2,
+        ["--pass-k", "0", ">= 1"],
+    ),
+    (
+        "eval-limit-negative",
+        lambda x: _eval(x, "--hf-dir", x["good"], "--data", x["train"], "--limit", "-1"),
+        2,
+        ["--limit=-1", ">= 1"],
+    ),
+    (
+        "eval-max-prompt-length-zero",
+        lambda x: _eval(x, "--url", x["closed_url"], "--tokenizer", x["good"], "--max-prompt-length", "0"),
+        2,
+        ["--max-prompt-length=0", ">= 1"],
+    ),
+    (
+        "eval-override-not-reward",
+        lambda x: _eval_judged(x, "data.template=none"),
+        2,
+        ["data.template=none", "reward", "--template"],
+    ),
+    (
+        "eval-reward-parser-unknown",
+        lambda x: _eval_judged(
+            x, "reward.model.kind=judge", f"reward.model.url={x['judge_4xx']}", "reward.model.parser=yesno"
+        ),
+        2,
+        ["reward.model.parser", "yes_no"],
+    ),
+    (
+        "eval-reward-url-down",
+        lambda x: _eval_judged(x, "reward.model.kind=judge", f"reward.model.url={x['closed_url']}"),
+        2,
+        ["reward.model.url", "127.0.0.1", "does not answer"],
+    ),
+    (
+        "eval-reward-classifier-not-one",
+        lambda x: _eval_judged(x, "reward.model.kind=classifier", f"reward.model.path={x['good']}"),
+        2,
+        ["reward.model.path", "Qwen2ForCausalLM", "reward.model.kind=judge"],
+    ),
+    (
+        "eval-judge-4xx",
+        lambda x: _eval_judged(x, "reward.model.kind=judge", f"reward.model.url={x['judge_4xx']}"),
+        1,
+        ["HTTP 400", "longer than 8192", "/v1/chat/completions", "problem 0 response 0"],
+    ),
+    (
+        "eval-judge-down-past-grace",
+        lambda x: _eval_judged(
+            x,
+            "reward.model.kind=judge",
+            f"reward.model.url={x['judge_drop']}",
+            "reward.model.down_grace_s=0.2",
+        ),
+        1,
+        ["unreachable", "reward.model.down_grace_s=0.2"],
     ),
     (
         "convert-from-missing-checkpoint",

@@ -128,6 +128,29 @@ def test_yaml_base_chain_and_unknown_yaml_key(tmp_path):
         load_config(tmp_path / "loop.yaml")
 
 
+def test_a_tool_yaml_beside_the_recipe_is_found_from_any_working_directory(tmp_path, monkeypatch):
+    recipes, elsewhere = tmp_path / "recipes", tmp_path / "elsewhere"
+    (recipes / "tools").mkdir(parents=True)
+    (elsewhere / "cwd_tools").mkdir(parents=True)
+    (recipes / "tools" / "t.yaml").write_text("tools: []\n")
+    (elsewhere / "cwd_tools" / "t.yaml").write_text("tools: []\n")
+    mt = "rollout:\n  multi_turn:\n    enable: true\n    tool_config_path: {}\n"
+    (recipes / "base.yaml").write_text("model:\n  path: /m\n" + mt.format("tools/t.yaml"))
+    (recipes / "child.yaml").write_text("base: base.yaml\n")
+    (recipes / "verl_style.yaml").write_text("model:\n  path: /m\n" + mt.format("cwd_tools/t.yaml"))
+    monkeypatch.chdir(elsewhere)
+    beside = str(recipes / "tools" / "t.yaml")
+    # read against the YAML that names it, inherited through base: as it is
+    assert load_config(recipes / "base.yaml").rollout.multi_turn.tool_config_path == beside
+    assert load_config(recipes / "child.yaml").rollout.multi_turn.tool_config_path == beside
+    # not beside the YAML: left as written, for the working directory (verl's repo-relative paths)
+    got = load_config(recipes / "verl_style.yaml").rollout.multi_turn.tool_config_path
+    assert got == "cwd_tools/t.yaml"
+    # an override is a shell path: the working directory's
+    over = ["rollout.multi_turn.tool_config_path=tools/t.yaml"]
+    assert load_config(recipes / "base.yaml", over).rollout.multi_turn.tool_config_path == "tools/t.yaml"
+
+
 def test_verl_knob_names_exist():
     keys = set(all_keys())
     for k in [

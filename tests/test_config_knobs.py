@@ -43,6 +43,9 @@ NOT_CONFIG_COPIES = {
     ("sglang/server.py", "SGLangServerConfig"),
     # the loss's inputs, built from ActorConfig by the actor
     ("actor/train_step.py", "LossSettings"),
+    # rewards/ sits below config/ (it imports neither); built by settings_from_config, and its
+    # defaults are compared with the schema's in test_rewards_served_config.py
+    ("rewards/served/settings.py", "ServedRewardSettings"),
 }
 
 

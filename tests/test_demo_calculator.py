@@ -106,9 +106,10 @@ def test_a_config_names_a_format_by_its_module_or_file(tmp_path):
     user.write_text(
         "from megatron_dapo.agent.calls import register_call_format\n"
         "class Mine:\n"
+        "    name = 'mine_from_file'\n"
         "    def parse(self, text):\n"
         "        return []\n"
-        "register_call_format('mine_from_file', Mine())\n"
+        "register_call_format(Mine())\n"
     )
     assert type(call_format(f"{user}:mine_from_file")).__name__ == "Mine"
     with pytest.raises(ConfigError, match=r"rollout\.multi_turn\.format=.*did not register 'other'"):
@@ -214,10 +215,10 @@ def test_the_teacher_episode_is_the_one_the_episode_loop_builds():
         budget = SamplingParams(max_new_tokens=CALCULATOR_RECIPE.max_response_length)
         requests = [GenerationRequest(str(i), ep.prompt, budget) for i, ep in enumerate(episodes)]
         results = runner.run(ScriptedEngine(episodes), requests, threading.Event())
-    for p, result in zip(train, results):
-        prompt, response, mask = teacher.encode(p, lazy=False)
-        assert (result.output_ids, result.loss_mask) == (response, mask)
-        assert result.episode.end == "stop" and result.episode.prefix_breaks == 0
+        for p, result in zip(train, results):
+            prompt, response, mask = teacher.encode(p, lazy=False)
+            assert (result.output_ids, result.loss_mask) == (response, mask)
+            assert result.episode.end == "stop" and result.episode.prefix_breaks == 0
 
 
 # -- the warm start ------------------------------------------------------------------------------

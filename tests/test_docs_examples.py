@@ -56,3 +56,32 @@ def test_docs_link_to_each_other():
     for doc in (REPO / "docs").glob("*.md"):
         for target in re.findall(r"\]\(([\w./-]+\.md)\)", doc.read_text()):
             assert (doc.parent / target).is_file(), f"{doc.name} links to missing {target}"
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)  # no headings in code
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", text, re.M)
+    }
+
+
+def test_readme_and_docs_links_and_pictures_resolve():
+    """Every relative link and picture in README.md and docs/*.md points at a file that exists,
+    and at a heading of it when it names one; a committed picture stays small."""
+    broken = []
+    for doc in DOCS:
+        text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{doc.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{doc.name}: {target} (no such heading)")
+            elif dest.suffix == ".png":
+                assert dest.stat().st_size < 150_000, f"{dest} is {dest.stat().st_size} bytes"
+    assert not broken, broken

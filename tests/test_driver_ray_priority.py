@@ -20,7 +20,9 @@ import ray
 from omegaconf import OmegaConf
 from megatron_dapo.driver.launch import init_ray, shutdown_local_ray
 
-init_ray(OmegaConf.create({"trainer": {"ray_address": None}}), "cpu", num_cpus=1)
+import tempfile
+trainer = {"ray_address": None, "runs_dir": tempfile.mkdtemp(), "run_name": "r"}
+init_ray(OmegaConf.create({"trainer": trainer}), "cpu", num_cpus=1)
 worker = ray.get(ray.remote(lambda: os.nice(0)).remote())
 daemons = [p.pid for p in psutil.Process().children()]
 terminated = []

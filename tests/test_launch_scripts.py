@@ -22,6 +22,7 @@ def test_the_scripts_are_there():
     names = {p.relative_to(LAUNCH).as_posix() for p in SCRIPTS}
     assert {
         "slurm/dapo_qwen2.5_32b.sbatch",
+        "slurm/retool_qwen2.5_32b.sbatch",
         "slurm/single_node.sbatch",
         "torchrun_multinode.sh",
         "start_sglang_servers.sh",
@@ -92,6 +93,7 @@ esac
 """,
     "megatron-dapo": """
 echo "megatron-dapo $*" >>"$FAKE_LOG"
+if [[ $1 == config && -n ${FAKE_CONFIG_YAML:-} ]]; then cat "$FAKE_CONFIG_YAML"; fi
 if [[ $1 == train && -n ${FAKE_TRAIN_SLEEP:-} ]]; then
   trap 'echo "trainer: checkpoint saved" >>"$FAKE_LOG"; exit 0' TERM
   echo "trainer: ready" >>"$FAKE_LOG"
@@ -163,6 +165,73 @@ def test_readiness_wait_names_the_node_that_did_not_join(tmp_path):
     assert "8/16 GPUs" in r.stderr and "did not join: n2 (10.0.0.2)." in r.stderr
     assert "ray start --address=10.0.0.1:6379" in _log(tmp_path)
     assert "megatron-dapo train" not in _log(tmp_path)
+
+
+def test_retool_template_asks_for_its_recipes_gpus():
+    from megatron_dapo.config import load_config
+
+    h = sbatch_headers(LAUNCH / "slurm" / "retool_qwen2.5_32b.sbatch")
+    cfg = load_config(REPO / "configs" / "retool_qwen2.5_32b.yaml")
+    assert (h["ntasks-per-node"], h["gpus-per-node"]) == ("1", "8")
+    assert int(h["nodes"]) * int(h["gpus-per-node"]) == cfg.parallel.actor_world_size == 128
+    assert (
+        'CONFIG="${CONFIG:-configs/retool_qwen2.5_32b.yaml}"'
+        in (LAUNCH / "slurm" / "retool_qwen2.5_32b.sbatch").read_text()
+    )
+
+
+def _resolved(tmp_path, *overrides: str) -> str:
+    """What `megatron-dapo config` prints for the retool recipe, for the stub to print."""
+    from megatron_dapo.config import load_config, to_yaml
+
+    f = tmp_path / "resolved.yaml"
+    f.write_text(to_yaml(load_config(REPO / "configs" / "retool_qwen2.5_32b.yaml", list(overrides))))
+    return str(f)
+
+
+def _run_retool(tmp_path, **extra) -> subprocess.CompletedProcess:
+    env = _env(tmp_path, FAKE_NODES="n1", FAKE_GPUS="8", FAKE_ALIVE="10.0.0.1", **extra)
+    return subprocess.run(
+        ["bash", str(LAUNCH / "slurm" / "retool_qwen2.5_32b.sbatch"), "trainer.total_steps=3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_retool_job_checks_the_tool_host_then_trains_the_recipe(tmp_path):
+    # the tools run on the head node: its YAML is found there and the cores are counted
+    r = _run_retool(
+        tmp_path,
+        FAKE_CONFIG_YAML=_resolved(tmp_path, "rollout.multi_turn.tool_workers=1"),
+        TOOL_CPU_RESERVE="0",
+    )
+    assert r.returncode == 0, r.stderr
+    tools = str(REPO / "configs" / "tools" / "python_sandbox.yaml")
+    assert "tools run here: rollout.multi_turn.tool_workers=1," in r.stderr and tools in r.stderr
+    assert "WARNING: rollout.multi_turn.tool_workers" not in r.stderr
+    assert (
+        "megatron-dapo train configs/retool_qwen2.5_32b.yaml trainer.ray_address=10.0.0.1:6379 "
+        "trainer.resume=auto trainer.total_steps=3"
+    ) in _log(tmp_path)
+    # more tool workers than the node has cores: a warning naming the setting that fits
+    (tmp_path / "log").unlink()
+    cores = len(os.sched_getaffinity(0))
+    r = _run_retool(tmp_path, FAKE_CONFIG_YAML=_resolved(tmp_path), TOOL_CPU_RESERVE=str(cores))
+    assert r.returncode == 0, r.stderr
+    assert f"WARNING: rollout.multi_turn.tool_workers=96 + {cores} for this node's GPU work" in r.stderr
+    assert "set rollout.multi_turn.tool_workers=1 " in r.stderr
+
+
+def test_retool_job_stops_before_ray_when_the_tool_yaml_is_missing(tmp_path):
+    missing = tmp_path / "no" / "tools.yaml"
+    resolved = _resolved(tmp_path, f"rollout.multi_turn.tool_config_path={missing}")
+    r = _run_retool(tmp_path, FAKE_CONFIG_YAML=resolved)
+    assert r.returncode != 0
+    assert f"rollout.multi_turn.tool_config_path={missing} is not a file on the head node" in r.stderr
+    assert "ray start" not in _log(tmp_path) and "megatron-dapo train" not in _log(tmp_path)
 
 
 def test_sigterm_checkpoints_then_requeues(tmp_path):

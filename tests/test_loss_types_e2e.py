@@ -2,25 +2,44 @@
 TP=2, the HF engine, the weight sync): one step of the cheapest end-to-end run per loss, with
 dynamic sampling on so every group carries a gradient.
 
-The step is one mini-batch, so pi_old is the current policy and every ratio is exactly 1; the
-losses that depend on the ratio only (gspo, sapo) then have a value computable from the dumped
-rewards and lengths alone, which the run's ``actor/pg_loss`` must equal:
+gspo and sapo run one mini-batch, so pi_old is the current policy and every ratio is exactly 1;
+the losses that depend on the ratio only then have a value computable from the dumped rewards and
+lengths alone, which the run's ``actor/pg_loss`` must equal:
 - gspo with seq-mean-token-mean: ``-mean_i A_i`` (its sequence ratio is 1);
 - sapo: ``-sum_i A_i (4 / tau_i) sigmoid(0) len_i / N`` (tau_pos for A > 0, tau_neg otherwise),
-  with an entropy bonus that is reported apart (``actor/entropy_loss``);
-- cispo and gpg weigh ``log pi`` (not known from the dump): their loss is finite and differs
-  from the ratio-1 value ``-sum_i A_i len_i / N``; they run with the rloo and
-  reinforce_plus_plus_baseline advantages.
+  with an entropy bonus that is reported apart (``actor/entropy_loss``).
+
+cispo and gpg weigh ``log pi``, and at ratio 1 CISPO's clipped weight is 1: its loss would be
+GPG's. They run two mini-batches (two groups each, in batch order), so the second update's ratio
+``pi / pi_old`` is not 1. Their step is recomputed here in float64, independently of the trainer:
+the dumped responses re-tokenised (the demo's tokenizer is one token per character), HF
+transformers' log-probs of the initial weights, the advantages by hand (rloo and
+reinforce_plus_plus_baseline), each loss written out, the first mini-batch's gradient by autograd,
+the first AdamW step by hand (grad clipping, decoupled weight decay on matrices only, Adam's first
+step ``lr g / (|g| + eps)`` with ``eps`` far above the gradients so it is well conditioned), then
+the second mini-batch's loss at the moved weights against the first log-probs as pi_old. The run's
+``actor/pg_loss`` (the mean over the two updates), ``actor/grad_norm`` and ``actor/ppo_kl`` must
+equal those; CISPO's clip binds on some tokens, and the other loss's value (CISPO with weight 1 is
+GPG, GPG with a clipped weight is CISPO) is shown to miss.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
-from e2e_harness import DAPO_ON, REPO, read_metrics, train_overrides
+import torch
+from e2e_harness import (
+    DAPO_ON,
+    REPO,
+    Float64Policy,
+    outcome_advantages,
+    read_metrics,
+    read_rollouts,
+    token_ids,
+    train_overrides,
+)
 
 from megatron_dapo.driver.launch import load_for_cli, run_train
 
@@ -32,36 +51,77 @@ CHEAPEST = {
     "logging.plots_at_end": "false",
     "rollout.dump_rollouts": "true",
 }
+# Two updates of two groups each, in batch order. A step large enough that the second update's
+# ratios reach CISPO's upper clip; eps far above the gradients keeps Adam's first step linear in
+# them, so fp32 noise in a near-zero gradient entry is not turned into a step of ~lr.
+LR, EPS, WEIGHT_DECAY, CLIP_GRAD = 1e-2, 1e-2, 0.1, 1.0
+TWO_UPDATES = {
+    "actor.ppo_mini_batch_size": 2,
+    "actor.shuffle": "false",
+    "optim.lr": LR,
+    "optim.adam_eps": EPS,
+    "optim.weight_decay": WEIGHT_DECAY,
+    "optim.clip_grad": CLIP_GRAD,
+    "optim.lr_warmup_steps": 0,
+}
+CLIP_HIGH = 0.28  # the schema's default clip_ratio_high
 RUNS = {
     "gspo": {"algorithm.loss_agg_mode": "seq-mean-token-mean"},
-    "cispo": {"algorithm.clip_ratio_low": "1.0", "algorithm.adv_estimator": "reinforce_plus_plus_baseline"},
+    "cispo": {
+        "algorithm.clip_ratio_low": "1.0",
+        "algorithm.adv_estimator": "reinforce_plus_plus_baseline",
+        **TWO_UPDATES,
+    },
     "sapo": {"algorithm.tau_pos": "0.5", "algorithm.tau_neg": "2.0", "algorithm.entropy_coeff": "0.01"},
-    "gpg": {"algorithm.adv_estimator": "rloo"},
+    "gpg": {"algorithm.adv_estimator": "rloo", **TWO_UPDATES},
 }
+CLIP_LOW = {"cispo": 1.0, "gpg": 0.2}  # gpg's is the default, which only the GPG-as-CISPO slip reads
 
 
-def _advantages(rows: list[dict], estimator: str) -> list[float]:
-    """verl's outcome advantages of the dumped responses, by hand."""
-    groups: dict[int, list[float]] = {}
-    for r in rows:
-        groups.setdefault(r["group_id"], []).append(r["reward"])
-    out = []
-    for r in rows:
-        g = groups[r["group_id"]]
-        mean, n = sum(g) / len(g), len(g)
-        if estimator == "grpo":
-            std = math.sqrt(sum((x - mean) ** 2 for x in g) / (n - 1))
-            out.append((r["reward"] - mean) / (std + 1e-6))
-        elif estimator == "rloo":
-            out.append(n / (n - 1) * (r["reward"] - mean))
-        else:
-            out.append(r["reward"] - mean)
-    if estimator == "reinforce_plus_plus_baseline":  # whitened over the response tokens
-        tokens = [a for a, r in zip(out, rows) for _ in range(r["length"])]
-        m = sum(tokens) / len(tokens)
-        v = sum((x - m) ** 2 for x in tokens) / (len(tokens) - 1)
-        out = [(a - m) / math.sqrt(v + 1e-8) for a in out]
-    return out
+def _two_updates_by_hand(hf_dir, rows: list[dict], adv: list[float], loss: str) -> dict:
+    """The step of a two-mini-batch run of ``loss`` (cispo or gpg) in float64, as the module
+    docstring says: the metrics it reports, the same step's ``pg_loss`` under the other loss, and
+    the second update's largest ratio."""
+    policy = Float64Policy(hf_dir)
+    samples = token_ids(hf_dir, rows)
+    groups = list(dict.fromkeys(r["group_id"] for r in rows))
+    minis = [[i for i, r in enumerate(rows) if r["group_id"] in groups[k : k + 2]] for k in (0, 2)]
+
+    def terms(lp: torch.Tensor, old: torch.Tensor, a: float, kind: str) -> torch.Tensor:
+        if kind == "gpg":  # -A log pi
+            return -a * lp
+        # cispo: -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi
+        weight = torch.exp(lp.detach() - old).clamp(1 - CLIP_LOW[loss], 1 + CLIP_HIGH)
+        return -weight * a * lp
+
+    def mini_batch(indices: list[int], old: dict | None) -> dict:
+        """The token-mean loss (its gradient left in .grad) and the other loss's value, against
+        ``old`` as pi_old (the current policy when None)."""
+        n = sum(len(samples[i][1]) for i in indices)
+        lps = dict(zip(indices, policy.logprobs([samples[i] for i in indices])))
+        olds = {i: lps[i].detach() if old is None else old[i] for i in indices}
+        value = sum(terms(lps[i], olds[i], adv[i], loss).sum() for i in indices) / n
+        value.backward()
+        other = "gpg" if loss == "cispo" else "cispo"
+        other_value = sum(float(terms(lps[i].detach(), olds[i], adv[i], other).sum()) for i in indices) / n
+        log_ratio = torch.cat([lps[i].detach() - olds[i] for i in indices])
+        return dict(
+            loss=float(value.detach()), other=other_value, norm=policy.grad_norm(), log_ratio=log_ratio
+        )
+
+    first = mini_batch(minis[0], None)
+    with torch.no_grad():  # pi_old, recomputed before the first update
+        pi_old = dict(zip(minis[1], policy.logprobs([samples[i] for i in minis[1]])))
+    policy.first_adamw_step(lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD)
+    second = mini_batch(minis[1], pi_old)
+    tokens = sum(r["length"] for r in rows)
+    return dict(
+        pg_loss=(first["loss"] + second["loss"]) / 2,
+        other_pg_loss=(first["other"] + second["other"]) / 2,
+        grad_norm=(first["norm"] + second["norm"]) / 2,
+        ppo_kl=float(-second["log_ratio"].sum()) / tokens,  # token-weighted over both updates
+        max_ratio=float(second["log_ratio"].exp().max()),
+    )
 
 
 @pytest.mark.parametrize("loss", RUNS)
@@ -70,17 +130,18 @@ def test_each_policy_loss_trains_end_to_end(assets, tmp_path, loss):
     cfg = load_for_cli(str(REPO / "configs/demo.yaml"), train_overrides(assets, tmp_path, loss, 1, **over))
     run = Path(run_train(cfg)["run_dir"])
     (record,) = read_metrics(run)
-    assert record["step"] == 1 and record["actor/num_updates"] == 1
+    two_updates = loss in ("cispo", "gpg")
+    assert record["step"] == 1 and record["actor/num_updates"] == (2 if two_updates else 1)
     pg = record["actor/pg_loss"]
     assert math.isfinite(pg) and 0 < record["actor/grad_norm"] < math.inf
-    assert record["actor/ppo_kl"] == 0.0  # one mini-batch: every ratio is 1
+    if not two_updates:
+        assert record["actor/ppo_kl"] == 0.0  # one mini-batch: every ratio is 1
 
-    rows = [json.loads(line) for line in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    rows = read_rollouts(run, 1)
     lengths = [r["length"] for r in rows]
     tokens = sum(lengths)
     assert record["actor/tokens"] == tokens
-    adv = _advantages(rows, RUNS[loss].get("algorithm.adv_estimator", "grpo"))
-    ratio_one = -sum(a * n for a, n in zip(adv, lengths)) / tokens
+    adv = outcome_advantages(rows, RUNS[loss].get("algorithm.adv_estimator", "grpo"))
     if loss == "gspo":
         assert pg == pytest.approx(-sum(adv) / len(adv), abs=1e-5)
     elif loss == "sapo":
@@ -91,4 +152,13 @@ def test_each_policy_loss_trains_end_to_end(assets, tmp_path, loss):
         assert record["actor/entropy"] > 0
     else:
         assert "actor/entropy_loss" not in record
-        assert abs(pg - ratio_one) > 1e-3
+        want = _two_updates_by_hand(assets.hf_dir, rows, adv, loss)
+        # The run lands within ~1e-7 of the reference (pg_loss, absolute: a small difference of
+        # opposite-signed terms), within ~1e-6 (grad_norm) and ~1e-5 (ppo_kl) relative.
+        tol = 2e-6
+        assert abs(want["other_pg_loss"] - want["pg_loss"]) > 100 * tol, "the other loss is not told apart"
+        if loss == "cispo":
+            assert want["max_ratio"] > 1 + CLIP_HIGH, "the clip must bind on some token of the second update"
+        assert pg == pytest.approx(want["pg_loss"], abs=tol), f"{loss}: pg_loss {pg}, by hand {want}"
+        assert record["actor/grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert record["actor/ppo_kl"] == pytest.approx(want["ppo_kl"], rel=1e-4)

@@ -12,11 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.cli import main
 from megatron_dapo.config import load_config
-from megatron_dapo.plan import count_params, gpu_for, inputs_from_config, make_plan, resolve_model_shape
+from megatron_dapo.plan import (
+    Assumptions,
+    count_params,
+    gpu_for,
+    inputs_from_config,
+    make_plan,
+    resolve_model_shape,
+)
 
 GIB = 1024**3
 RECIPE = str(Path(__file__).resolve().parents[1] / "configs" / "dapo_qwen2.5_32b.yaml")
+RETOOL = str(Path(__file__).resolve().parents[1] / "configs" / "retool_qwen2.5_32b.yaml")
 
 # config.json of Qwen/Qwen2.5-{32B,7B,1.5B} on the Hugging Face hub (the fields that size the model).
 HF_CONFIGS = {
@@ -182,3 +191,69 @@ def test_the_32b_recipes_memory_peak_by_hand():
     assert round(rollout / GIB, 1) == 74.3
     check = next(c for c in plan.checks if c.role == "colocated")
     assert check.ok and f"= {rollout / GIB:.1f} GiB" in check.what, check.what
+
+
+def _retool_plan(*overrides, a=None):
+    cfg = load_config(RETOOL, list(overrides))
+    return make_plan(inputs_from_config(cfg), resolve_model_shape(cfg.model.path), gpu_for("h100", None), a)
+
+
+def test_multi_turn_decodes_the_sampled_tokens_and_trains_on_all_by_hand():
+    """configs/retool_qwen2.5_32b.yaml on 128 x H100, and the same config single-turn: the engines
+    decode only the model's share (1 - f) of each response, the environment's share f is prefilled;
+    the actor trains on every token either way. The tools' time overlaps the decoding."""
+    f = 0.15  # the stated multi-turn default
+    multi, single = _retool_plan(), _retool_plan("rollout.multi_turn.enable=false")
+    # Dynamic sampling: 512 / (1536 prompts x keep rate 0.5) -> one round of 1536 prompts x 16;
+    # mean response 0.25 x 16384 = 4096 tokens, mean prompt 200.
+    responses = 1536 * 16
+    response_tokens = responses * 4096
+    # Decode rate: 40k tok/s per H100 / 32.76 B parameters, over the 128 GPUs the engines share.
+    rate = 40_000 / (32_763_876_352 / 1e9) * 128
+    assert single.times.decode_s == pytest.approx(response_tokens / rate, rel=1e-12)
+    assert multi.times.decode_s == pytest.approx((1 - f) * response_tokens / rate, rel=1e-12)
+    assert multi.times.decode_s == pytest.approx((1 - f) * single.times.decode_s, rel=1e-12)
+    assert multi.tokens.env_tokens == pytest.approx(f * response_tokens) and not single.tokens.env_tokens
+    # trained: 512 x 16 sequences of 200 + 4096 tokens, environment tokens included
+    assert multi.tokens.train_tokens == single.tokens.train_tokens == 512 * 16 * (200 + 4096)
+    assert multi.times.train_flops == single.times.train_flops
+    assert multi.times.train_s == single.times.train_s
+    # tools: 4 calls per episode x 0.5 s, over the recipe's 96 tool workers: 8.5 min, shorter
+    # than the decoding (9.1 min), so the rollout takes the decoding's time
+    tool_s = responses * 4 * 0.5 / 96
+    assert multi.times.tool_s == pytest.approx(tool_s) and tool_s < multi.times.decode_s
+    assert multi.times.rollout_s == multi.times.decode_s
+    # a third of the workers: the tools take longer than the decoding and set the rollout's time
+    few = _retool_plan("rollout.multi_turn.tool_workers=32")
+    assert few.times.rollout_s == pytest.approx(responses * 4 * 0.5 / 32)
+    assert few.times.rollout_s > few.times.decode_s
+    # the stated assumptions move it: f = 0.3, 2 calls of 1 s each
+    a = Assumptions(env_token_frac=0.3, tool_calls_per_episode=2, tool_s_per_call=1.0)
+    other = _retool_plan(a=a)
+    assert other.times.decode_s == pytest.approx(0.7 * response_tokens / rate, rel=1e-12)
+    assert other.times.tool_s == pytest.approx(responses * 2 * 1.0 / 96)
+    # single-turn configs have no environment: asking for one is an error naming the key to set
+    with pytest.raises(ValueError, match="rollout.multi_turn.enable=true"):
+        _retool_plan("rollout.multi_turn.enable=false", a=Assumptions(env_token_frac=0.2))
+
+
+def test_the_multi_turn_assumptions_are_printed_and_have_flags(capsys):
+    assert main(["plan", RETOOL]) == 0
+    out = capsys.readouterr().out
+    # 24,576 x 4096 x 0.85 = 85.6 M decoded, x 0.15 = 15.1 M prefilled
+    assert "85.6 M decode tokens + 15.1 M environment tokens (prefilled)" in out
+    assert "98,304 calls x 0.5 s / 96 tool workers = 8.5 min" in out
+    for row in ("environment tokens", "0.15 of each response", "4 per episode", "0.5 s per call"):
+        assert row in out, row
+    args = ["--env-token-frac", "0.3", "--tool-calls-per-episode", "2", "--tool-s-per-call", "1"]
+    assert main(["plan", RETOOL, *args]) == 0
+    out = capsys.readouterr().out
+    assert "70.5 M decode tokens + 30.2 M environment tokens" in out and "0.3 of each response" in out
+    assert "49,152 calls x 1 s / 96 tool workers" in out
+    assert main(["plan", RETOOL, "--env-token-frac", "1"]) == 2
+    assert "--env-token-frac=1.0 must be in [0, 1)" in capsys.readouterr().err
+    # the single-turn recipe prints none of it, and refuses the flags
+    assert main(["plan", RECIPE]) == 0
+    assert "environment" not in capsys.readouterr().out
+    assert main(["plan", RECIPE, "--env-token-frac", "0.2"]) == 2
+    assert "rollout.multi_turn.enable=true" in capsys.readouterr().err

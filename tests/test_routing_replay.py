@@ -8,6 +8,8 @@ weights differ from the engine's in the routers, so the two route some tokens di
   equal an HF forward of the trainer's weights forced to those experts (a reference written here);
   with replay off the routers choose otherwise on some tokens and the log-probs are the unforced
   HF ones.
+- Packed micro-batches give the right-padded ones' log-probs, metrics and updated weights within
+  1e-6, the tolerance of the other layout tests.
 - Replaying the trainer's own choice gives bitwise the no-replay log-probs.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_hf_model, tiny_hf_config
+from helpers import hf_state, random_hf_model, tiny_hf_config
 
 from megatron_dapo.actor.spawn import run_ranks
 
@@ -160,7 +162,7 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
     batch = make_actor_batch(
         prompts,
         responses,
-        advantages=[1.0, -1.0] * (n // 2),
+        advantages=[1.0, -0.5] * (n // 2),  # not summing to 0: a loss of 0 would match anything
         group_index=list(range(n)),
         routed_experts=experts,
     )
@@ -175,7 +177,11 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
             routing_replay=mode,
             pack_sequences=pack,
         )
-        actor = build_actor(trainer_dir, cfg, OptimizerSettings(lr=1e-3, lr_warmup_steps=0), total_updates=1)
+        # adam_eps far above the gradients makes Adam's first step ~ lr * g / eps (as in
+        # tests/layout_harness.py): with a tiny eps it is ~ lr * sign(g), and a gradient entry near
+        # zero would turn fp32 summation-order noise between layouts into weight differences of ~lr.
+        optim = OptimizerSettings(lr=1e-3, lr_warmup_steps=0, adam_eps=1e-2)
+        actor = build_actor(trainer_dir, cfg, optim, total_updates=1)
         tokens_seen, maps = [], []
 
         def see_tokens(_m, args, kwargs):
@@ -210,7 +216,8 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
     for tp, pp, ep, mode in layouts:
         if mode == "padded":
             actor, _, _ = actor_for(ep, "rollout", tp, pp, pack=False)
-            out["ep2-padded"] = dict(logprobs=actor.compute_logprobs(batch), metrics=actor.update(batch))
+            lp, metrics = actor.compute_logprobs(batch), actor.update(batch)
+            out["ep2-padded"] = dict(logprobs=lp, metrics=metrics, state=hf_state(actor))
             continue
         actor, tokens_seen, maps = actor_for(ep, mode, tp, pp)
         lp = actor.compute_logprobs(batch)
@@ -237,6 +244,8 @@ def _rank_run(rank, world, trainer_dir, prompts, responses, experts):
             del tokens_seen[:], maps[:]
             out[(ep, mode)]["metrics"] = actor.update(batch)
             out[(ep, mode)]["train_chosen"] = _chosen_experts(maps, tokens_seen, samples)
+            if ep == 2:  # against the right-padded run ("ep2-padded")
+                out[(ep, mode)]["state"] = hf_state(actor)
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     # megatron's class-level list of replay instances holds the last model's routers only, not
@@ -323,17 +332,33 @@ def test_routing_mismatch_metric_counts_response_routings_the_trainer_would_chan
             assert r[key]["metrics"]["routing_mismatch"] == pytest.approx(differ / total, abs=1e-12), key
 
 
-def test_packed_replay_equals_padded(ranks):
+def test_packed_replay_equals_padded(models, ranks):
     """EP=2 with replay: packed micro-batches (each sample's recorded experts at its positions of
-    the packed row) give the padded micro-batches' log-probs, loss and routing mismatch."""
+    the packed row) give the padded micro-batches' log-probs, loss, grad norm, routing mismatch
+    and updated weights, within the 1e-6 of the other layout tests (tests/test_actor_layouts.py)."""
+    from helpers import hf_state_dict
+
+    initial = hf_state_dict(models[1])
     for r in ranks:
         packed, padded = r[(2, "rollout")], r["ep2-padded"]
-        assert (packed["logprobs"] - padded["logprobs"]).abs().max() <= 1e-5
+        lp_diff = float((packed["logprobs"] - padded["logprobs"]).abs().max())
+        assert lp_diff <= 1e-6 * float(padded["logprobs"].abs().max()), lp_diff
         got, ref = packed["metrics"], padded["metrics"]
+        assert got["num_updates"] == ref["num_updates"] == 1
         assert got["routing_mismatch"] == pytest.approx(ref["routing_mismatch"], abs=1e-12)
-        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert ref["loss"] != 0 and got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
         assert got["padding_fraction"] < ref["padding_fraction"]
+        assert packed["state"].keys() == padded["state"].keys() == initial.keys()
+        for name, w in padded["state"].items():
+            diff, scale = float((packed["state"][name] - w).abs().max()), float(w.abs().max())
+            assert diff <= 1e-6 * scale, (
+                f"{name}: packed and padded weights differ by {diff} (max |w| {scale})"
+            )
+            # each tensor moved well past that bound (experts no token reached: weight decay
+            # alone, 1e-4 of |w|), or two untouched copies would pass
+            moved = float((w - initial[name]).abs().max())
+            assert moved > 1e-5 * scale, f"{name} moved only {moved} in the update"
 
 
 def test_megatron_keeps_no_replay_instances_of_models_built_before(ranks):

@@ -147,6 +147,91 @@ def test_packed_samples_take_one_padded_call_only_when_it_is_cheaper():
     )
 
 
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the packed path's kernel choice (torch's varlen flash
+    kernel only for CUDA fp16/bf16) runs here without a GPU; the kernel itself is a stand-in."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _packed_with_fixed_scale_varlen(monkeypatch, softmax_scale, head_dim=24, lengths=(3, 5, 2)):
+    """SDPAttention's packed forward (bf16, GQA) where torch's varlen kernel has no ``scale``
+    argument (torch 2.10: always 1/sqrt(head_dim)); returns (whether that kernel ran, output,
+    per-sample SDPA at ``softmax_scale``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dapo.actor import sdpa_attention
+
+    class _OneRank:
+        def size(self):
+            return 1
+
+    calls = []
+
+    def varlen(q, k, v, *args, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(sdpa_attention, "_varlen_attn", lambda: (varlen, {"is_causal": True}, False, False))
+    heads, groups = 4, 2
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        attention_dropout=0.0,
+    )
+    module = sdpa_attention.SDPAttention(
+        config,
+        1,
+        AttnMaskType.causal,
+        "self",
+        softmax_scale=softmax_scale,
+        pg_collection=sdpa_attention.ProcessGroupCollection(tp=_OneRank()),
+    )
+    gen = torch.Generator().manual_seed(0)
+    t = sum(lengths)
+    q, k, v = (
+        torch.randn(t, n, head_dim, generator=gen).to(torch.bfloat16).as_subclass(_OnCuda)
+        for n in (heads, groups, groups)
+    )
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths))
+    out = module(q, k, v, None, packed_seq_params=params).as_subclass(torch.Tensor)
+    ref = []
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qs, ks, vs = (x.as_subclass(torch.Tensor)[lo:hi].float().transpose(0, 1) for x in (q, k, v))
+        ks, vs = (x.repeat_interleave(heads // groups, 0) for x in (ks, vs))
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale)
+        ref.append(o.transpose(0, 1).reshape(hi - lo, heads * head_dim))
+    return bool(calls), out.float(), torch.cat(ref)
+
+
+@pytest.mark.parametrize("head_dim", [24, 80, 128])
+def test_packed_varlen_takes_the_default_scale_up_to_float_rounding(monkeypatch, head_dim):
+    import math
+
+    # 1/sqrt(head_dim) computed in float32, as a config or checkpoint may carry it: not equal to
+    # head_dim ** -0.5 in double for these head dims, the same scale for any kernel
+    scale = float(torch.tensor(1 / math.sqrt(head_dim), dtype=torch.float32))
+    assert scale != head_dim**-0.5
+    used_varlen, _, _ = _packed_with_fixed_scale_varlen(monkeypatch, scale, head_dim=head_dim)
+    assert used_varlen
+
+
+def test_packed_varlen_is_passed_over_for_another_scale(monkeypatch):
+    # a different scale (here twice the default) cannot go to a kernel fixed at 1/sqrt(head_dim):
+    # the per-sample SDPA path computes it with that scale
+    used_varlen, out, ref = _packed_with_fixed_scale_varlen(monkeypatch, 2 * 24**-0.5)
+    assert not used_varlen
+    assert (out - ref).abs().max() <= 2e-2, float((out - ref).abs().max())
+
+
 @pytest.mark.parametrize("case", ["causal", "mask", "packed", "packed-ragged"])
 def test_module_equals_megatron_dot_product_attention(results, case):
     (out, grads), (ref_out, ref_grads) = results[0]["module"][case]

@@ -6,8 +6,8 @@ passed in by wrapping it), 8 held-out problems: the command exits 0, its run use
 both steps (a broken weight sync shows at step 2: the training moved the weights, checked on the
 exported ones). `--task calculator`: two steps of multi-turn tool episodes on the server, on the
 calculator demo's warm start (conftest's ``calculator_assets``). Accuracy is not checked here: the
-full demo's bar is measured separately (README). Without `make setup-sglang` it skips, and fails
-in CI (tests/conftest.py).
+full demo's bar is measured separately (docs/results.md). Without `make setup-sglang` it skips,
+and fails in CI (tests/conftest.py).
 """
 
 from __future__ import annotations

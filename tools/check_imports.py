@@ -39,7 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     "ports": set(),
     "http_errors": set(),
     "algo": set(),
-    "rewards": {"errors"},
+    # http_errors: the reward-model clients' 4xx lines carry the server's own reason
+    "rewards": {"errors", "http_errors"},
     "data": {"errors"},
     "eval": {"rewards", "data", "errors", "http_errors"},
     # the schema and its checks; algo for the rollout-correction settings, actor.gpu_settings'
@@ -54,7 +55,8 @@ ALLOWED: dict[str, set[str]] = {
     # tool-call parsers, tools in processes of their own
     "agent": {"config", "data", "errors", "rollout"},
     # SGLang servers (launch, placement, health) and their HTTP client, an engine of rollout's protocol
-    "sglang": {"config", "errors", "http_errors", "ports", "rollout"},
+    # (rewards: the served reward model's servers, sglang/reward_servers.py)
+    "sglang": {"config", "errors", "http_errors", "ports", "rewards", "rollout"},
     # the weight transports: HF-named buckets to HF engines, SGLang servers or a checkpoint on disk
     "sync": {"config", "errors", "ports", "rollout", "sglang", "weights"},
     # offline conversion: builds the model on ranks it launches

@@ -136,6 +136,46 @@ on_sigterm() {
   kill -TERM "$TRAIN_PID" 2>/dev/null || true
 }
 
+# multi_turn_key RESOLVED_YAML KEY : rollout.multi_turn.KEY of `megatron-dapo config`'s output
+# (quotes removed), empty when the output has none.
+multi_turn_key() {
+  local value
+  value="$(awk -v key="$2:" '
+    /^  multi_turn:$/ { on = 1; next }
+    on && /^    [a-z_]+:/ { if ($1 == key) { sub(/^    [a-z_]+: */, ""); print; exit } next }
+    on { exit }' <<<"$1")"
+  value="${value#[\"\']}"
+  echo "${value%[\"\']}"
+}
+
+# check_tool_host RESOLVED_YAML : with rollout.multi_turn on, the tools run in processes of the
+# trainer, i.e. on this (the head) node, not on the Ray workers: their YAML must be readable here,
+# and the node needs a core for each of rollout.multi_turn.tool_workers besides its own work (a
+# trainer rank and an SGLang scheduler per GPU, the driver, Ray's head: TOOL_CPU_RESERVE). Short of
+# cores the run still works, but CPU-bound tool code then meets its time-out sooner.
+check_tool_host() {
+  [[ "$(multi_turn_key "$1" enable)" == true ]] || return 0
+  local tools workers cores reserve
+  tools="$(multi_turn_key "$1" tool_config_path)"
+  workers="$(multi_turn_key "$1" tool_workers)"
+  [[ -f "$tools" ]] || die "rollout.multi_turn.tool_config_path=$tools is not a file on the head node," \
+    "where the tools run (a relative path in a YAML: beside that YAML, else relative to $PWD)"
+  cores="$(nproc)"
+  reserve="${TOOL_CPU_RESERVE:-$(( 2 * GPUS_PER_NODE + 8 ))}"
+  log "tools run here: rollout.multi_turn.tool_workers=$workers, $cores cores ($reserve counted for the" \
+    "node's GPU work), tool YAML $tools"
+  if [[ "$workers" =~ ^[0-9]+$ ]] && (( cores < workers + reserve )); then
+    local fit=$(( cores > reserve ? cores - reserve : 1 ))
+    log "WARNING: rollout.multi_turn.tool_workers=$workers + $reserve for this node's GPU work > its $cores" \
+      "cores: tool calls will share cores and time out sooner; set rollout.multi_turn.tool_workers=$fit" \
+      "or give the batch step more CPUs"
+  fi
+  if ! { unshare -rn true || unshare -n true; } >/dev/null 2>&1; then
+    log "WARNING: no network namespace here (unshare): the python tool's code is kept off the network" \
+      "by its interpreter's audit hook only"
+  fi
+}
+
 # launch_ray_job [key=value ...] : the whole job: Ray over all nodes, then the trainer on the head
 # (this batch step's node) with the overrides, requeue on SIGTERM.
 launch_ray_job() {
@@ -144,7 +184,9 @@ launch_ray_job() {
   mapfile -t NODES < <(job_nodes)
   (( ${#NODES[@]} >= 1 )) || die "no nodes in SLURM_JOB_NODELIST"
   log "job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}) on ${#NODES[@]} node(s): ${NODES[*]}"
-  megatron-dapo config "$CONFIG" "$@" >/dev/null || die "config $CONFIG does not validate (see above)"
+  local resolved
+  resolved="$(megatron-dapo config "$CONFIG" "$@")" || die "config $CONFIG does not validate (see above)"
+  check_tool_host "$resolved"
 
   start_ray_cluster "${NODES[@]}"
   trap stop_ray_cluster EXIT

@@ -93,6 +93,14 @@ def _one_padded_call(lengths: list[int]) -> bool:
     return len(lengths) * max(lengths) ** 2 + _CALL_COST_TOKENS**2 <= per_sample
 
 
+def _is_default_scale(scale: float, head_dim: int) -> bool:
+    """Whether ``scale`` is 1/sqrt(head_dim), the only scale torch 2.10's varlen kernel takes. A
+    scale that went through float32 (a config, a checkpoint, ``1/math.sqrt`` in float32) is off by
+    up to half a float32 ulp, 6e-8 relative; 1e-6 accepts that and refuses any scale that is
+    meant to differ (layer scaling, a model's own query scalar), which are percents apart."""
+    return math.isclose(scale, head_dim**-0.5, rel_tol=1e-6, abs_tol=0.0)
+
+
 class SDPAttention(MegatronModule):
     """Causal self-attention with ``scaled_dot_product_attention`` (see the module docstring)."""
 
@@ -169,7 +177,11 @@ class SDPAttention(MegatronModule):
         if kv is not None and kv is not cu and not torch.equal(kv, cu):
             raise ValueError("SDPAttention: packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
         varlen = _varlen_attn() if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) else None
-        if varlen is not None and not varlen[3] and self.softmax_scale != query.shape[-1] ** -0.5:
+        if (
+            varlen is not None
+            and not varlen[3]
+            and not _is_default_scale(self.softmax_scale, query.shape[-1])
+        ):
             varlen = None  # its fixed scale is 1/sqrt(head_dim)
         if varlen is not None and (self.dropout_p == 0 or not self.training):
             fn, causal, has_gqa, has_scale = varlen

@@ -62,7 +62,12 @@ LOSS_VARIANTS: list[tuple[str, dict[str, str]]] = [
     ),
     # MiniMax-M1: no lower bound on the clipped weight
     ("DAPO with CISPO loss", {"algorithm.policy_loss": "cispo", "algorithm.clip_ratio_low": "1.0"}),
-    ("DAPO with SAPO loss", {"algorithm.policy_loss": "sapo"}),
+    # verl's SAPO (compute_policy_loss_sapo) aggregates per sequence, seq-mean-token-mean, whatever
+    # loss_agg_mode says; here loss_agg_mode applies, so the rung sets it
+    (
+        "DAPO with SAPO loss",
+        {"algorithm.policy_loss": "sapo", "algorithm.loss_agg_mode": "seq-mean-token-mean"},
+    ),
     ("DAPO with GPG loss", {"algorithm.policy_loss": "gpg"}),
     # the KL to the reference policy as GRPO published it (k3 at 0.001), on top of DAPO
     (

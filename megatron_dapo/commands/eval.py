@@ -6,16 +6,28 @@ AIME protocol: k=32 samples per problem at temperature 1.0, top_p 0.7. `--run RU
 prompts as that run did (data template, chat template, prompt and response lengths, data files
 and reward from its config.yaml); flags given explicitly override it. Every prompt is checked
 against the prompt budget and the model's context before anything is sampled.
+
+A served reward model (`reward.model`, as training uses it: the run's, or `reward.*=...`
+overrides) judges the responses instead of the rule: by `reward.model.url`, or served here from
+`reward.model.path` once sampling is done. A response it could not score is left out of its
+problem's avg@k / pass@k / maj@k, never counted as wrong, and counted in `unscored`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
 from pathlib import Path
 
+from megatron_dapo.commands.eval_reward import (
+    RewardInputError,
+    reward_overrides,
+    reward_section,
+    served_scorer,
+)
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.loading import load_prompt_rows
@@ -108,6 +120,19 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the metrics as JSON here")
     p.add_argument("--dump", help="write every response (text, tokens, score) as JSONL here")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="reward.KEY=VALUE",
+        help="the reward section, as in a run config (over --run's): e.g. reward.model.kind=judge "
+        "reward.model.url=http://host:30000, or reward.model.path=DIR to serve a reward model here",
+    )
+    p.add_argument(
+        "--reward-check-tolerance",
+        type=float,
+        help="a classifier served from reward.model.path must score probe texts as transformers does "
+        "within this (default: 1e-4 for a float32 server on CPU, 4e-2 for a GPU server's bf16/fp16)",
+    )
     p.set_defaults(func=run)
 
 
@@ -115,17 +140,45 @@ class EvalInputError(ValueError):
     """Bad input to `eval`: printed as one line, exit status 2."""
 
 
-def _load_run(run_dir: str):
-    """The run's config (read with the config loader) and the path it was read from."""
+def _load_run(run_dir: str, overrides: list[str]):
+    """The run's config (read with the config loader, ``overrides`` on top) and its path."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise EvalInputError(
             f"--run {run_dir} has no config.yaml; point it at a run directory (runs/NAME) that train wrote"
         )
     try:
-        return load_config(path), path
+        return load_config(path, overrides), path
     except ConfigError as e:
         raise EvalInputError(f"--run {path}: {e}") from e
+
+
+# Each numeric flag: (the valid range in words, the test). Written as `not (test)` below, so NaN,
+# which every comparison rejects, is refused too.
+_RANGES = {
+    "k": (">= 1", lambda v: v >= 1),
+    "temperature": (">= 0 (0: greedy)", lambda v: v >= 0),
+    "top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "max_tokens": (">= 1", lambda v: v >= 1),
+    "max_prompt_length": (">= 1", lambda v: v >= 1),
+    "limit": (">= 1", lambda v: v >= 1),
+    "seed": (">= 0", lambda v: v >= 0),
+}
+
+
+def _check_numbers(args) -> None:
+    """Every numeric flag against its range, before the URL, the run, the data or the model are
+    read: a bad number would otherwise surface as whatever later check it happens to upset."""
+    for dest, (valid, ok) in _RANGES.items():
+        value = getattr(args, dest)
+        if value is not None and not ok(value):
+            flag = "--" + dest.replace("_", "-")
+            raise EvalInputError(f"{flag}={value} must be {valid}")
+    bad = [k for k in args.pass_k if not k >= 1]
+    if bad:
+        raise EvalInputError(
+            f"--pass-k {' '.join(map(str, args.pass_k))}: every k must be >= 1 (got {bad[0]})"
+        )
 
 
 def _settings(args, cfg, cfg_path):
@@ -194,7 +247,13 @@ def _problems(files, settings, tokenizer, layout_cfg, limit):
     problems = dedupe_problems(
         [
             EvalProblem(
-                str(s.index), s.prompt_text, s.prompt_ids, s.data_source, s.ground_truth, s.extra_info
+                str(s.index),
+                s.prompt_text,
+                s.prompt_ids,
+                s.data_source,
+                s.ground_truth,
+                s.extra_info,
+                messages=s.messages,
             )
             for s in ds.samples
         ]
@@ -274,17 +333,20 @@ def _hf_generator(args, tokenizer, max_tokens: int):
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except EvalInputError as e:
+    except (EvalInputError, RewardInputError) as e:
         print(f"eval: {e}", file=sys.stderr)
         return 2
 
 
 def _run(args: argparse.Namespace) -> int:
+    _check_numbers(args)
     cards: list[dict] = []
     if args.url:
         # before the data and tokenizer: a wrong port is the usual mistake
         cards = check_reachable(args.url)
-    cfg, cfg_path = _load_run(args.run) if args.run else (None, None)
+    overrides = reward_overrides(list(args.overrides))
+    cfg, cfg_path = _load_run(args.run, overrides) if args.run else (None, None)
+    reward = reward_section(cfg, overrides)
     settings = _settings(args, cfg, cfg_path)
     run_tokenizer = (cfg.model.tokenizer_path or cfg.model.path) if cfg is not None else None
     tok_path = args.tokenizer or run_tokenizer or args.hf_dir
@@ -329,38 +391,81 @@ def _run(args: argparse.Namespace) -> int:
         check_prompts_fit(problems, settings, context, context_from)
     except PromptTooLong as e:
         raise EvalInputError(str(e)) from e
-    cleanup = []
-    if args.url:
-        generate = make_endpoint_generator(
-            args.url,
-            model=args.model,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            max_tokens=settings.max_response_length,
-            count_text=_token_counter(tokenizer),
-        )
-    else:
-        generate, cleanup = _hf_generator(args, tokenizer, settings.max_response_length)
     if cfg is not None:
         scorer = make_scorer(cfg)  # the run's reward (custom function, boxed fallback)
     else:
         scorer = Scorer()
-    with scorer:
-        try:
-            metrics = evaluate(
-                problems,
-                generate,
-                scorer,
-                k=args.k,
-                pass_ks=tuple(k for k in args.pass_k if k <= args.k),
-                dump_path=args.dump,
-                prefix="",
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(scorer)
+        # the reward model before sampling: every setting it can check is checked now
+        served, reward_model = served_scorer(
+            reward,
+            cfg,
+            scorer,
+            context_tokens=_reward_context(settings, reward),
+            check_tolerance=args.reward_check_tolerance,
+        )
+        if reward_model is not None:
+            stack.enter_context(reward_model)
+        cleanup = []
+        stack.callback(lambda: [fn() for fn in cleanup])
+        if args.url:
+            generate = make_endpoint_generator(
+                args.url,
+                model=args.model,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_tokens=settings.max_response_length,
+                count_text=_token_counter(tokenizer),
             )
-        finally:
-            for fn in cleanup:
-                fn()
+        else:
+            generate, cleanup[:] = _hf_generator(args, tokenizer, settings.max_response_length)
+        metrics = evaluate(
+            problems,
+            _then(generate, cleanup),
+            served or scorer,
+            k=args.k,
+            pass_ks=tuple(k for k in args.pass_k if k <= args.k),
+            dump_path=args.dump,
+            prefix="",
+        )
     text = json.dumps(metrics, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if served is not None and not any(key.startswith("avg@") for key in metrics):
+        print(
+            f"eval: the reward model scored no response ({metrics['unscored']:.0f} unscored: "
+            + ", ".join(f"{key[9:]} {v:.0f}" for key, v in metrics.items() if key.startswith("unscored/"))
+            + "); --dump writes each one's reason",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _then(generate, cleanup: list):
+    """``generate``, after which the policy's server stops: a reward server eval starts next gets
+    the GPUs to itself."""
+
+    def run(problems, k):
+        try:
+            return generate(problems, k)
+        finally:
+            while cleanup:
+                cleanup.pop()()
+
+    return run
+
+
+# Room for the judge's prompt template and either model's chat markup around prompt and response
+# (the built-in template is 317 characters, judge.py DEFAULT_PROMPT_TEMPLATE; a user's may be
+# longer).
+_REWARD_MARKUP_TOKENS = 1024
+
+
+def _reward_context(settings: PromptSettings, reward) -> int:
+    """The longest request the reward model gets: the prompt, the response, the markup and a
+    judge's verdict (a CPU reward server's KV pool holds one)."""
+    verdict = int(reward.model.max_new_tokens) if reward.model.kind == "judge" else 0
+    return settings.max_prompt_length + settings.max_response_length + _REWARD_MARKUP_TOKENS + verdict

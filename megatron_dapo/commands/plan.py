@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.plan import Assumptions, gpu_for, inputs_from_config, make_plan, resolve_model_shape
+from megatron_dapo.plan import Assumptions, gpu_for, plan_from_config
 from megatron_dapo.plan.report import render
 
 
@@ -37,6 +37,33 @@ def register(p: argparse.ArgumentParser) -> None:
         "--decode-tok-s-per-gpu", type=float, default=None, help="measured decode tokens/s per GPU"
     )
     p.add_argument("--mfu", type=float, default=0.30, help="assumed training MFU (0.30)")
+    p.add_argument(
+        "--env-token-frac",
+        type=float,
+        default=None,
+        help="multi-turn: assumed share of a response that is tool answers, prefilled not decoded (0.15)",
+    )
+    p.add_argument(
+        "--tool-calls-per-episode",
+        type=float,
+        default=None,
+        help="multi-turn: assumed tool calls per episode (4, at most max_assistant_turns - 1)",
+    )
+    p.add_argument(
+        "--tool-s-per-call", type=float, default=0.5, help="multi-turn: assumed seconds per tool call (0.5)"
+    )
+    p.add_argument(
+        "--score-tok-s-per-gpu",
+        type=float,
+        default=None,
+        help="reward.model: measured prefill tokens/s per reward GPU (default: 2 FLOPs a parameter at --mfu)",
+    )
+    p.add_argument(
+        "--verdict-tokens",
+        type=float,
+        default=8.0,
+        help="reward.model judge: assumed tokens of a verdict (8, at most reward.model.max_new_tokens)",
+    )
     p.add_argument("--overhead-gb", type=float, default=5.0, help="assumed per-GPU runtime overhead, GiB (5)")
     p.set_defaults(func=run)
 
@@ -54,8 +81,21 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < value <= 1:
             print(f"plan: --{name.replace('_', '-')}={value} must be in (0, 1]", file=sys.stderr)
             return 2
+    if args.env_token_frac is not None and not 0 <= args.env_token_frac < 1:
+        print(
+            f"plan: --env-token-frac={args.env_token_frac} must be in [0, 1) (1 would leave nothing to decode)",
+            file=sys.stderr,
+        )
+        return 2
+    for name in ("tool_calls_per_episode", "tool_s_per_call", "verdict_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            print(f"plan: --{name.replace('_', '-')}={value} must be >= 0", file=sys.stderr)
+            return 2
+    if args.score_tok_s_per_gpu is not None and args.score_tok_s_per_gpu <= 0:
+        print(f"plan: --score-tok-s-per-gpu={args.score_tok_s_per_gpu} must be > 0", file=sys.stderr)
+        return 2
     try:
-        shape = resolve_model_shape(cfg.model.path)
         gpu = gpu_for(args.gpu, args.gpu_mem_gb)
         assumptions = Assumptions(
             mean_prompt_len=args.mean_prompt_len,
@@ -64,8 +104,13 @@ def run(args: argparse.Namespace) -> int:
             decode_tok_s_per_gpu=args.decode_tok_s_per_gpu,
             mfu=args.mfu,
             overhead_gib=args.overhead_gb,
+            env_token_frac=args.env_token_frac,
+            tool_calls_per_episode=args.tool_calls_per_episode,
+            tool_s_per_call=args.tool_s_per_call,
+            score_tok_s_per_gpu=args.score_tok_s_per_gpu,
+            verdict_tokens=args.verdict_tokens,
         )
-        plan = make_plan(inputs_from_config(cfg), shape, gpu, assumptions, args.num_gpus)
+        plan = plan_from_config(cfg, gpu, assumptions, args.num_gpus)
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2

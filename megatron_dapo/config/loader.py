@@ -1,8 +1,11 @@
 """Load a run config: YAML file(s) + `key=value` overrides merged onto the dataclass schema.
 
 A YAML file may name `base: other.yaml` (relative to itself) to inherit from another recipe;
-the chain is merged base first. Unknown keys and wrong types become `ConfigError`s that name the
-key and the nearest valid one, instead of OmegaConf's tracebacks.
+the chain is merged base first. A relative path a YAML gives for a key of `PATHS_FROM_YAML` is read
+against that YAML's directory too when the file is there, so a recipe and the files it names work
+from any working directory; otherwise it stays as written (read against the working directory, as
+verl's paths are and as an override's always is). Unknown keys and wrong types become
+`ConfigError`s that name the key and the nearest valid one, instead of OmegaConf's tracebacks.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DAPOConfig
 from megatron_dapo.config.validate import validate
 
-__all__ = ["ConfigError", "all_keys", "load_config", "nearest_key", "to_container", "to_yaml"]
+__all__ = [
+    "ConfigError",
+    "all_keys",
+    "load_config",
+    "merge_overrides",
+    "nearest_key",
+    "to_container",
+    "to_yaml",
+]
 
 
 # Keys the schema no longer has, with what to do instead: a run that sets one must not train
@@ -32,6 +43,10 @@ REMOVED_KEYS = {
     ),
     "logging.jsonl": "metrics.jsonl is always written (resume and the plots read it); remove the key",
 }
+
+
+# Keys naming a file that a recipe ships beside itself (a tool YAML next to the run YAML).
+PATHS_FROM_YAML = ("rollout.multi_turn.tool_config_path",)
 
 
 def all_keys(cls: type = DAPOConfig, prefix: str = "") -> list[str]:
@@ -86,7 +101,24 @@ def _read_yaml_chain(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[str,
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)
     chain = _read_yaml_chain(path.parent / base, (*seen, path)) if base else []
+    _paths_from_yaml(data, path.parent)
     return [*chain, (str(path), data)]
+
+
+def _paths_from_yaml(data: dict, directory: Path) -> None:
+    """Each relative `PATHS_FROM_YAML` path of a YAML's `data` that names a file in `directory`
+    becomes that file's absolute path; the others are left as written."""
+    for key in PATHS_FROM_YAML:
+        *sections, leaf = key.split(".")
+        node: Any = data
+        for part in sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        value = node.get(leaf) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        beside = directory / value
+        if beside.is_file():
+            node[leaf] = str(beside)
 
 
 def _parse_overrides(overrides: list[str]) -> list[str]:
@@ -105,11 +137,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             cfg = OmegaConf.merge(cfg, OmegaConf.create(data))
         except OmegaConfBaseException as e:
             raise _friendly(e, source) from None
-    for item in _parse_overrides(list(overrides or [])):
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as e:
-            raise _friendly(e, f"override '{item}'") from None
+    cfg = merge_overrides(cfg, overrides)
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(
@@ -118,6 +146,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         )
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def merge_overrides(cfg: DictConfig, overrides: list[str] | None) -> DictConfig:
+    """``cfg`` with ``key=value`` overrides merged in, one at a time, so that an unknown key or a
+    wrong type is a ConfigError naming that override. Not validated (``load_config`` validates)."""
+    for item in _parse_overrides(list(overrides or [])):
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as e:
+            raise _friendly(e, f"override '{item}'") from None
     return cfg
 
 

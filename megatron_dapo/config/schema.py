@@ -130,6 +130,7 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = "middle"
     # Tool YAML: `tools: [{function: path.py:fn | class_name: pkg.Cls, config: {...}, tool_schema:
     # {type: function, function: {name, description, parameters}}}]` (verl's file loads as is).
+    # Relative, in a YAML: the file beside that YAML when there is one, else the working directory.
     tool_config_path: Optional[str] = None
     # How a model turn's tool calls are written: hermes (<tool_call>{json}</tool_call>, Qwen2.5/3)
     # or any name registered with megatron_dapo.agent.calls.register_call_format; MODULE:NAME or
@@ -264,11 +265,55 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A reward from a served model (megatron_dapo/rewards/served/). Off while kind is null.
+
+    A classifier (a *ForSequenceClassification reward model) scores the prompt and response,
+    rendered with its own chat template, through SGLang's /classify; a judge (a chat model) is
+    asked with prompt_template and its verdict read by parser. A sample whose score times out,
+    meets a 5xx, a dead server or an unparseable verdict is unscored, never scored 0."""
+
+    kind: Optional[str] = None  # null (off) | classifier | judge
+    # An HF checkpoint directory the run serves with SGLang, or the URL of a running server
+    # (SGLang; for a judge any OpenAI-compatible /v1/chat/completions). Exactly one of the two.
+    path: Optional[str] = None
+    url: Optional[str] = None
+    # Servers the run starts for `path`, and the GPUs (tensor parallel) of each.
+    num_servers: int = 1
+    gpus_per_server: int = 1
+    # One request's limit, and the retries after it for timeouts, 5xx and dropped connections
+    # (a 4xx is never retried: it stops the run with the server's reason).
+    timeout_s: float = 60.0
+    max_retries: int = 2
+    # Requests in flight per server; more wait their turn.
+    max_in_flight: int = 32
+    # How long a server may stay unreachable before the run stops.
+    down_grace_s: float = 300.0
+    # classifier: "path.py:fn" mapping the model's logit (a list with several labels) to the reward.
+    transform: Optional[str] = None
+    # judge: the question to the judge; {question} (the prompt's last user message), {response}
+    # and {ground_truth} are replaced, other text is kept. null: the built-in template
+    # (rewards/served/judge.py DEFAULT_PROMPT_TEMPLATE, a yes/no question for yes_no).
+    prompt_template: Optional[str] = None
+    # judge: yes_no (the last yes/no -> +1/-1, the DAPO rule's values) | boxed_score (the number
+    # in the last \boxed{}) | "path.py:fn" (verdict text -> float, or None for unparseable).
+    parser: str = "yes_no"
+    # judge: its own sampling, not the policy's (0 = greedy).
+    temperature: float = 0.0
+    max_new_tokens: int = 1024
+
+
+@dataclass
 class RewardConfig:
     # verl-style custom reward "path/to/file.py:function"; default = registry by data_source.
     custom_fn: Optional[str] = None
     timeout_s: float = 10.0
     boxed_fallback: bool = False
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    # "path.py:fn" mixing the rule reward and the model score: fn(data_source, solution_str,
+    # ground_truth, extra_info, rule_score=..., model_score=...) -> float | dict. null: the model
+    # score alone (with reward.model set).
+    combine: Optional[str] = None
 
 
 @dataclass

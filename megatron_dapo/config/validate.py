@@ -13,13 +13,16 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import warnings
 from pathlib import Path
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
 from megatron_dapo.actor.gpu_settings import GpuSettingsError, ddp_overlap
 from megatron_dapo.config.errors import ConfigError
+from megatron_dapo.config.schema import RewardModelConfig
 
 # algo/kl_control.py's clip of the adaptive controller's error (not imported: algo/ imports torch)
 _ADAPTIVE_KL_ERROR_CLIP = 0.2
@@ -58,6 +61,7 @@ CHOICES: dict[str, tuple] = {
     "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.weight_sync.transport": ("auto", "object_store", "nccl", "cuda_ipc", "disk"),
     "logging.wandb_mode": ("offline", "online"),
+    "reward.model.kind": (None, "classifier", "judge"),
 }
 
 POSITIVE_INTS = (
@@ -85,6 +89,10 @@ POSITIVE_INTS = (
     "trainer.keep_last",
     "trainer.weight_sync.bucket_mb",
     "model.make_vocab_size_divisible_by",
+    "reward.model.num_servers",
+    "reward.model.gpus_per_server",
+    "reward.model.max_in_flight",
+    "reward.model.max_new_tokens",
 )
 
 
@@ -140,6 +148,7 @@ def validate(cfg: DictConfig) -> None:
     check_actor(cfg)
     check_model(cfg)
     check_optim(cfg)
+    check_reward(cfg)
     hf = _hf_config(cfg)
     if hf:
         check_model_config(cfg, hf)
@@ -321,6 +330,102 @@ def _check_multi_turn(cfg: DictConfig) -> None:
             "rollout.multi_turn.enable=true needs rollout.multi_turn.tool_config_path (a tool YAML: "
             "tools: [{function: path.py:fn, tool_schema: {...}}]; see docs/agentic.md)"
         )
+
+
+# rewards/served/judge.py's PLACEHOLDERS and built-in parsers (not imported: the rewards package
+# imports httpx, and loading a config stays light)
+_JUDGE_PLACEHOLDERS = ("question", "response", "ground_truth")
+_JUDGE_PARSERS = ("yes_no", "boxed_score")
+# a {name} that is not a LaTeX argument (\boxed{x} is preceded by a letter)
+_PLACEHOLDER = re.compile(r"(?<![\\\w])\{([A-Za-z_]+)\}")
+
+
+def _fn_spec(value: str) -> bool:
+    path, sep, name = str(value).rpartition(":")
+    return bool(sep and path.endswith(".py") and name.isidentifier())
+
+
+def check_reward(cfg: DictConfig) -> None:
+    rw = cfg.reward
+    m = rw.model
+    if m.kind is None:
+        for key in ("path", "url", "transform", "prompt_template"):
+            if m[key] is not None:
+                raise ConfigError(
+                    f"reward.model.{key} is set but reward.model.kind is null (off); set reward.model.kind="
+                    "classifier or judge, or remove it"
+                )
+        if rw.combine is not None:
+            raise ConfigError(
+                "reward.combine mixes the rule reward with a model's score and needs reward.model.kind; for a "
+                "rule-only reward of your own use reward.custom_fn"
+            )
+        return
+    where = f"reward.model.kind={m.kind}"
+    if (m.path is None) == (m.url is None):
+        raise ConfigError(
+            f"{where} needs exactly one of reward.model.path (an HF checkpoint directory the run serves) "
+            f"and reward.model.url (a running server){'' if m.path is None else ', not both'}"
+        )
+    if m.url is not None:
+        parsed = urlparse(str(m.url))
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or not parsed.port:
+            raise ConfigError(f"reward.model.url={m.url!r} is not http(s)://HOST:PORT")
+        if m.num_servers != 1:
+            raise ConfigError(
+                f"reward.model.num_servers={m.num_servers} counts servers the run starts from reward.model.path; "
+                "with reward.model.url leave it 1"
+            )
+    if not m.timeout_s > 0:
+        raise ConfigError(
+            f"reward.model.timeout_s={m.timeout_s} must be > 0 (seconds one scoring request may take)"
+        )
+    if m.max_retries < 0:
+        raise ConfigError(
+            f"reward.model.max_retries={m.max_retries} must be >= 0 (retries after the first request)"
+        )
+    if not m.down_grace_s > 0:
+        raise ConfigError(
+            f"reward.model.down_grace_s={m.down_grace_s} must be > 0 (seconds a reward server may stay "
+            "unreachable before the run stops)"
+        )
+    for key, value in (("reward.model.transform", m.transform), ("reward.combine", rw.combine)):
+        if value is not None and not _fn_spec(value):
+            raise ConfigError(f"{key}={value!r} must look like 'path/to/file.py:function'")
+    if m.kind == "classifier":
+        default = RewardModelConfig()
+        for key in ("prompt_template", "parser", "temperature", "max_new_tokens"):
+            if m[key] != getattr(default, key):
+                raise ConfigError(
+                    f"reward.model.{key} applies to reward.model.kind=judge; a classifier's score is its logit "
+                    "(through reward.model.transform): remove it"
+                )
+        return
+    if m.transform is not None:
+        raise ConfigError(
+            "reward.model.transform applies to reward.model.kind=classifier; a judge's score comes from "
+            "reward.model.parser"
+        )
+    if m.parser not in _JUDGE_PARSERS and not _fn_spec(m.parser):
+        raise ConfigError(
+            f"reward.model.parser={m.parser!r} is not one of {', '.join(_JUDGE_PARSERS)} or "
+            f"'path/to/file.py:function'{_nearest(m.parser, _JUDGE_PARSERS)}"
+        )
+    if not 0.0 <= m.temperature < float("inf"):
+        raise ConfigError(f"reward.model.temperature={m.temperature} must be >= 0 (0: greedy, the default)")
+    if m.prompt_template is not None:
+        template = str(m.prompt_template)
+        if "{response}" not in template:
+            raise ConfigError(
+                "reward.model.prompt_template has no {response}: the judge would never see the response; "
+                "add it (also {question} and {ground_truth} are filled in)"
+            )
+        unknown = sorted({p for p in _PLACEHOLDER.findall(template) if p not in _JUDGE_PLACEHOLDERS})
+        if unknown:
+            raise ConfigError(
+                f"reward.model.prompt_template has {', '.join('{' + u + '}' for u in unknown)}, which nothing "
+                f"fills in; the placeholders are {', '.join('{' + p + '}' for p in _JUDGE_PLACEHOLDERS)}"
+            )
 
 
 def check_parallel(cfg: DictConfig) -> None:

@@ -44,7 +44,11 @@ def build_actor_batch(
         )
     keep_groups = set(order[:usable])
     dropped = len(order) - usable
-    samples = [s for s in samples if s.group_id in keep_groups]
+    # a response the reward model could not score leaves its group: its advantage would be
+    # computed from a score it does not have (the group filter kept only groups that still have
+    # two scored responses)
+    unscored = sum(s.unscored is not None for s in samples if s.group_id in keep_groups)
+    samples = [s for s in samples if s.group_id in keep_groups and s.unscored is None]
     # group ids may be any integers; make them dense so the actor can form mini-batches
     dense: dict[int, int] = {}
     group_index = torch.tensor([dense.setdefault(s.group_id, len(dense)) for s in samples], dtype=torch.int64)
@@ -92,6 +96,7 @@ def build_actor_batch(
         "train/num_samples": float(len(samples)),
         "train/num_groups": float(len(dense)),
         "train/partial_groups_dropped": float(dropped),
+        "train/unscored_left_out": float(unscored),
         "rollout/mean_token_prob": float((rollout_lp.exp() * mask).sum() / mask.sum().clamp(min=1)),
     }
     return batch, metrics

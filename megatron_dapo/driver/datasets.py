@@ -92,6 +92,7 @@ def val_problems(cfg: DictConfig, tokenizer, tools: list[dict] | None = None) ->
             data_source=s.data_source,
             ground_truth=s.ground_truth,
             extra_info=s.extra_info,
+            messages=list(s.messages),  # what a served reward model reads
         )
         for s in ds.samples
     ]

@@ -30,6 +30,7 @@ from megatron_dapo.driver.plots import plot_run
 from megatron_dapo.driver.preflight import preflight
 from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
 from megatron_dapo.driver.rank_group import RayRankGroup, bundle_slots
+from megatron_dapo.driver.reward_model import ServedReward
 from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag, blocked_signals
 from megatron_dapo.driver.trainer import DAPOTrainer
@@ -71,8 +72,11 @@ def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
         return
+    routed = None
     if device == "cpu":
-        print(cpu_warnings.CPU_NOTE, file=sys.stderr)
+        run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.run_name
+        routed = cpu_warnings.worker_runtime_env(run_dir)
+        print(cpu_warnings.CPU_NOTE.format(log=cpu_warnings.route_driver(run_dir)), file=sys.stderr)
     # Ray starts workers at niceness +15 by default; here the workers are the trainer's ranks and
     # engines, so on a shared machine the run would crawl behind any other job. They keep the
     # driver's priority instead (the raylet reads this when it starts).
@@ -84,12 +88,15 @@ def init_ray(cfg: DictConfig, device: str, num_cpus: int) -> None:
     # Its processes are started with SIGTERM/SIGINT blocked: a signal to the whole process group
     # (Slurm) must reach only the driver, which stops them after the checkpoint.
     with blocked_signals():
-        _init_local_ray(num_cpus, device)
+        _init_local_ray(num_cpus, device, routed)
 
 
-def _init_local_ray(num_cpus: int, device: str) -> None:
+def _init_local_ray(num_cpus: int, device: str, routed: dict | None = None) -> None:
+    """``routed``: ``cpu_warnings.worker_runtime_env``, the workers' known library warnings to the
+    run's log."""
     import ray
 
+    routed = routed or {}
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -97,11 +104,12 @@ def _init_local_ray(num_cpus: int, device: str) -> None:
         log_to_driver=True,
         object_store_memory=(1 << 30) if device == "cpu" else None,
         runtime_env={
+            **routed,
             "env_vars": {
                 "TOKENIZERS_PARALLELISM": "false",
                 "OMP_NUM_THREADS": "1",
-                **(cpu_warnings.worker_env() if device == "cpu" else {}),
-            }
+                **routed.get("env_vars", {}),
+            },
         },
     )
 
@@ -293,11 +301,13 @@ def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: S
     mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
     # multi-turn tool use: the episode runner (its tool processes end with the run)
     episodes = multi_turn_runner(cfg, tokenizer, _max_context(cfg)) if cfg.rollout.multi_turn.enable else None
+    rewards = ServedReward.start(cfg, inputs.run.root)
     try:
-        return _drive(cfg, inputs, ranks, engines, stop, mcfg, episodes)
+        return _drive(cfg, inputs, ranks, engines, stop, mcfg, episodes, rewards)
     finally:
         if episodes is not None:
             episodes.close()
+        rewards.close()
 
 
 def _max_context(cfg: DictConfig) -> int:
@@ -306,17 +316,29 @@ def _max_context(cfg: DictConfig) -> int:
     return int(context) if isinstance(context, int) else 1 << 30
 
 
-def _drive(cfg: DictConfig, inputs: RunInputs, ranks, engines, stop, mcfg, episodes) -> dict[str, Any]:
+def _drive(
+    cfg: DictConfig, inputs: RunInputs, ranks, engines, stop, mcfg, episodes, rewards
+) -> dict[str, Any]:
     run, tokenizer = inputs.run, inputs.tokenizer
 
     def sync(version: int) -> dict[str, float]:
         return ranks.call("push_weights", version, timeout_s=cfg.trainer.weight_sync.timeout_s + 60)[0]
 
-    manager = RolloutManager(engines, inputs.scorer, mcfg, tokenizer, episodes=episodes)
+    manager = RolloutManager(
+        engines,
+        inputs.scorer,
+        mcfg,
+        tokenizer,
+        episodes=episodes,
+        reward_model=rewards.model,
+        combiner=rewards.combiner,
+    )
     validate = None
     if inputs.problems:
-        # the pool: engines the run goes on without leave it, and validation with it
-        validate = make_validator(cfg, manager.pool, inputs.scorer, inputs.problems, tokenizer, episodes)
+        # the pool: engines the run goes on without leave it, and validation with it; a held-out
+        # set is judged by the reward model as the rollouts are
+        scorer = inputs.scorer if rewards.model is None else rewards.val_scorer(inputs.scorer)
+        validate = make_validator(cfg, manager.pool, scorer, inputs.problems, tokenizer, episodes)
     trainer = DAPOTrainer(
         cfg,
         run=run,

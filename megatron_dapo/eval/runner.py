@@ -2,16 +2,22 @@
 
 The generator is a function, so the same code serves the trainer's periodic validation (the
 rollout engines), `megatron-dapo eval` on an HF checkpoint, and any OpenAI-compatible endpoint.
+
+The scorer is the rule reward (``score(data_source, text, ground_truth, extra_info)``, one call a
+response) or a served reward model (:class:`megatron_dapo.eval.served.ServedScorer`:
+``score_batch`` takes every response at once, so the reward servers work on many concurrently,
+and may leave a response unscored).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.eval.metrics import ProblemSamples, aggregate
+from megatron_dapo.eval.served import ServedScorer
 
 
 @dataclass
@@ -34,6 +40,8 @@ class EvalProblem:
     data_source: str
     ground_truth: str
     extra_info: dict
+    # the prompt's chat messages (after the data template): what a served reward model reads
+    messages: list[dict] = field(default_factory=list)
 
 
 # generator(problems, k) -> for each problem, k completions
@@ -59,7 +67,9 @@ def evaluate(
     dump_path: str | Path | None = None,
     prefix: str = "val/",
 ) -> dict[str, float]:
-    """avg@k, pass@k, maj@k (and per data_source avg@k) of `generate` on `problems`."""
+    """avg@k, pass@k, maj@k (and per data_source avg@k) of `generate` on `problems`; with a served
+    reward model also the unscored counts and the mean score (metrics.py says how an unscored
+    response is left out)."""
     problems = dedupe_problems(problems)
     completions = generate(problems, k)
     if len(completions) != len(problems) or any(len(c) != k for c in completions):
@@ -67,35 +77,61 @@ def evaluate(
             f"evaluation generator returned {[len(c) for c in completions][:5]}... completions for "
             f"{len(problems)} problems; expected {k} each"
         )
+    pairs = [(prob, c) for prob, comps in zip(problems, completions) for c in comps]
+    served = isinstance(scorer, ServedScorer)
+    if served:
+        results = scorer.score_batch(pairs)
+    else:
+        results = [
+            scorer.score(
+                prob.data_source,
+                c.text,
+                prob.ground_truth,
+                prob.extra_info if c.extra_info is None else c.extra_info,
+            )
+            for prob, c in pairs
+        ]
     per_problem: list[ProblemSamples] = []
     by_source: dict[str, list[ProblemSamples]] = {}
     dump = []
-    for prob, comps in zip(problems, completions):
-        samples = ProblemSamples(prob.problem_id)
-        for c in comps:
-            extra = prob.extra_info if c.extra_info is None else c.extra_info
-            r = scorer.score(prob.data_source, c.text, prob.ground_truth, extra)
-            samples.correct.append(bool(r.acc))
-            samples.preds.append(r.pred)
+    voted = False
+    for i, prob in enumerate(problems):
+        samples = ProblemSamples(prob.problem_id, unscored=[] if served else None)
+        for c, r in zip(completions[i], results[i * k : (i + 1) * k]):
+            unscored = r.unscored if served else None
+            if unscored is not None:
+                samples.unscored.append(unscored)
+            else:
+                samples.correct.append(bool(r.acc))
+                samples.preds.append(r.pred)
+                voted = voted or bool(r.pred)
+                if served:
+                    samples.scores.append(float(r.score))
             samples.lengths.append(c.num_tokens)
             samples.truncated.append(c.truncated)
             if dump_path:
-                dump.append(
-                    {
-                        "problem": prob.problem_id,
-                        "response": c.text,
-                        "tokens": c.num_tokens,
-                        "truncated": c.truncated,
-                        "acc": bool(r.acc),
-                        "pred": r.pred,
-                    }
-                )
+                row = {
+                    "problem": prob.problem_id,
+                    "response": c.text,
+                    "tokens": c.num_tokens,
+                    "truncated": c.truncated,
+                    "acc": None if unscored else bool(r.acc),
+                    "pred": r.pred,
+                }
+                if served:
+                    row.update(r.dump())
+                dump.append(row)
         per_problem.append(samples)
         by_source.setdefault(prob.data_source, []).append(samples)
-    out = {f"{prefix}{key}": v for key, v in aggregate(per_problem, pass_ks).items()}
+    # a served model's answers are voted on only when something extracts them (reward.combine's
+    # pred): without, every vote would be for "" and maj@k the first sample's correctness
+    vote = voted or not served
+    out = {f"{prefix}{key}": v for key, v in aggregate(per_problem, pass_ks, vote=vote).items()}
     if len(by_source) > 1:
         for source, group in by_source.items():
-            out[f"{prefix}{source}/avg@{k}"] = aggregate(group)[f"avg@{k}"]
+            value = aggregate(group, vote=vote).get(f"avg@{k}")
+            if value is not None:
+                out[f"{prefix}{source}/avg@{k}"] = value
     if dump_path:
         Path(dump_path).write_text("".join(json.dumps(d) + "\n" for d in dump))
     return out

@@ -7,7 +7,7 @@ from megatron_dapo.plan.gpus import GPUS, gpu_for
 from megatron_dapo.plan.inputs import Assumptions, PlanInputs, inputs_from_config
 from megatron_dapo.plan.models import QWEN2_5, QWEN3, ModelShape, resolve_model_shape, shape_from_hf_config
 from megatron_dapo.plan.params import count_params, padded_vocab, params_per_gpu
-from megatron_dapo.plan.planner import Plan, make_plan
+from megatron_dapo.plan.planner import Plan, make_plan, plan_from_config
 
 __all__ = [
     "GPUS",
@@ -23,6 +23,7 @@ __all__ = [
     "make_plan",
     "padded_vocab",
     "params_per_gpu",
+    "plan_from_config",
     "resolve_model_shape",
     "shape_from_hf_config",
 ]

@@ -44,10 +44,30 @@ class PlanInputs:
     # either builds the frozen reference model (actor/reference.py)
     use_kl_loss: bool = knob("actor.use_kl_loss")
     use_kl_in_reward: bool = knob("algorithm.use_kl_in_reward")
+    # multi-turn tool use: responses hold the environment's tokens, and the tools take time
+    multi_turn: bool = knob("rollout.multi_turn.enable")
+    max_assistant_turns: int = knob("rollout.multi_turn.max_assistant_turns")
+    tool_workers: int = knob("rollout.multi_turn.tool_workers")
+    # a served reward model (reward.model): its servers' GPUs, memory and scoring time
+    reward_kind: str | None = knob("reward.model.kind")
+    reward_path: str | None = knob("reward.model.path")
+    reward_url: str | None = knob("reward.model.url")
+    reward_servers: int = knob("reward.model.num_servers")
+    reward_tp: int = knob("reward.model.gpus_per_server")
+    reward_prompt_template: str | None = knob("reward.model.prompt_template")
+    reward_max_new_tokens: int = knob("reward.model.max_new_tokens")
 
     @property
     def reference(self) -> bool:
         return self.use_kl_loss or self.use_kl_in_reward
+
+    @property
+    def reward_gpus(self) -> int:
+        """GPUs of the reward servers the run starts (reward.model.path); a reward.model.url
+        server runs elsewhere and counts none."""
+        if self.reward_kind is None or self.reward_path is None:
+            return 0
+        return self.reward_servers * self.reward_tp
 
     @property
     def max_seq_len(self) -> int:
@@ -96,3 +116,25 @@ class Assumptions:
     a2a_intra_node_gb_s: float = 200.0
     a2a_inter_node_gb_s: float = 40.0
     gpus_per_node: int = 8
+    # Multi-turn tool use (rollout.multi_turn.enable), None: resolve_assumptions' defaults. The
+    # share of a response that is the environment's (tool answers in the chat template's tool turn).
+    env_token_frac: float | None = None
+    tool_calls_per_episode: float | None = None
+    tool_s_per_call: float = 0.5  # wall time of one call on one tool worker
+    # Served reward model (reward.model), None: resolve_assumptions' defaults. Prefill tokens a
+    # reward GPU scores per second (the whole request: prompt, response, judge template), and the
+    # tokens of a judge's verdict.
+    score_tok_s_per_gpu: float | None = None
+    verdict_tokens: float = 8.0
+
+
+# Multi-turn defaults (guesses, stated with the plan): a ReTool-like episode makes ~4 calls (verl's
+# 32B ReTool run: 10 turns on average = the prompt + 4 tool answers + 5 model turns), each answer
+# ~150 tokens (a 400-character output and the tool turn's template), of a ~4k-token response.
+MULTI_TURN_ENV_TOKEN_FRAC = 0.15
+MULTI_TURN_TOOL_CALLS = 4.0
+
+# A judge's template in tokens, from its characters: ~4 characters a token for English text (a
+# rule of thumb). The built-in template (rewards/served/judge.py DEFAULT_PROMPT_TEMPLATE) has 317.
+CHARS_PER_TOKEN = 4.0
+BUILTIN_JUDGE_TEMPLATE_CHARS = 317

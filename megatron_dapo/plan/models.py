@@ -153,19 +153,20 @@ def _table_key(path: str) -> str | None:
     return None
 
 
-def resolve_model_shape(path: str) -> ModelShape:
-    """`path/config.json` when it exists, else the built-in Qwen2.5 entry the name points at."""
+def resolve_model_shape(path: str, key: str = "model.path") -> ModelShape:
+    """`path/config.json` when it exists, else the built-in Qwen2.5 entry the name points at.
+    ``key``: the config key that gave ``path`` (named in errors)."""
     f = Path(path) / "config.json"
     if f.is_file():
         try:
             return shape_from_hf_config(json.loads(f.read_text()), name=str(path))
         except json.JSONDecodeError as e:
-            raise ValueError(f"model.path: {f} is not valid JSON ({e})") from e
-    key = _table_key(path)
-    if key is None:
+            raise ValueError(f"{key}: {f} is not valid JSON ({e})") from e
+    entry = _table_key(path)
+    if entry is None:
         known = ", ".join(f"Qwen/{k}" for k in _TABLE)
         raise ValueError(
-            f"model.path={path!r}: no config.json there and not a known hub name; point model.path at an "
+            f"{key}={path!r}: no config.json there and not a known hub name; point {key} at an "
             f"HF checkpoint directory or use one of {known}"
         )
-    return _TABLE[key]
+    return _TABLE[entry]

@@ -1,5 +1,13 @@
 """Put the arithmetic together: roles and GPU counts, per-GPU memory of each role, whether it fits
-(with a fix when it does not), tokens per step and the rollout/train time split."""
+(with a fix when it does not), tokens per step and the rollout/train time split.
+
+A served reward model (``reward.model.path``) is a role of its own: ``num_servers x
+gpus_per_server`` GPUs added to the job's, each server holding the model's bf16 weights over its
+TP and a KV cache in ``rollout.sglang.mem_fraction_static`` of its GPU, as an engine does. The
+config has no way to colocate the reward servers with the rollout engines; if it had, they would
+add no GPUs, their weights and KV would come out of each engine GPU's pool, and scoring would
+compete with decoding instead of overlapping it. A ``reward.model.url`` server runs elsewhere: no
+GPUs, memory or time of it is counted."""
 
 from __future__ import annotations
 
@@ -7,7 +15,16 @@ import math
 from dataclasses import dataclass, replace
 
 from megatron_dapo.plan.gpus import GPU
-from megatron_dapo.plan.inputs import Assumptions, PlanInputs, as_overrides
+from megatron_dapo.plan.inputs import (
+    BUILTIN_JUDGE_TEMPLATE_CHARS,
+    CHARS_PER_TOKEN,
+    MULTI_TURN_ENV_TOKEN_FRAC,
+    MULTI_TURN_TOOL_CALLS,
+    Assumptions,
+    PlanInputs,
+    as_overrides,
+    inputs_from_config,
+)
 from megatron_dapo.plan.memory import (
     GIB,
     EngineMemory,
@@ -18,13 +35,15 @@ from megatron_dapo.plan.memory import (
     logits_bytes,
     static_state_bytes,
 )
-from megatron_dapo.plan.models import ModelShape
+from megatron_dapo.plan.models import ModelShape, resolve_model_shape
 from megatron_dapo.plan.params import StageParams, count_params, padded_vocab, params_per_gpu
 from megatron_dapo.plan.throughput import (
+    ScoringLoad,
     StepTokens,
     TimeSplit,
     forward_flops_per_token,
     moe_all_to_all_bytes_per_gpu,
+    scoring_load,
     step_tokens,
     time_split,
 )
@@ -36,6 +55,25 @@ class Roles:
     actor_gpus: int
     rollout_gpus: int
     colocated: bool
+    reward_gpus: int = 0  # the reward servers' own GPUs (reward.model.path)
+
+
+@dataclass(frozen=True)
+class RewardServers:
+    """The reward servers of ``reward.model.path``: the model, and one server's memory per GPU.
+
+    ``memory.weights`` is bf16 weights over the server's TP; ``longest_request`` is the most
+    tokens one request holds in the KV cache (the longest prompt and response, a judge's
+    template and verdict), ``mean_request`` the tokens of an average one."""
+
+    kind: str
+    model: str
+    servers: int
+    tp: int
+    params: int
+    memory: EngineMemory
+    longest_request: int
+    mean_request: float
 
 
 @dataclass(frozen=True)
@@ -94,6 +132,9 @@ class Plan:
     assumptions: list[tuple[str, str, str]]  # (name, value, why)
     active_params: int = 0  # per token (MoE: the top-k experts only); = total_params for dense
     a2a_bytes_per_gpu: float = 0.0  # MoE token dispatch + combine sent per actor GPU per step
+    tool_s_per_call: float = 0.0  # multi-turn: the assumed wall time of one tool call
+    reward: RewardServers | None = None  # reward.model.path's servers
+    scoring: ScoringLoad | None = None  # their work in one step
 
     @property
     def fits(self) -> bool:
@@ -104,31 +145,77 @@ class Plan:
         return max(self.stages, key=lambda s: s.total)
 
 
+def decode_rule(params: int, gpu: GPU) -> float:
+    """Decode tokens/s per GPU at high concurrency for a model of `params` (see below)."""
+    return 40_000.0 / (params / 1e9) * (gpu.hbm_tb_s / 3.35)
+
+
 def resolve_assumptions(
-    p: PlanInputs, shape: ModelShape, gpu: GPU, a: Assumptions, total_params: int
+    p: PlanInputs,
+    shape: ModelShape,
+    gpu: GPU,
+    a: Assumptions,
+    total_params: int,
+    reward_params: int = 0,
 ) -> dict:
-    """Fill the defaults that depend on the config (mean lengths, decode rate)."""
+    """Fill the defaults that depend on the config (mean lengths, decode and scoring rates)."""
     mean_prompt = a.mean_prompt_len if a.mean_prompt_len is not None else min(200.0, p.max_prompt_length)
     mean_response = a.mean_response_frac * p.max_response_length
     # Decode is bound by HBM bandwidth at high concurrency; ~40k tok/s per H100 divided by the model's
     # size in billions matches published large-batch SGLang figures within ~2x. Measure and pass yours.
-    decode = a.decode_tok_s_per_gpu or 40_000.0 / (total_params / 1e9) * (gpu.hbm_tb_s / 3.35)
-    return {"mean_prompt": mean_prompt, "mean_response": mean_response, "decode": decode}
+    decode = a.decode_tok_s_per_gpu or decode_rule(total_params, gpu)
+    if not p.multi_turn:
+        if a.env_token_frac or a.tool_calls_per_episode:
+            raise ValueError(
+                "environment tokens and tool calls need a multi-turn config: set "
+                "rollout.multi_turn.enable=true, or drop --env-token-frac / --tool-calls-per-episode"
+            )
+        env, calls = 0.0, 0.0
+    else:
+        env = MULTI_TURN_ENV_TOKEN_FRAC if a.env_token_frac is None else a.env_token_frac
+        # the last model turn answers: at most one call per earlier turn
+        default_calls = min(MULTI_TURN_TOOL_CALLS, max(0, p.max_assistant_turns - 1))
+        calls = default_calls if a.tool_calls_per_episode is None else a.tool_calls_per_episode
+    score_rate = verdict_rate = verdicts = 0.0
+    if reward_params:
+        # prefill is compute-bound: 2 FLOPs a parameter a token
+        score_rate = a.score_tok_s_per_gpu or gpu.bf16_tflops * 1e12 * a.mfu / (2 * reward_params)
+        verdict_rate = decode_rule(reward_params, gpu)
+        if p.reward_kind == "judge":
+            verdicts = min(a.verdict_tokens, p.reward_max_new_tokens)
+    return {
+        "mean_prompt": mean_prompt,
+        "mean_response": mean_response,
+        "decode": decode,
+        "env_frac": env,
+        "tool_calls": calls,
+        "score_rate": score_rate,
+        "verdict_rate": verdict_rate,
+        "verdict_tokens": verdicts,
+    }
 
 
 def assign_roles(p: PlanInputs, num_gpus: int | None) -> tuple[Roles, PlanInputs]:
     """Colocated: actor and engines share every GPU. Disaggregated: trainer.rollout_gpus for the
-    engines, the rest for the actor. `num_gpus` (e.g. --num-gpus) resizes the actor world."""
+    engines, the rest for the actor. The reward servers' GPUs (reward.model.num_servers x
+    gpus_per_server) come on top. `num_gpus` (e.g. --num-gpus, all of the job's) resizes the
+    actor world."""
+    reward = p.reward_gpus
     if p.placement == "colocated":
-        total = num_gpus or p.actor_world_size
-        p = replace(p, actor_world_size=total)
-        return Roles(total, total, total, True), p
+        total = num_gpus or p.actor_world_size + reward
+        if total <= reward:
+            raise ValueError(f"{total} GPUs leave none for the actor after the reward servers' {reward}")
+        p = replace(p, actor_world_size=total - reward)
+        return Roles(total, total - reward, total - reward, True, reward), p
     rollout = p.rollout_gpus
-    total = num_gpus or p.actor_world_size + rollout
-    if total <= rollout:
-        raise ValueError(f"{total} GPUs leave none for the actor after trainer.rollout_gpus={rollout}")
-    p = replace(p, actor_world_size=total - rollout)
-    return Roles(total, total - rollout, rollout, False), p
+    total = num_gpus or p.actor_world_size + rollout + reward
+    if total <= rollout + reward:
+        raise ValueError(
+            f"{total} GPUs leave none for the actor after trainer.rollout_gpus={rollout}"
+            + (f" and the reward servers' {reward}" if reward else "")
+        )
+    p = replace(p, actor_world_size=total - rollout - reward)
+    return Roles(total, total - rollout - reward, rollout, False, reward), p
 
 
 def _num_microbatches(p: PlanInputs, mean_seq: float, packing: float) -> int:
@@ -375,16 +462,116 @@ def _engine_checks(
     return out
 
 
+def reward_servers(
+    p: PlanInputs, shape: ModelShape, gpu: GPU, a: Assumptions, mean_prompt: float, mean_response: float
+) -> RewardServers:
+    """The reward model's parameters and one server's memory per GPU (`shape`: its decoder)."""
+    params = reward_params(p, shape)
+    memory = engine_memory(shape, params, p.reward_tp, gpu.memory_gib * GIB, p.mem_fraction_static)
+    template = judge_template_tokens(p)
+    verdict = p.reward_max_new_tokens if p.reward_kind == "judge" else 0
+    return RewardServers(
+        kind=p.reward_kind,
+        model=p.reward_path,
+        servers=p.reward_servers,
+        tp=p.reward_tp,
+        params=params,
+        memory=memory,
+        longest_request=int(p.max_seq_len + template + verdict),
+        mean_request=mean_prompt + mean_response + template,
+    )
+
+
+def reward_params(p: PlanInputs, shape: ModelShape) -> int:
+    """Parameters of the reward model: the decoder's, with a classifier's score head (hidden x 1
+    label) in place of the LM head (a tied head is the embedding, which a classifier keeps)."""
+    counts = count_params(shape)
+    params = counts.total(shape.num_layers)
+    if p.reward_kind == "classifier":
+        params += shape.hidden_size - counts.output_head
+    return params
+
+
+def judge_template_tokens(p: PlanInputs) -> float:
+    """A judge's template in tokens (from its characters); 0 for a classifier."""
+    if p.reward_kind != "judge":
+        return 0.0
+    chars = (
+        BUILTIN_JUDGE_TEMPLATE_CHARS if p.reward_prompt_template is None else len(p.reward_prompt_template)
+    )
+    return math.ceil(chars / CHARS_PER_TOKEN)
+
+
+def _reward_checks(
+    p: PlanInputs, shape: ModelShape, rs: RewardServers, gpu: GPU, a: Assumptions
+) -> list[Check]:
+    t = rs.tp
+    bigger = [d for d in valid_tp(shape) if d > t]
+    grow = [f"reward.model.gpus_per_server={bigger[0]}"] if bigger else None
+    if shape.num_heads % t or (shape.num_kv_heads % t and t % shape.num_kv_heads):
+        fit = max(d for d in valid_tp(shape) if d <= t)
+        return [
+            Check(
+                "reward",
+                False,
+                f"SGLang TP={t} must divide the reward model's {shape.num_heads} heads (and divide or be a "
+                f"multiple of its {shape.num_kv_heads} KV heads)",
+                [f"reward.model.gpus_per_server={fit}"],
+            )
+        ]
+    m = rs.memory
+    used = m.static_pool + a.sglang_runtime_gib * GIB
+    if used > gpu.memory_gib * GIB:
+        frac = math.floor((gpu.memory_gib - a.sglang_runtime_gib) / gpu.memory_gib * 20) / 20
+        return [
+            Check(
+                "reward",
+                False,
+                f"reward server needs {_gib(used)} > {gpu.memory_gib:g} GiB",
+                [f"rollout.sglang.mem_fraction_static={frac:.2f}"],
+            )
+        ]
+    if m.kv_tokens < rs.longest_request:
+        return [
+            Check(
+                "reward",
+                False,
+                f"reward server's KV cache holds {m.kv_tokens:,} tokens, less than its longest request of "
+                f"{rs.longest_request:,} (weights {_gib(m.weights)} of a {_gib(m.static_pool)} pool)",
+                grow,
+            )
+        ]
+    return [
+        Check(
+            "reward",
+            True,
+            f"reward server: weights {_gib(m.weights)}, KV cache {_gib(m.kv_room)} = {m.kv_tokens:,} tokens: "
+            f"~{m.kv_tokens / rs.mean_request:.0f} requests at the mean length, "
+            f"{m.kv_tokens // rs.longest_request} at the longest",
+        )
+    ]
+
+
 def make_plan(
-    p: PlanInputs, shape: ModelShape, gpu: GPU, a: Assumptions | None = None, num_gpus: int | None = None
+    p: PlanInputs,
+    shape: ModelShape,
+    gpu: GPU,
+    a: Assumptions | None = None,
+    num_gpus: int | None = None,
+    reward_shape: ModelShape | None = None,
 ) -> Plan:
-    """The whole plan for config values `p` on `gpu`. Pure: no config files, no network."""
+    """The whole plan for config values `p` on `gpu`. Pure: no config files, no network.
+
+    `reward_shape`: the decoder shape of `reward.model.path` (needed when it is set)."""
     a = a or Assumptions()
     roles, p = assign_roles(p, num_gpus)
     counts = count_params(shape)
     total_params = counts.total(shape.num_layers)
     active_params = counts.active(shape.num_layers)
-    r = resolve_assumptions(p, shape, gpu, a, total_params)
+    if roles.reward_gpus and reward_shape is None:
+        raise ValueError(f"reward.model.path={p.reward_path}: the planner needs the reward model's shape")
+    rparams = reward_params(p, reward_shape) if roles.reward_gpus else 0
+    r = resolve_assumptions(p, shape, gpu, a, total_params, rparams)
     mean_seq = r["mean_prompt"] + r["mean_response"]
     checks = _layout_checks(p, shape, roles)
     layout_ok = all(c.ok for c in checks if c.fix is None)
@@ -437,6 +624,10 @@ def make_plan(
 
     eng = engine_memory(shape, total_params, p.engine_tp, gpu_bytes, p.mem_fraction_static)
     checks += _engine_checks(p, shape, roles, eng, gpu, a, mean_seq)
+    rs = None
+    if roles.reward_gpus:
+        rs = reward_servers(p, reward_shape, gpu, a, r["mean_prompt"], r["mean_response"])
+        checks += _reward_checks(p, reward_shape, rs, gpu, a)
 
     tokens = step_tokens(
         p.train_batch_size,
@@ -447,7 +638,19 @@ def make_plan(
         a.keep_rate,
         r["mean_prompt"],
         r["mean_response"],
+        env_token_frac=r["env_frac"],
+        tool_calls_per_episode=r["tool_calls"],
     )
+    scoring = None
+    if rs is not None:
+        scoring = scoring_load(
+            tokens.generated_responses,
+            rs.mean_request,
+            r["verdict_tokens"],
+            roles.reward_gpus,
+            r["score_rate"],
+            r["verdict_rate"],
+        )
     a2a_bytes = moe_all_to_all_bytes_per_gpu(
         shape, tokens.train_tokens, p.ppo_epochs, p.recompute, p.ep, roles.actor_gpus
     )
@@ -467,6 +670,9 @@ def make_plan(
         overlapped=p.mode in ("one_step_off", "async") and not roles.colocated,
         a2a_s=a2a_bytes / a2a_rate,
         reference=p.reference,
+        tool_s_per_call=a.tool_s_per_call,
+        tool_workers=p.tool_workers,
+        score_s=scoring.score_s if scoring is not None else 0.0,
     )
     assumptions = [
         (
@@ -499,6 +705,28 @@ def make_plan(
         ("micro-batch packing", f"{a.packing_efficiency:g}", "filled fraction of the token budget"),
         ("grads", "fp32", "Megatron reduces bf16 grads in fp32 (main_grad)"),
     ]
+    if p.multi_turn:
+        assumptions += [
+            (
+                "environment tokens",
+                f"{r['env_frac']:g} of each response",
+                "tool answers (loss mask 0): prefilled, not decoded (earlier turns are in the prefix "
+                "cache), trained on like the rest; guess: ~4 calls x ~150 tokens of a ~4k response",
+            ),
+            (
+                "tool calls",
+                f"{r['tool_calls']:g} per episode",
+                "verl's 32B ReTool run: 10 turns on average = prompt + 4 answers + 5 model turns; "
+                "at most max_assistant_turns - 1",
+            ),
+            (
+                "tool time",
+                f"{a.tool_s_per_call:g} s per call on one of {p.tool_workers} workers",
+                "guess: the builtin python took 0.1 s to print, 0.27 s to import numpy (fresh "
+                "interpreter); imports, loops, time-outs add; overlaps decoding",
+            ),
+        ]
+    assumptions += _reward_assumptions(p, rs, r, gpu, a)
     if a2a_bytes:
         assumptions.append(
             (
@@ -533,4 +761,65 @@ def make_plan(
         assumptions,
         active_params=active_params,
         a2a_bytes_per_gpu=a2a_bytes,
+        tool_s_per_call=a.tool_s_per_call if p.multi_turn else 0.0,
+        reward=rs,
+        scoring=scoring,
     )
+
+
+def _reward_assumptions(p: PlanInputs, rs: RewardServers | None, r: dict, gpu: GPU, a: Assumptions) -> list:
+    if p.reward_kind is None:
+        return []
+    if rs is None:
+        return [
+            (
+                "reward model",
+                f"at reward.model.url={p.reward_url}",
+                "served elsewhere: none of its GPUs, memory or scoring time is counted here",
+            )
+        ]
+    rows = [
+        (
+            "reward placement",
+            f"{p.reward_servers} x {p.reward_tp} GPUs of their own",
+            "added to the job's; colocated with the engines (not a config option) they would add none, "
+            "their weights and KV would come out of each engine's pool, and scoring would compete with decoding",
+        ),
+        (
+            "reward scoring",
+            f"{r['score_rate']:,.0f} prefill tok/s per reward GPU",
+            f"2 FLOPs a parameter a token at the training MFU {a.mfu:g} of {gpu.bf16_tflops:g} TFLOPS; every "
+            "generated response is one request, scored while others decode (the last ones' tail ignored)",
+        ),
+        (
+            "reward server memory",
+            f"mem_fraction_static={p.mem_fraction_static:g}",
+            "rollout.sglang's: bf16 weights over the server's TP, the rest KV cache, as an engine",
+        ),
+    ]
+    if p.reward_kind == "judge":
+        rows += [
+            (
+                "judge template",
+                f"{judge_template_tokens(p):.0f} tokens a request",
+                f"its characters / {CHARS_PER_TOKEN:g} (English rule of thumb)",
+            ),
+            (
+                "judge verdict",
+                f"{r['verdict_tokens']:g} tokens at {r['verdict_rate']:,.0f} tok/s per GPU",
+                "a one-word verdict and its end token (at most reward.model.max_new_tokens); decoded at "
+                "the engines' rule for the judge's size",
+            ),
+        ]
+    return rows
+
+
+def plan_from_config(cfg, gpu: GPU, a: Assumptions | None = None, num_gpus: int | None = None) -> Plan:
+    """`make_plan` for a loaded config: the policy's shape from model.path, the reward model's
+    from reward.model.path (its config.json, or the built-in table by name)."""
+    p = inputs_from_config(cfg)
+    shape = resolve_model_shape(p.model_path)
+    reward_shape = None
+    if p.reward_gpus:
+        reward_shape = resolve_model_shape(p.reward_path, key="reward.model.path")
+    return make_plan(p, shape, gpu, a, num_gpus, reward_shape)

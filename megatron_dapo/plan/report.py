@@ -44,6 +44,15 @@ def render(plan: Plan, console: Console) -> None:
         f"micro-batch {p.micro_batch_max_tokens} tokens, ~{plan.num_microbatches} micro-batches per mini-batch",
     )
     head.add_row("rollout", f"{roles.rollout_gpus} GPUs: {p.num_engines} SGLang engines x TP={p.engine_tp}")
+    rs = plan.reward
+    if rs is not None:
+        head.add_row(
+            "reward",
+            f"{roles.reward_gpus} GPUs of their own: {rs.servers} SGLang servers x TP={rs.tp}, {rs.kind} "
+            f"{rs.model} ({rs.params / 1e9:.2f} B parameters)",
+        )
+    elif p.reward_kind is not None:
+        head.add_row("reward", f"{p.reward_kind} at {p.reward_url} (not this job's GPUs)")
     console.print(head)
 
     if plan.stages:
@@ -91,6 +100,18 @@ def render(plan: Plan, console: Console) -> None:
         )
     console.print(eng)
 
+    if rs is not None:
+        m = rs.memory
+        rew = Table(title="reward server memory per GPU", show_header=False)
+        rew.add_row("static pool", f"{_g(m.static_pool)} GiB (mem_fraction_static={p.mem_fraction_static:g})")
+        rew.add_row("weights", f"{_g(m.weights)} GiB (bf16 / TP={rs.tp})")
+        rew.add_row(
+            "KV cache",
+            f"{_g(m.kv_room)} GiB at {m.kv_bytes_per_token:,} B/token/GPU = {m.kv_tokens:,} tokens; a request "
+            f"holds ~{rs.mean_request:,.0f} on average, at most {rs.longest_request:,}",
+        )
+        console.print(rew)
+
     checks = Table(title="fits?")
     for col in ("role", "ok", "check", "fix (overrides)"):
         checks.add_column(col)
@@ -105,8 +126,34 @@ def render(plan: Plan, console: Console) -> None:
     step.add_row(
         "generated",
         f"{t.gen_rounds} round(s) x {p.gen_batch_size if p.filter_groups else p.train_batch_size}"
-        f" prompts x n={p.n} = {t.generated_responses:,} responses, {t.decode_tokens / 1e6:.1f} M decode tokens",
+        f" prompts x n={p.n} = {t.generated_responses:,} responses, {t.decode_tokens / 1e6:.1f} M decode tokens"
+        + (f" + {t.env_tokens / 1e6:.1f} M environment tokens (prefilled)" if t.env_tokens else ""),
     )
+    if p.multi_turn:
+        bound = (
+            f"longer than decoding ({_hms(ts.decode_s)}): the tools bound the rollout; raise "
+            "rollout.multi_turn.tool_workers"
+            if ts.tool_s > ts.decode_s
+            else f"within decoding's {_hms(ts.decode_s)}"
+        )
+        step.add_row(
+            "tools",
+            f"{t.tool_calls:,.0f} calls x {plan.tool_s_per_call:g} s / {p.tool_workers} tool workers = "
+            f"{_hms(ts.tool_s)}, {bound}",
+        )
+    sc = plan.scoring
+    if sc is not None:
+        bound = (
+            f"longer than decoding ({_hms(ts.decode_s)}): scoring bounds the rollout; add reward servers"
+            if ts.score_s > ts.decode_s
+            else f"within decoding's {_hms(ts.decode_s)}"
+        )
+        verdicts = f" + {sc.verdict_tokens / 1e6:.2f} M verdict tokens decoded" if sc.verdict_tokens else ""
+        step.add_row(
+            "scored",
+            f"{sc.requests:,} requests, {sc.prefill_tokens / 1e6:.1f} M tokens prefilled{verdicts} on "
+            f"{plan.roles.reward_gpus} reward GPUs = {_hms(sc.score_s)}, {bound}",
+        )
     step.add_row(
         "trained",
         f"{t.train_sequences:,} sequences, {t.train_tokens / 1e6:.1f} M tokens, "

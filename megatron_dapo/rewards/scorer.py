@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_dapo.rewards.registry import builtin_reward
+from megatron_dapo.rewards.registry import UnknownDataSourceError, builtin_reward
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,16 @@ class Scorer:
         self._proc: subprocess.Popen | None = None
         self._buf = b""
         self._start_worker()  # fail fast on a broken custom reward
+
+    def knows(self, data_source: str) -> bool:
+        """Whether this scorer has a reward for ``data_source`` (a custom reward: every one)."""
+        if self.custom_fn is not None:
+            return True
+        try:
+            builtin_reward(data_source)
+        except UnknownDataSourceError:
+            return False
+        return True
 
     def score(self, data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None):
         """Score one response; returns a :class:`RewardResult`."""

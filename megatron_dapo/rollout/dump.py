@@ -33,6 +33,8 @@ def dump_rollouts(batch: RolloutBatch, path: str | Path) -> Path:
                 "finish_reason": s.finish_reason,
                 "weight_version": s.weight_version,
             }
+            if s.model_score is not None or s.unscored is not None:  # reward.model
+                row.update(unscored=s.unscored, rule_score=s.rule_score, model_score=s.model_score)
             if s.episode is not None:  # multi-turn: the turns (role, token span) and why it ended
                 row["episode"] = s.episode
                 row["sampled_tokens"] = s.sampled_length

@@ -30,7 +30,10 @@ class Ledger:
         self.units: dict[int, Unit] = {}  # draw position -> its unit (rollout.partial)
         self.carry_out: list[CarriedGroup] = []  # rollout.partial: groups past the cut, kept
         self.restarted_tokens = 0  # rollout.partial: carried tokens dropped for staleness
-        self.filtered = {"all_correct": 0, "all_wrong": 0, "other": 0}
+        # unscored: a reward model left the group fewer than two scored responses
+        self.filtered = {"all_correct": 0, "all_wrong": 0, "other": 0, "unscored": 0}
+        # reward.model: responses it could not score, in the groups up to the cut
+        self.unscored_samples = 0
         # groups whose filter metric is constant, measured whether or not the filter drops them
         self.zero_spread_serials: set[int] = set()
         self.zero_spread = 0
@@ -40,6 +43,8 @@ class Ledger:
         self.retries = 0
         self.tokens = 0
         self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in engine_names}
+        # when units were scored (reward), appended by the scoring threads
+        self.score_intervals: list[tuple[float, float]] = []
         self.hung: list[str] = []  # engines found hung with calls in flight this step
 
     def record(self, group: Group, outcome: str) -> None:
@@ -56,6 +61,7 @@ class Ledger:
         end = self.drawn if self.cut is None else self.cut
         for serial in range(end):
             outcome = self.outcome[serial]
+            self.unscored_samples += sum(s.unscored is not None for s in self.groups[serial].samples or [])
             if outcome == "kept":
                 self.kept.append(self.groups[serial])
             else:

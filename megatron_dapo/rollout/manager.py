@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_dapo.config.knobs import from_config, knob
+from megatron_dapo.rewards.served import Combiner
 from megatron_dapo.rollout.engine import EngineError, launched_by_this_run
 from megatron_dapo.rollout.engine_pool import EnginePool, healthy
 from megatron_dapo.rollout.engine_probe import InFlightProbe
@@ -63,7 +64,7 @@ from megatron_dapo.rollout.partial import (
     carry_to_state,
 )
 from megatron_dapo.rollout.rollout_metrics import rollout_metrics
-from megatron_dapo.rollout.scoring import GroupScoring
+from megatron_dapo.rollout.scoring import GroupScoring, ModelScorer
 from megatron_dapo.rollout.types import (
     GenerationRequest,
     GenerationResult,
@@ -136,7 +137,13 @@ class RolloutManagerConfig:
     @classmethod
     def from_config(cls, cfg: Any) -> RolloutManagerConfig:
         """Build from the run's ``DAPOConfig``, validated when it was loaded (``config/validate.py``)."""
-        return from_config(cls, cfg, partial_max_lag=None if cfg.trainer.mode == "sync" else 0)
+        mt = cfg.rollout.multi_turn
+        # an aborted episode first finishes the tool calls its last turn made (each bounded by
+        # tool_timeout_s), so the abort's wait covers one of them
+        abort_s = max(cls.abort_timeout_s, mt.tool_timeout_s + 30.0) if mt.enable else cls.abort_timeout_s
+        return from_config(
+            cls, cfg, partial_max_lag=None if cfg.trainer.mode == "sync" else 0, abort_timeout_s=abort_s
+        )
 
 
 class RolloutManager:
@@ -149,6 +156,9 @@ class RolloutManager:
         tokenizer: decodes response ids to text for the reward (``decode(ids, skip_special_tokens=True)``).
         episodes: what one engine call runs (``rollout/episodes.py``): ``SingleTurn`` by default,
             ``agent.runner.MultiTurn`` for tool-use episodes.
+        reward_model, combiner: ``reward.model``'s client and ``reward.combine`` (scoring.py).
+            A unit is scored as soon as its engine call returns, while the other calls still
+            generate; with a reward model several units are scored at once.
     """
 
     def __init__(
@@ -158,6 +168,8 @@ class RolloutManager:
         cfg: RolloutManagerConfig,
         tokenizer: Any,
         episodes: EpisodeRunner | None = None,
+        reward_model: ModelScorer | None = None,
+        combiner: Combiner | None = None,
     ):
         if not engines:
             raise ValueError("RolloutManager needs at least one engine")
@@ -167,7 +179,10 @@ class RolloutManager:
         self.pool = EnginePool(engines)  # the engines and which of them serve
         self.cfg = cfg
         self.episodes = episodes or SingleTurn()
-        self.scoring = GroupScoring(cfg, scorer, tokenizer)  # reward, overlong shaping, the filter
+        # reward, overlong shaping, the filter
+        self.scoring = GroupScoring(cfg, scorer, tokenizer, reward_model, combiner)
+        # a served model's scoring waits on its servers, not on this process: overlap units
+        self._score_workers = 1 if reward_model is None else 8
         self._keep_rate: float | None = None  # last observed, drives over-sampling
         self._zombies: dict[Future, Call] = {}  # timed-out calls whose threads have not returned
         # set by the trainer: True once the run must stop; a step in flight is then abandoned
@@ -371,7 +386,7 @@ class RolloutManager:
         gen_pool = ThreadPoolExecutor(
             max_workers=min(self._slots * len(self.pool), 512), thread_name_prefix="rollout"
         )
-        score_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        score_pool = ThreadPoolExecutor(max_workers=self._score_workers, thread_name_prefix="reward")
         for unit in queue:
             ledger.units.update((g.serial, unit) for g in unit.groups)
         paused_calls: set[Future] = set()  # calls aborted for a pause (their aborts are kept)
@@ -379,7 +394,7 @@ class RolloutManager:
         try:
             for unit in [u for u in queue if not u.send]:  # carried groups already finished
                 queue.remove(unit)
-                self._to_scoring(unit, [], scoring, score_pool)
+                self._to_scoring(unit, [], scoring, score_pool, ledger)
             while queue or calls or scoring:
                 if self.should_stop is not None and self.should_stop():
                     self._abort_engines(calls)
@@ -502,7 +517,7 @@ class RolloutManager:
         if error is None:
             self.pool.mark_heard(engine.name)
             ledger.tokens += sum(len(r.output_ids) for r in results)
-            self._to_scoring(unit, results, scoring, score_pool)
+            self._to_scoring(unit, results, scoring, score_pool, ledger)
             return
         if self.cfg.partial and isinstance(results, list):
             # an abort that hit this call (another call's timeout on the same engine): the
@@ -510,13 +525,25 @@ class RolloutManager:
             ledger.tokens += unit.fold([r for r in results if isinstance(r, GenerationResult)])
         self._retry(unit, engine, error, queue, ledger)
 
-    def _to_scoring(self, unit: Unit, results: list[GenerationResult], scoring, score_pool) -> None:
+    def _to_scoring(
+        self, unit: Unit, results: list[GenerationResult], scoring, score_pool, ledger: Ledger
+    ) -> None:
         if self.cfg.partial:
             unit.fold(results)  # every answer is complete: all of them are held now
             by_id = {rid: as_result(rid, s) for rid, s in unit.held.items()}
         else:
             by_id = {r.request_id: r for r in results}
-        scoring[score_pool.submit(self.scoring.score, unit, by_id)] = unit.groups
+        scoring[score_pool.submit(self._timed_score, unit, by_id, ledger)] = unit.groups
+
+    def _timed_score(
+        self, unit: Unit, by_id: dict[str, GenerationResult], ledger: Ledger
+    ) -> list[list[RolloutSample]]:
+        """Score a unit and record when (how much of the scoring hid behind generation)."""
+        start = time.perf_counter()
+        try:
+            return self.scoring.score(unit, by_id)
+        finally:
+            ledger.score_intervals.append((start, time.perf_counter()))
 
     def _retry(self, unit: Unit, engine: Any, error: BaseException | str, queue, ledger: Ledger) -> None:
         groups = [g.serial for g in unit.groups]

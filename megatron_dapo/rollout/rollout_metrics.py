@@ -21,6 +21,8 @@ TIMING_DEPENDENT_METRICS = (
     "rollout/engine_busy_fraction",
     "rollout/tokens_per_s",
     "rollout/tokens_generated",
+    "reward/score_time_s",
+    "reward/hidden_fraction",
 )
 
 
@@ -42,6 +44,10 @@ def rollout_metrics(
         "rollout/filtered_all_correct": ledger.filtered["all_correct"],
         "rollout/filtered_all_wrong": ledger.filtered["all_wrong"],
         "rollout/filtered_other": ledger.filtered["other"],
+        "rollout/filtered_unscored": ledger.filtered["unscored"],
+        # responses the reward model could not score (timeout, 5xx, unparseable, down): left out
+        # of their groups, never scored 0
+        "reward/unscored": float(ledger.unscored_samples),
         "rollout/zero_spread_fraction": (
             ledger.zero_spread / ledger.scored_groups if ledger.scored_groups else 0.0
         ),
@@ -67,8 +73,11 @@ def rollout_metrics(
         m.update(partial_metrics(samples, ledger, version))
     if any(s.episode is not None for s in samples):
         m.update(multiturn_metrics(samples))
+    m.update(reward_metrics(samples, ledger, all_intervals))
     if samples:
         n = len(samples)
+        scored = [s for s in samples if s.unscored is None]  # rewards of the scored ones only
+        k = max(len(scored), 1)
         m.update(
             {
                 "rollout/response_length/mean": sum(lengths) / n,
@@ -77,14 +86,53 @@ def rollout_metrics(
                 # verl: share of responses that used the whole budget
                 "rollout/response_length/clip_ratio": sum(x >= cfg.max_response_length for x in lengths) / n,
                 "rollout/truncation_rate": sum(s.truncated for s in samples) / n,
-                "rollout/reward/mean": sum(s.final_reward for s in samples) / n,
-                "rollout/score/mean": sum(s.score for s in samples) / n,
-                "rollout/acc/mean": sum(s.acc for s in samples) / n,
+                "rollout/reward/mean": sum(s.final_reward for s in scored) / k,
+                "rollout/score/mean": sum(s.score for s in scored) / k,
+                "rollout/acc/mean": sum(s.acc for s in scored) / k,
                 "rollout/overlong_penalty/mean": sum(s.overlong_penalty for s in samples) / n,
                 "rollout/reward_errors": sum(s.reward_error is not None for s in samples),
             }
         )
     return m
+
+
+def reward_metrics(
+    samples: list[RolloutSample], ledger: Ledger, gen_intervals: list[tuple[float, float]]
+) -> dict[str, float]:
+    """``reward/*``: the reward's components over the batch (the rule's and the model's mean,
+    where computed), the responses left unscored by reason, and the scoring time, with the share
+    of it that ran while an engine was still generating (hidden behind generation)."""
+    m: dict[str, float] = {}
+    rule = [s.rule_score for s in samples if s.rule_score is not None]
+    model = [s.model_score for s in samples if s.model_score is not None]
+    if rule:
+        m["reward/rule_mean"] = sum(rule) / len(rule)
+    if model:
+        m["reward/model_mean"] = sum(model) / len(model)
+    for s in samples:
+        if s.unscored is not None:
+            key = f"reward/unscored_{s.unscored}"
+            m[key] = m.get(key, 0.0) + 1.0
+    scoring = union_length(ledger.score_intervals)
+    m["reward/score_time_s"] = scoring
+    if scoring > 0:
+        hidden = sum(union_length(_clip(gen_intervals, a, b)) for a, b in _merged(ledger.score_intervals))
+        m["reward/hidden_fraction"] = hidden / scoring
+    return m
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)]
 
 
 def multiturn_metrics(samples: list[RolloutSample]) -> dict[str, float]:

@@ -206,6 +206,14 @@ class RolloutSample:
     # every token was sampled. The episode (EpisodeInfo.as_dict()), None for a single turn.
     loss_mask: list[int] | None = None
     episode: dict[str, Any] | None = None
+    # reward.model: why the served reward model gave no score (rewards/served: timeout,
+    # server_error, unparseable, down), None when scored. An unscored sample leaves its group: it
+    # is trained on by no one and takes no part in the group's advantages (never scored 0).
+    unscored: str | None = None
+    # the reward's components: the rule reward's score and the reward model's (None where the
+    # run does not compute it; rollout metrics reward/rule_mean, reward/model_mean)
+    rule_score: float | None = None
+    model_score: float | None = None
 
     @property
     def response_length(self) -> int:

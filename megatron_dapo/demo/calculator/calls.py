@@ -28,6 +28,8 @@ class CompactCalls:
     """The calls in a model turn's text, in order; a malformed one is a call with ``error`` set,
     so the model is told what was wrong (the episode goes on with the error as the tool's answer)."""
 
+    name = NAME
+
     def parse(self, text: str) -> list[ToolCall]:
         calls, at = [], text.find("[")
         while at >= 0:
@@ -61,4 +63,5 @@ def _one(text: str, start: int) -> tuple[ToolCall, int]:
     return ToolCall(CALCULATOR, {"expression": text[start:end]}), end + 1
 
 
-register_call_format(NAME, CompactCalls())
+FORMAT_PARSER = CompactCalls()
+register_call_format(FORMAT_PARSER)

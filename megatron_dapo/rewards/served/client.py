@@ -1,0 +1,189 @@
+"""One reward model (``reward.model``) as the trainer uses it: an async API for code that runs an
+event loop (scoring each sample as its response completes), and a blocking one that scores a list
+of samples concurrently from a plain thread.
+
+Servers: those the run started for ``reward.model.path`` (their URLs are passed in), or the one
+at ``reward.model.url``. A classifier's conversation and a served judge's prompt are tokenised
+here, with the model's own tokenizer: ``reward.model.path``'s, or for a classifier given by URL
+the ``tokenizer_path`` the server reports (``GET /model_info``), which must be readable here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_dapo.rewards.served.classifier import ClassifierClient, load_tokenizer
+from megatron_dapo.rewards.served.judge import JudgeClient, judge_api
+from megatron_dapo.rewards.served.outcome import RewardModelError, RewardSample, ScoreOutcome
+from megatron_dapo.rewards.served.settings import ServedRewardSettings
+from megatron_dapo.rewards.served.transport import ServerPool
+
+
+class RewardModel:
+    """Async scoring by one reward model; create it with :func:`open_reward_model` inside the
+    event loop that will use it."""
+
+    def __init__(self, settings: ServedRewardSettings, scorer: ClassifierClient | JudgeClient):
+        self.settings = settings
+        self.scorer = scorer
+        self.pool: ServerPool = scorer.pool
+
+    async def score(self, sample: RewardSample) -> ScoreOutcome:
+        """One sample's outcome. Raises (one line) on an HTTP 4xx, a server down past
+        ``down_grace_s``, or a user function that fails; every other failure is an outcome."""
+        return await self.scorer.score(sample)
+
+    async def score_many(self, samples: Sequence[RewardSample]) -> list[ScoreOutcome]:
+        """All samples at once (each server holds at most ``max_in_flight`` of them), in order.
+        The first error raised cancels the rest and is raised."""
+        tasks = [asyncio.ensure_future(self.score(s)) for s in samples]
+        if not tasks:
+            return []
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if failed:
+            for t in pending:
+                t.cancel()
+            # gathered, so that no other task's error is reported later as never retrieved
+            await asyncio.gather(*pending, return_exceptions=True)
+            raise failed[0].exception()
+        return [t.result() for t in tasks]
+
+    def check_down(self) -> None:
+        """Raise :class:`RewardServerDown` when a server has been down past ``down_grace_s``."""
+        self.pool.check_down()
+
+    def mark_restarted(self, url: str) -> None:
+        self.pool.mark_restarted(url)
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+
+
+def _pool(settings: ServedRewardSettings, urls: Sequence[str], api_key: str | None) -> ServerPool:
+    return ServerPool(
+        urls,
+        timeout_s=settings.timeout_s,
+        max_retries=settings.max_retries,
+        max_in_flight=settings.max_in_flight,
+        down_grace_s=settings.down_grace_s,
+        api_key=api_key,
+        what=f"reward {settings.kind}",
+    )
+
+
+async def _tokenizer_path(settings: ServedRewardSettings, pool: ServerPool) -> str:
+    if settings.path is not None:
+        return settings.path
+    try:
+        info = await pool.get("/model_info")
+        reported = info.get("tokenizer_path") or info.get("model_path")
+    except Exception as e:  # noqa: BLE001 - any failure here has the same fix
+        raise RewardModelError(
+            f"reward.model.url={settings.url}: cannot ask the server for its tokenizer (GET /model_info: {e}); "
+            "a classifier needs an SGLang server started with --is-embedding"
+        ) from e
+    if not reported or not Path(str(reported)).is_dir():
+        raise RewardModelError(
+            f"reward.model.url={settings.url}: the classifier's conversations are rendered here with its chat "
+            f"template, and the server's tokenizer_path {reported!r} is not a directory on this machine; "
+            "serve the model with reward.model.path instead, or make that path readable here"
+        )
+    return str(reported)
+
+
+async def open_reward_model(
+    settings: ServedRewardSettings,
+    urls: Sequence[str] | None = None,
+    *,
+    api_key: str | None = None,
+) -> RewardModel:
+    """The reward model behind ``urls`` (the servers the run started for ``settings.path``), or
+    behind ``settings.url`` when ``urls`` is None."""
+    if urls is None:
+        if settings.url is None:
+            raise RewardModelError(
+                "reward.model.path is served by the run: pass the URLs of the servers it started"
+            )
+        urls = [settings.url]
+    pool = _pool(settings, urls, api_key)
+    try:
+        if settings.kind == "classifier":
+            tokenizer = load_tokenizer(
+                await _tokenizer_path(settings, pool), f"reward.model ({settings.kind})"
+            )
+            scorer = ClassifierClient(pool, tokenizer, settings.transform)
+        else:
+            api = judge_api(settings.url)
+            tokenizer = load_tokenizer(settings.path, "reward.model (judge)") if api == "sglang" else None
+            scorer = JudgeClient(
+                pool,
+                api=api,
+                tokenizer=tokenizer,
+                prompt_template=settings.prompt_template,
+                parser=settings.parser,
+                temperature=settings.temperature,
+                max_new_tokens=settings.max_new_tokens,
+            )
+            await scorer.resolve_model_name()
+    except BaseException:
+        await pool.aclose()
+        raise
+    return RewardModel(settings, scorer)
+
+
+class BlockingRewardModel:
+    """:class:`RewardModel` for plain threads: its own event loop in a daemon thread.
+
+    ``score_many(samples)`` scores them concurrently and returns when all are done. Use as a
+    context manager or call :meth:`close`.
+    """
+
+    def __init__(self, settings: ServedRewardSettings, urls: Sequence[str] | None = None, *, api_key=None):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="reward-model-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.model: RewardModel = self._run(open_reward_model(settings, urls, api_key=api_key))
+        except BaseException:
+            self._stop()
+            raise
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def score_many(self, samples: Sequence[RewardSample]) -> list[ScoreOutcome]:
+        return self._run(self.model.score_many(list(samples)))
+
+    def score(self, sample: RewardSample) -> ScoreOutcome:
+        return self._run(self.model.score(sample))
+
+    def check_down(self) -> None:
+        self.model.check_down()
+
+    def mark_restarted(self, url: str) -> None:
+        self._loop.call_soon_threadsafe(self.model.mark_restarted, url)
+
+    def peak_in_flight(self) -> dict[str, int]:
+        return self.model.pool.peak_in_flight()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._run(self.model.aclose())
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,270 @@
+"""Scores from a generative judge: a chat model asked about the response with a prompt template,
+its verdict turned into a score by a parser.
+
+Two ways to ask: a judge the run serves (``reward.model.path``) gets SGLang's ``POST /generate``
+with the prompt rendered by the judge's own chat template and tokenised here (the ids the judge
+was trained to read, with the generation prompt); a judge given by ``reward.model.url`` gets the
+OpenAI-compatible ``POST /v1/chat/completions`` (SGLang, vLLM and hosted APIs serve it, and the
+server applies the chat template). Sampling is the judge's own (``reward.model.temperature``, 0 =
+greedy; ``reward.model.max_new_tokens``), never the policy's.
+
+Parsers (``reward.model.parser``) map the verdict text to a score, or to None: an *unparseable*
+verdict, which leaves the sample unscored rather than scoring it as wrong.
+
+- ``yes_no``: the last standalone "yes" or "no" (any case) -> +1.0 / -1.0. The same two values
+  as the DAPO math rule (``math_dapo``), so a judge can replace the rule without changing the
+  reward's scale, and ``acc`` (score > 0) keeps its meaning.
+- ``boxed_score``: the number in the last ``\\boxed{...}`` (``7``, ``0.5``, ``-2``, ``3/4``).
+- ``"path.py:fn"``: ``fn(verdict: str) -> float | None``; None or an exception is unparseable.
+
+Both built-in parsers read only what follows the last ``</think>``, and a verdict with an
+unclosed ``<think>`` (cut off while thinking) is unparseable, so a reasoning judge's musings
+("yes, but...") never count as its verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+from megatron_dapo.rewards.math_dapo import last_boxed_content
+from megatron_dapo.rewards.registry import load_custom_fn
+from megatron_dapo.rewards.served.outcome import RewardModelError, RewardSample, ScoreOutcome
+from megatron_dapo.rewards.served.transport import Answer, ServerPool
+
+# Why this wording: it names the one thing to judge (the final answer against the reference,
+# not the reasoning or its format, which the policy's style may change during training), and
+# asks for one word last, which yes_no reads. The placeholders are replaced literally, so a
+# template may hold other braces (\boxed{} for boxed_score).
+DEFAULT_PROMPT_TEMPLATE = (
+    "You are grading a response to a question against a reference answer.\n\n"
+    "Question:\n{question}\n\n"
+    "Reference answer:\n{ground_truth}\n\n"
+    "Response:\n{response}\n\n"
+    "Is the final answer of the response equivalent to the reference answer? Judge only the final "
+    "answer, not the reasoning or the formatting. Reply with one word: yes or no."
+)
+PLACEHOLDERS = ("{question}", "{response}", "{ground_truth}")
+YES, NO = 1.0, -1.0
+
+_YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+_FRACTION = re.compile(r"^([+-]?\d+)\s*/\s*(\d+)$")
+
+
+def _final_text(verdict: str) -> str | None:
+    """What follows the judge's thinking, or None when it never finished thinking."""
+    if "</think>" in verdict:
+        return verdict.rsplit("</think>", 1)[1]
+    if "<think>" in verdict:
+        return None
+    return verdict
+
+
+def parse_yes_no(verdict: str) -> float | None:
+    """+1.0 for a final "yes", -1.0 for a final "no", None when there is neither."""
+    text = _final_text(verdict)
+    words = _YES_NO.findall(text) if text is not None else []
+    if not words:
+        return None
+    return YES if words[-1].lower() == "yes" else NO
+
+
+def parse_boxed_score(verdict: str) -> float | None:
+    """The number in the last ``\\boxed{}`` (a decimal or ``a/b``), None when there is none."""
+    text = _final_text(verdict)
+    content = last_boxed_content(text) if text is not None else None
+    if content is None:
+        return None
+    content = content.strip().strip("$").strip()
+    if _NUMBER.match(content):
+        value = float(content)
+    elif m := _FRACTION.match(content):
+        if int(m.group(2)) == 0:
+            return None
+        value = float(Fraction(int(m.group(1)), int(m.group(2))))
+    else:
+        return None
+    return value if math.isfinite(value) else None
+
+
+BUILTIN_PARSERS: dict[str, Callable[[str], float | None]] = {
+    "yes_no": parse_yes_no,
+    "boxed_score": parse_boxed_score,
+}
+
+
+def load_parser(spec: str | Callable) -> tuple[str, Callable[[str], Any]]:
+    """``(name, parser)`` for ``reward.model.parser``: a built-in name, a ``"path.py:fn"``, or a callable."""
+    if callable(spec):
+        return getattr(spec, "__name__", "parser"), spec
+    if spec in BUILTIN_PARSERS:
+        return spec, BUILTIN_PARSERS[spec]
+    if ".py:" in spec:
+        return spec, load_custom_fn(spec)
+    raise RewardModelError(
+        f"reward.model.parser={spec!r} is not one of {', '.join(BUILTIN_PARSERS)} or 'path/to/file.py:function'"
+    )
+
+
+def render_prompt(template: str, sample: RewardSample) -> str:
+    """The template with ``{question}`` (the last user message), ``{response}`` and
+    ``{ground_truth}`` replaced; any other text, braces included, is kept."""
+    question = next(
+        (str(m.get("content", "")) for m in reversed(sample.messages) if m.get("role") == "user"), ""
+    )
+    values = {
+        "{question}": question,
+        "{response}": sample.response,
+        "{ground_truth}": str(sample.ground_truth),
+    }
+    # one pass, so a response that itself contains "{ground_truth}" is not filled in
+    pattern = re.compile("|".join(re.escape(p) for p in PLACEHOLDERS))
+    return pattern.sub(lambda m: values[m.group(0)], template)
+
+
+class JudgeClient:
+    """Async scoring by a judge behind ``pool``.
+
+    Args:
+        pool: the judge servers (one model).
+        api: ``"sglang"`` (``/generate``, needs ``tokenizer``) or ``"openai"`` (``/v1/chat/completions``).
+        tokenizer: the judge's HF tokenizer (``api="sglang"``): its chat template renders the prompt.
+        prompt_template: None for :data:`DEFAULT_PROMPT_TEMPLATE`.
+        parser: ``reward.model.parser`` (see the module's docstring).
+        temperature / max_new_tokens: the judge's sampling.
+        model_name: the ``model`` of an OpenAI request; None asks the server (``GET /v1/models``).
+    """
+
+    def __init__(
+        self,
+        pool: ServerPool,
+        *,
+        api: str,
+        tokenizer=None,
+        prompt_template: str | None = None,
+        parser: str | Callable = "yes_no",
+        temperature: float = 0.0,
+        max_new_tokens: int = 1024,
+        model_name: str | None = None,
+    ):
+        if api not in ("sglang", "openai"):
+            raise ValueError(f"api={api!r} must be 'sglang' or 'openai'")
+        if api == "sglang" and tokenizer is None:
+            raise ValueError("api='sglang' sends token ids and needs the judge's tokenizer")
+        self.pool = pool
+        self.api = api
+        self.tokenizer = tokenizer
+        self.prompt_template = prompt_template or DEFAULT_PROMPT_TEMPLATE
+        if "{response}" not in self.prompt_template:
+            raise RewardModelError(
+                "reward.model.prompt_template has no {response}: the judge would never see the response"
+            )
+        self.parser_name, self.parser = load_parser(parser)
+        self.temperature = float(temperature)
+        self.max_new_tokens = int(max_new_tokens)
+        self.model_name = model_name
+
+    def messages(self, sample: RewardSample) -> list[dict]:
+        return [{"role": "user", "content": render_prompt(self.prompt_template, sample)}]
+
+    def prompt_ids(self, sample: RewardSample) -> list[int]:
+        """The judge's prompt as its chat template renders it, generation prompt on."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RewardModelError(
+                f"{self.pool.what}: the judge's tokenizer has no chat template; a judge is a chat model "
+                "(add its chat_template to tokenizer_config.json)"
+            )
+        text = self.tokenizer.apply_chat_template(
+            self.messages(sample), tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def payload(self, sample: RewardSample) -> dict:
+        if self.api == "sglang":
+            return {
+                "input_ids": self.prompt_ids(sample),
+                "sampling_params": {
+                    "temperature": self.temperature,
+                    "max_new_tokens": self.max_new_tokens,
+                    "skip_special_tokens": True,
+                },
+            }
+        return {
+            "model": self.model_name or "default",
+            "messages": self.messages(sample),
+            "temperature": self.temperature,
+            "max_completion_tokens": self.max_new_tokens,
+        }
+
+    async def resolve_model_name(self) -> None:
+        """An OpenAI server wants the served model's name: the first of ``GET /v1/models``."""
+        if self.api != "openai" or self.model_name is not None:
+            return
+        try:
+            listing = await self.pool.get("/v1/models")
+            self.model_name = str(listing["data"][0]["id"])
+        except Exception:  # noqa: BLE001 - servers that list nothing take any name (SGLang does)
+            self.model_name = "default"
+
+    async def score(self, sample: RewardSample) -> ScoreOutcome:
+        start = time.monotonic()
+        await self.resolve_model_name()
+        path = "/generate" if self.api == "sglang" else "/v1/chat/completions"
+        result = await self.pool.post(path, self.payload(sample), str(sample.sample_id))
+        elapsed = time.monotonic() - start
+        common = {"attempts": result.attempts, "server": result.server, "elapsed_s": elapsed}
+        if not isinstance(result, Answer):
+            return ScoreOutcome(sample.sample_id, None, result.reason, result.detail, **common)
+        verdict, cut = self._verdict(result.body)
+        if verdict is None:
+            detail = f"{path} answer has no text: {str(result.body)[:200]}"
+            return ScoreOutcome(sample.sample_id, None, "unparseable", detail, **common)
+        score, why = self._parse(verdict)
+        if score is None:
+            if cut:
+                why += f"; the verdict was cut at reward.model.max_new_tokens={self.max_new_tokens}"
+            return ScoreOutcome(sample.sample_id, None, "unparseable", why, verdict=verdict, **common)
+        return ScoreOutcome(sample.sample_id, score, verdict=verdict, **common)
+
+    def _verdict(self, body: Any) -> tuple[str | None, bool]:
+        """``(text, cut at the token limit)`` of a ``/generate`` or chat-completions answer."""
+        try:
+            if self.api == "sglang":
+                reason = body["meta_info"].get("finish_reason") or {}
+                kind = reason.get("type") if isinstance(reason, dict) else reason
+                return str(body["text"]), kind == "length"
+            choice = body["choices"][0]
+            content = choice["message"]["content"]
+            # None when the server put everything elsewhere (a reasoning field, a tool call)
+            return (None if content is None else str(content)), choice.get("finish_reason") == "length"
+        except (KeyError, IndexError, TypeError, AttributeError):
+            return None, False
+
+    def _parse(self, verdict: str) -> tuple[float | None, str]:
+        shown = " ".join(verdict.split())[-160:]
+        try:
+            value = self.parser(verdict)
+        except Exception as e:  # noqa: BLE001 - a parser that cannot read a verdict: unparseable
+            return None, f"parser {self.parser_name} raised {type(e).__name__}: {e} on verdict ...{shown!r}"
+        if value is None:
+            return None, f"parser {self.parser_name} found no score in verdict ...{shown!r}"
+        number = None
+        if not isinstance(value, (str, bool)) and hasattr(value, "__float__"):
+            number = float(value)
+        if number is None or not math.isfinite(number):
+            return (
+                None,
+                f"parser {self.parser_name} returned {value!r:.40}, not a finite number, for ...{shown!r}",
+            )
+        return number, ""
+
+
+def judge_api(url: str | None) -> str:
+    """Which API a judge is asked through: SGLang's own for a server the run starts, the
+    OpenAI-compatible one for a server given by URL (any vendor)."""
+    return "openai" if url else "sglang"

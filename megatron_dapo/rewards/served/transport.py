@@ -1,0 +1,235 @@
+"""POSTs to a set of reward servers: retries, back-off, a bound on requests in flight per server,
+and the failure each exhausted request ends in.
+
+What is retried: timeouts, HTTP 5xx, and refused or dropped connections (the next attempt goes
+to the least busy server that is not known to be down, so a dead server's samples move to the
+others). What is not: an HTTP 4xx (the request itself is wrong; :class:`RewardRequestError`), and
+an answer that is not JSON (a server that answers garbage answers it again). Scoring is
+read-only, so a retry can never do harm on the server, unlike a rollout's ``/generate``.
+
+A server is *down* from the first refused or dropped connection until it answers again. One that
+stays down longer than ``down_grace_s`` makes the next request routed to it, or :meth:`check_down`,
+raise :class:`RewardServerDown`: the run stops with one line instead of leaving every sample
+unscored. Restarting servers is the caller's business; :meth:`ServerPool.mark_restarted` tells
+the pool one is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from megatron_dapo.http_errors import http_error
+from megatron_dapo.rewards.served.outcome import RewardRequestError, RewardServerDown
+
+_CONNECT_TIMEOUT_S = 10.0
+# a down server is tried again after this long (doubling per failure), so a restarted one that
+# nobody announced still gets traffic back
+_DOWN_RETRY_FIRST_S = 1.0
+_DOWN_RETRY_MAX_S = 30.0
+
+
+@dataclass
+class Failure:
+    """Why a request produced no answer after its attempts: an ``UNSCORED_REASONS`` entry and the
+    last error as one line."""
+
+    reason: str
+    detail: str
+    server: str
+    attempts: int
+
+
+@dataclass
+class Answer:
+    """A 200 answer: the decoded JSON, from which server, after how many attempts."""
+
+    body: Any
+    server: str
+    attempts: int
+
+
+@dataclass
+class _Server:
+    url: str
+    limit: asyncio.Semaphore
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    down_since: float | None = None
+    down_failures: int = 0
+    retry_at: float = 0.0
+    last_error: str = ""
+    requests: int = field(default=0)
+
+    def usable(self, now: float) -> bool:
+        return self.down_since is None or now >= self.retry_at
+
+
+class ServerPool:
+    """Async POSTs to ``urls`` with retries; create and use it inside one event loop.
+
+    Args:
+        urls: the servers (``http://host:port``), all serving the same model.
+        timeout_s: the longest one attempt may take, start to end of the answer.
+        max_retries: attempts after the first for timeouts, 5xx and connection failures.
+        max_in_flight: requests in flight per server; more wait for a free slot, and that wait
+            is not part of ``timeout_s``.
+        down_grace_s: how long a server may stay unreachable before :class:`RewardServerDown`.
+        backoff_s: the first wait before a retry, doubled per retry (capped at 8x).
+        api_key: sent as ``Authorization: Bearer`` (SGLang's ``--api-key``, OpenAI-style servers).
+        what: names the pool in error lines (e.g. ``"reward judge"``).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        timeout_s: float,
+        max_retries: int,
+        max_in_flight: int,
+        down_grace_s: float,
+        backoff_s: float = 0.5,
+        api_key: str | None = None,
+        what: str = "reward server",
+    ):
+        if not urls:
+            raise ValueError(f"{what}: no server URLs")
+        if timeout_s <= 0 or max_retries < 0 or max_in_flight < 1 or down_grace_s <= 0:
+            raise ValueError(
+                f"{what}: timeout_s={timeout_s} must be > 0, max_retries={max_retries} >= 0, "
+                f"max_in_flight={max_in_flight} >= 1, down_grace_s={down_grace_s} > 0"
+            )
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.down_grace_s = float(down_grace_s)
+        self.backoff_s = float(backoff_s)
+        self.what = what
+        self.servers = [_Server(u.rstrip("/"), asyncio.Semaphore(int(max_in_flight))) for u in urls]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # connections are bounded by the semaphores, not by httpx's pool (its wait would count
+        # against the timeout)
+        self._http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(self.timeout_s, connect=min(_CONNECT_TIMEOUT_S, self.timeout_s)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def peak_in_flight(self) -> dict[str, int]:
+        """The most requests each server had in flight at once so far."""
+        return {s.url: s.peak_in_flight for s in self.servers}
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def mark_restarted(self, url: str) -> None:
+        """The caller restarted the server at ``url``: route requests to it again at once."""
+        for s in self.servers:
+            if s.url == url.rstrip("/"):
+                s.down_since, s.down_failures, s.retry_at = None, 0, 0.0
+
+    def check_down(self) -> None:
+        """Raise :class:`RewardServerDown` when some server has been down past the grace."""
+        now = time.monotonic()
+        for s in self.servers:
+            self._check_grace(s, now)
+
+    async def get(self, path: str) -> Any:
+        """``GET path`` on the first server, one attempt (server information, not scoring)."""
+        server = self.servers[0]
+        r = await self._http.get(server.url + path)
+        if r.status_code != 200:
+            raise RewardRequestError(f"{self.what}: {http_error(r)}")
+        return r.json()
+
+    async def post(self, path: str, payload: dict, sample: str) -> Answer | Failure:
+        """``POST path`` with retries; the JSON answer, or the :class:`Failure` it ended in.
+
+        Raises :class:`RewardRequestError` on a 4xx and :class:`RewardServerDown` for a server
+        down past the grace; ``sample`` names the sample in those lines."""
+        failure: Failure | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** min(attempt - 1, 3))
+            server = self._pick()
+            result = await self._attempt(server, path, payload, sample)
+            if isinstance(result, Answer):
+                result.attempts = attempt + 1
+                return result
+            failure = result
+            failure.attempts = attempt + 1
+            if failure.reason == "unparseable":
+                break
+        return failure
+
+    def _pick(self) -> _Server:
+        now = time.monotonic()
+        usable = [s for s in self.servers if s.usable(now)] or self.servers
+        # least busy first; among equals the one asked least, so idle servers share the work
+        return min(usable, key=lambda s: (s.in_flight, s.requests))
+
+    async def _attempt(self, server: _Server, path: str, payload: dict, sample: str) -> Answer | Failure:
+        self._check_grace(server, time.monotonic())
+        async with server.limit:
+            server.in_flight += 1
+            server.requests += 1
+            server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
+            try:
+                # httpx's read timeout restarts with every chunk; this bounds the whole answer
+                r = await asyncio.wait_for(self._http.post(server.url + path, json=payload), self.timeout_s)
+                body = r.content
+            except (asyncio.TimeoutError, httpx.TimeoutException) as e:
+                if isinstance(e, httpx.ConnectTimeout):
+                    return self._down(server, f"connect timeout: {e}")
+                return Failure(
+                    "timeout", f"no answer within {self.timeout_s:g}s ({server.url}{path})", server.url, 0
+                )
+            except httpx.TransportError as e:  # refused, reset, or closed mid-answer
+                return self._down(server, f"{type(e).__name__}: {e}".rstrip(": "))
+            finally:
+                server.in_flight -= 1
+        self._up(server)
+        where = f"sample {sample}"
+        if r.status_code >= 500:
+            return Failure("server_error", http_error(r, where), server.url, 0)
+        if r.status_code >= 400:
+            raise RewardRequestError(f"{self.what}: {http_error(r, where)}")
+        try:
+            return Answer(json.loads(body), server.url, 0)
+        except ValueError:
+            text = body[:200].decode(errors="replace")
+            return Failure(
+                "unparseable", f"answer is not JSON ({server.url}{path}, {where}): {text!r}", server.url, 0
+            )
+
+    def _down(self, server: _Server, error: str) -> Failure:
+        now = time.monotonic()
+        if server.down_since is None:
+            server.down_since = now
+        server.down_failures += 1
+        # the exponent is capped: a server down for long fails every request of the step quickly
+        backoff = _DOWN_RETRY_FIRST_S * 2.0 ** min(server.down_failures - 1, 30)
+        server.retry_at = now + min(backoff, _DOWN_RETRY_MAX_S)
+        server.last_error = error
+        return Failure("down", f"{server.url}: {error}", server.url, 0)
+
+    def _up(self, server: _Server) -> None:
+        server.down_since, server.down_failures, server.retry_at = None, 0, 0.0
+
+    def _check_grace(self, server: _Server, now: float) -> None:
+        if server.down_since is not None and now - server.down_since > self.down_grace_s:
+            raise RewardServerDown(
+                f"{self.what} {server.url} has been unreachable for {now - server.down_since:.0f}s, past "
+                f"reward.model.down_grace_s={self.down_grace_s:g} (last error: {server.last_error}); "
+                "the run stops rather than leave every sample unscored: check the server's log, or raise "
+                "reward.model.down_grace_s"
+            )

@@ -1,0 +1,354 @@
+"""Served reward models against a stand-in HTTP server that fails on purpose: every failure ends in
+an unscored outcome with its reason, or in one named line, never in a score of 0 or a traceback;
+retries, back-off and the in-flight bound are what the settings say (counted at the stand-in)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megatron_dapo.ports import free_port
+from megatron_dapo.rewards.served import (
+    BlockingRewardModel,
+    RewardRequestError,
+    RewardSample,
+    RewardServerDown,
+    ServedRewardSettings,
+)
+from megatron_dapo.rewards.served.classifier import ClassifierClient
+from megatron_dapo.rewards.served.transport import ServerPool
+
+
+class StandIn:
+    """A 127.0.0.1 server answering the reward endpoints; ``script`` queues one behaviour per
+    request (then ``default``), and it counts requests and the most it held at once."""
+
+    def __init__(self, default=("ok",)):
+        self.default = default
+        self.script: deque = deque()
+        self.requests: list[tuple[str, dict | None]] = []
+        self.in_flight = 0
+        self.peak = 0
+        self.release = threading.Event()  # ends every hang at teardown
+        self._lock = threading.Lock()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    return self._send(200, {"object": "list", "data": [{"id": "standin-judge"}]})
+                self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n)) if n else None
+                with stand_in._lock:
+                    stand_in.requests.append((self.path, body))
+                    action = stand_in.script.popleft() if stand_in.script else stand_in.default
+                    stand_in.in_flight += 1
+                    stand_in.peak = max(stand_in.peak, stand_in.in_flight)
+                try:
+                    self._act(action, body)
+                finally:
+                    with stand_in._lock:
+                        stand_in.in_flight -= 1
+
+            def _act(self, action, body):
+                kind = action[0]
+                if kind == "hang":
+                    stand_in.release.wait(60)
+                    return self._send(200, stand_in.reply(self.path, "yes"))
+                if kind == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if kind == "status":
+                    return self._send(action[1], action[2])
+                if kind == "garbage":
+                    return self._send(200, "{not json", raw=True)
+                if kind == "slow":
+                    time.sleep(action[1])
+                verdict = action[1] if kind == "verdict" else "yes"
+                self._send(200, stand_in.reply(self.path, verdict))
+
+            def _send(self, code, payload, raw=False):
+                data = payload.encode() if raw else json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        # a client that gives up mid-answer (a cancelled request) is expected here, not news
+        self.httpd.handle_error = lambda request, address: None
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def reply(path: str, verdict: str) -> dict:
+        if path == "/classify":
+            return {"embedding": [0.25], "meta_info": {"id": "x"}}
+        if path == "/generate":
+            return {"text": verdict, "meta_info": {"finish_reason": {"type": "stop"}}}
+        return {
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}
+            ]
+        }
+
+    def posts(self) -> int:
+        return len(self.requests)
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stand_in():
+    servers = []
+
+    def make(default=("ok",)):
+        s = StandIn(default)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def judge(url, **kw) -> BlockingRewardModel:
+    """A judge given by URL (the OpenAI-compatible API): the whole client stack, no tokenizer."""
+    settings = dict(kind="judge", url=url, timeout_s=5.0, max_retries=2, max_in_flight=8, down_grace_s=300.0)
+    settings.update(kw)
+    return BlockingRewardModel(ServedRewardSettings(**settings))
+
+
+def samples(n: int) -> list[RewardSample]:
+    return [
+        RewardSample(i, [{"role": "user", "content": f"q{i}"}], f"answer {i}", ground_truth="42")
+        for i in range(n)
+    ]
+
+
+def test_a_good_answer_is_scored_with_the_model_name_the_server_lists(stand_in):
+    s = stand_in()
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    assert out.scored and out.score == 1.0 and out.verdict == "yes" and out.attempts == 1
+    path, body = s.requests[-1]
+    assert path == "/v1/chat/completions" and body["model"] == "standin-judge"
+    assert body["temperature"] == 0.0 and body["max_completion_tokens"] == 1024
+    assert "answer 0" in body["messages"][0]["content"] and "42" in body["messages"][0]["content"]
+
+
+def test_5xx_is_retried_then_the_sample_is_unscored_server_error(stand_in):
+    s = stand_in(default=("status", 500, {"error": {"message": "CUDA out of memory"}}))
+    with judge(s.url, max_retries=2) as model:
+        [out] = model.score_many(samples(1))
+    assert out.score is None and out.unscored == "server_error"
+    assert "HTTP 500" in out.detail and "CUDA out of memory" in out.detail and "sample 0" in out.detail
+    assert out.attempts == 3 and s.posts() == 3
+
+
+def test_a_5xx_then_an_answer_scores_on_the_retry(stand_in):
+    s = stand_in()
+    s.script.append(("status", 503, "overloaded"))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    assert out.scored and out.attempts == 2 and s.posts() == 2
+
+
+def test_a_hang_ends_unscored_timeout_within_its_retries(stand_in):
+    s = stand_in(default=("hang",))
+    timeout, retries = 0.5, 2
+    with judge(s.url, timeout_s=timeout, max_retries=retries) as model:
+        start = time.monotonic()
+        [out] = model.score_many(samples(1))
+        elapsed = time.monotonic() - start
+    assert out.unscored == "timeout" and "0.5s" in out.detail and out.attempts == retries + 1
+    backoff = 0.5 + 1.0  # the pool's waits before retries 1 and 2
+    assert timeout * (retries + 1) <= elapsed < timeout * (retries + 1) + backoff + 2.0
+
+
+def test_garbage_json_is_unscored_unparseable_and_not_retried(stand_in):
+    s = stand_in(default=("garbage",))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "unparseable" and "not JSON" in out.detail and "{not json" in out.detail
+    assert s.posts() == 1
+
+
+def test_an_answer_without_text_is_unscored_unparseable(stand_in):
+    message = {"role": "assistant", "content": None, "reasoning_content": "thinking about yes"}
+    s = stand_in(default=("status", 200, {"choices": [{"message": message, "finish_reason": "length"}]}))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "unparseable" and "has no text" in out.detail and out.verdict is None
+
+
+def test_a_verdict_without_yes_or_no_is_unscored_unparseable_with_the_verdict(stand_in):
+    s = stand_in(default=("verdict", "I cannot decide."))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "unparseable" and out.verdict == "I cannot decide."
+    assert "yes_no found no score" in out.detail and s.posts() == 1
+
+
+def test_connection_refused_is_unscored_down():
+    url = f"http://127.0.0.1:{free_port()}"
+    with judge(url, max_retries=1) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "down" and url in out.detail and out.attempts == 2
+
+
+def test_a_long_outage_stays_unscored_down_however_many_requests_fail():
+    """A step's worth of requests failing against a dead server (the e2e kill saw 1025 in a row):
+    each is unscored down, the back-off stays bounded (it overflowed a float at 2**1024 before)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    with judge(url, max_retries=0, max_in_flight=64) as model:
+        outs = model.score_many(samples(1100))
+    assert {o.unscored for o in outs} == {"down"}
+
+
+def test_a_connection_dropped_mid_answer_is_unscored_down(stand_in):
+    s = stand_in(default=("drop",))
+    with judge(s.url, max_retries=0) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "down" and s.posts() == 1
+
+
+def test_a_server_down_past_the_grace_stops_with_one_line():
+    url = f"http://127.0.0.1:{free_port()}"
+    with judge(url, max_retries=3, down_grace_s=1.0) as model, pytest.raises(RewardServerDown) as e:
+        model.score_many(samples(1))
+    line = str(e.value)
+    assert "\n" not in line and url in line and "reward.model.down_grace_s=1" in line
+    assert "ConnectError" in line
+
+
+def test_a_dead_server_s_samples_move_to_the_live_one(stand_in):
+    live = stand_in()
+    dead = f"http://127.0.0.1:{free_port()}"
+    settings = ServedRewardSettings(kind="judge", url=dead, max_retries=2, max_in_flight=4)
+    with BlockingRewardModel(settings, urls=[dead, live.url]) as model:
+        outs = model.score_many(samples(8))
+    assert all(o.scored and o.server == live.url for o in outs)
+
+
+def test_a_4xx_is_one_line_naming_url_reason_and_sample_and_is_not_retried(stand_in):
+    s = stand_in(default=("status", 400, {"object": "error", "message": "prompt is longer than the context"}))
+    with judge(s.url) as model, pytest.raises(RewardRequestError) as e:
+        model.score_many([samples(8)[7]])
+    line = str(e.value)
+    assert "\n" not in line and "HTTP 400" in line and "prompt is longer than the context" in line
+    assert f"{s.url}/v1/chat/completions" in line and "sample 7" in line
+    assert s.posts() == 1
+
+
+def test_a_4xx_among_many_cancels_the_rest(stand_in):
+    s = stand_in(default=("slow", 0.3))
+    s.script.append(("status", 422, {"detail": [{"loc": ["body", "messages"], "msg": "field required"}]}))
+    with judge(s.url, max_in_flight=1) as model, pytest.raises(RewardRequestError, match="field required"):
+        model.score_many(samples(20))
+    assert s.posts() < 20
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_in_flight_requests_per_server_stay_within_max_in_flight(stand_in, servers):
+    backends = [stand_in(default=("slow", 0.3)) for _ in range(servers)]
+    settings = ServedRewardSettings(kind="judge", url=backends[0].url, max_in_flight=3)
+    with BlockingRewardModel(settings, urls=[b.url for b in backends]) as model:
+        outs = model.score_many(samples(18))
+        peaks = model.peak_in_flight()
+    assert all(o.scored for o in outs)
+    for b in backends:
+        assert b.peak == 3, "the bound is reached (18 samples) and never passed"
+        assert peaks[b.url] == 3
+    assert sum(b.posts() for b in backends) == 18
+
+
+class _Tokenizer:
+    """Enough of an HF tokenizer for the classifier: a chat template and ids of a text."""
+
+    chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [ord(c) % 97 for c in text]}
+
+
+def classify(url: str, transform=None, **pool_kw):
+    pool_kw = {"timeout_s": 5.0, "max_retries": 1, "max_in_flight": 4, "down_grace_s": 300.0, **pool_kw}
+
+    async def run():
+        pool = ServerPool([url], what="reward classifier", **pool_kw)
+        try:
+            client = ClassifierClient(pool, _Tokenizer(), transform)
+            return await client.score(samples(1)[0])
+        finally:
+            await pool.aclose()
+
+    return asyncio.run(run())
+
+
+def test_classifier_sends_the_chat_rendered_ids_and_reads_the_logit(stand_in):
+    s = stand_in()
+    out = classify(s.url)
+    assert out.score == 0.25 and out.raw == [0.25]
+    path, body = s.requests[0]
+    assert path == "/classify" and body == {
+        "input_ids": [ord(c) % 97 for c in "user: q0\nassistant: answer 0\n"]
+    }
+
+
+def test_classifier_transform_maps_the_logit(stand_in, tmp_path):
+    s = stand_in()
+    fn = tmp_path / "t.py"
+    fn.write_text("def scaled(x):\n    return 4 * x - 1\n")
+    assert classify(s.url, f"{fn}:scaled").score == 0.0
+
+
+def test_classifier_answer_without_a_score_is_unparseable(stand_in):
+    s = stand_in(default=("status", 200, {"embedding": [], "meta_info": {}}))
+    out = classify(s.url)
+    assert out.unscored == "unparseable" and "embedding" in out.detail
+
+
+def test_classifier_4xx_names_url_reason_and_sample(stand_in):
+    s = stand_in(default=("status", 400, {"error": {"message": "token id 999 out of range"}}))
+    with pytest.raises(RewardRequestError) as e:
+        classify(s.url)
+    assert (
+        f"{s.url}/classify" in str(e.value) and "token id 999" in str(e.value) and "sample 0" in str(e.value)
+    )
+
+
+def test_a_transform_that_raises_is_one_line_naming_it(stand_in, tmp_path):
+    from megatron_dapo.rewards.served import RewardModelError
+
+    s = stand_in()
+    fn = tmp_path / "t.py"
+    fn.write_text("def broken(x):\n    return 1 / 0\n")
+    with pytest.raises(
+        RewardModelError, match=r"reward.model.transform=.*t.py:broken raised ZeroDivisionError"
+    ):
+        classify(s.url, f"{fn}:broken")
