@@ -1,5 +1,5 @@
 """The calculator demo's recipe: task size, warm start and the RL values configs/demo_calculator.yaml
-holds (the measured curves are in the README).
+holds (the measured curves, and how the task and warm start were chosen: docs/results.md).
 
 The task: "Compute 347 * 48." The tiny model (the arithmetic demo's shape) cannot multiply; it can
 call the calculator ("[347 * 48]"), read its answer ("<|tool|>16656") and copy it ("Answer: 16656").
@@ -7,6 +7,10 @@ The warm start's lazy teacher calls the tool in ``sft_tool_rate`` of the example
 others, so the warm-started policy copies well but calls only that often; DAPO, rewarded on the
 final answer, has to make it call every time. Evaluation: the project's protocol (avg@4 at
 temperature 1.0, top_p 0.7, on 200 held-out problems), the episodes run with the tool.
+
+Measured at 1988d84 (docs/results.md): seeds 0 and 1 warm-start in 250 and 300 steps to 45.9% and
+42.0%, and reach 99.4% and 99.5% in 20 DAPO steps (2.3 min each with set-up on the 2 cores beside
+light other work); without the tool (--no-tools) 0.0% stays 0.0%.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ A_RANGE = range(100, 1000)
 B_RANGE = range(10, 100)
 # Five-digit products only (83% of the pairs): the reply then copies the tool's answer from one
 # offset. With the 4-digit ones too, the warm start needed ~1400 steps instead of ~300 to copy
-# both lengths (seed 0, greedy probe of 100 training problems), most of the demo's time budget.
+# both lengths, most of the demo's time budget (docs/results.md, the calculator demo).
 MIN_PRODUCT = 10_000
 # One wording: the task is using the tool, not reading; the call copies the operands from it.
 TEMPLATE = "Compute {a} * {b}."
@@ -42,7 +42,7 @@ class Product:
         """What the model's call asks the calculator for: "347 * 48", the question's own text, so
         the call copies one run of characters at one offset. Without the spaces ("347*48") the two
         operands sit at different offsets, and the warm start took ~1100 steps instead of ~300 to
-        copy them (seed 0, greedy probe of 100 training problems)."""
+        copy them (docs/results.md, the calculator demo)."""
         return f"{self.a} * {self.b}"
 
 
