@@ -192,6 +192,7 @@ LONG_FILES_FIRST = (
     "test_one_step_off.py",
     "test_demo_determinism.py",
     "test_sglang_real_demo.py",
+    "test_demo_calculator.py",
     "test_sglang_real_torchrun.py",
     "test_convert_roundtrip.py",
     "test_sglang_real_server.py",
