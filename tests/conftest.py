@@ -98,10 +98,11 @@ def sglang_server_factory(tmp_path_factory):
         stop_cpu_server(handle)
 
 
-def _demo_assets_shared_by_workers(tmp_path_factory, name: str, **kwargs):
-    """prepare_demo_assets in a directory every pytest-xdist worker of this run shares: the first
-    worker builds it under a file lock, the others wait and reuse it (prepare_demo_assets reuses
-    a directory whose manifest matches). Without xdist it is the session's own tmp dir."""
+def _demo_assets_shared_by_workers(tmp_path_factory, name: str, build=None, **kwargs):
+    """prepare_demo_assets (or ``build``, with the same contract) in a directory every pytest-xdist
+    worker of this run shares: the first worker builds it under a file lock, the others wait and
+    reuse it (the builder reuses a directory whose manifest matches). Without xdist it is the
+    session's own tmp dir."""
     from filelock import FileLock
 
     from megatron_dapo.demo.assets import prepare_demo_assets
@@ -111,7 +112,7 @@ def _demo_assets_shared_by_workers(tmp_path_factory, name: str, **kwargs):
         base = base.parent  # xdist gives each worker its own basetemp under one run directory
     root = base / name
     with FileLock(str(root) + ".lock"):
-        return prepare_demo_assets(root, **kwargs)
+        return (build or prepare_demo_assets)(root, **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -122,6 +123,24 @@ def assets(tmp_path_factory):
     groups to fill a batch. After a few SFT steps almost every group is all-wrong, and one step
     drew ~3600 prompts in ~900 generation rounds (minutes per step)."""
     return _demo_assets_shared_by_workers(tmp_path_factory, "demo_assets", eval_problems=8)
+
+
+@pytest.fixture(scope="session")
+def calculator_assets(tmp_path_factory):
+    """The calculator demo's model and data (`megatron-dapo demo --task calculator`), its full warm
+    start (~250 steps, 20-60 s), built once per session: the end-to-end test needs groups whose
+    episodes differ, which a policy that calls the tool part of the time and copies its answer
+    gives."""
+    from megatron_dapo.demo.calculator.assets import prepare_calculator_assets
+
+    tools = Path(__file__).resolve().parents[1] / "configs" / "tools" / "calculator.yaml"
+    return _demo_assets_shared_by_workers(
+        tmp_path_factory,
+        "calculator_assets",
+        build=prepare_calculator_assets,
+        tool_config=tools,
+        eval_problems=8,
+    )
 
 
 @pytest.fixture(scope="session")

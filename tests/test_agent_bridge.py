@@ -6,7 +6,7 @@ added as Qwen's tokenizer has them (<|endoftext|>, <|im_start|>, <|im_end|> spec
 tool-call, tool-response and think tags added tokens that are not special), eos <|im_end|>.
 
 Any other template + tokenizer pair runs through the same contract by one line in
-``CONTRACT_CASES`` (the demo's, once its template has a tool role).
+``CONTRACT_CASES`` (the calculator demo's is there).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerFast
 from megatron_dapo.agent.bridge import ChatBridge, Turn, check_append_only, truncation_marker
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE
+from megatron_dapo.demo.tokenizer import build_calculator_tokenizer
 from megatron_dapo.demo.tokenizer import build_tokenizer as build_demo_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
@@ -318,7 +319,7 @@ CONTRACT_CASES = {
     "qwen3-thinking-off": ContractCase(
         lambda: qwen_like_tokenizer("qwen3.jinja"), {"enable_thinking": False}, oneshot_equal=False
     ),
-    # "demo": ContractCase(build_demo_tokenizer),  # once the demo's template has a tool role
+    "demo-calculator": ContractCase(build_calculator_tokenizer),
 }
 
 

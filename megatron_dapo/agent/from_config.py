@@ -3,6 +3,11 @@ episode runner (for the rollout manager and validation)."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
 from typing import Any
 
 from megatron_dapo.agent.bridge import ChatBridge
@@ -30,16 +35,60 @@ def tool_schemas(cfg: Any) -> list[dict] | None:
     return [s.schema for s in specs] or None
 
 
+def call_format(spec: str) -> Any:
+    """``rollout.multi_turn.format`` -> its parser: a registered name (``hermes``), or
+    ``MODULE:NAME`` / ``path/to/file.py:NAME`` whose module registers ``NAME`` with
+    ``register_call_format`` when imported. The module is imported here, in the process that runs
+    the episodes, so a config names a format of its own without any other process knowing it."""
+    where, sep, name = spec.rpartition(":")
+    if sep:
+        if not where or not name:
+            raise ConfigError(
+                f"rollout.multi_turn.format={spec!r}: write a registered name, MODULE:NAME or path/to/file.py:NAME"
+            )
+        try:
+            _import_format_module(where)
+        except Exception as e:  # the user's module: any error of its import is the config's
+            raise ConfigError(
+                f"rollout.multi_turn.format={spec!r}: importing {where!r} failed ({type(e).__name__}: {e})"
+            ) from e
+    try:
+        return get_call_format(name)
+    except ValueError as e:
+        hint = f" ({where} was imported but did not register {name!r})" if sep else ""
+        raise ConfigError(f"rollout.multi_turn.format={spec!r}: {e}{hint}") from e
+
+
+def _import_format_module(where: str) -> None:
+    if not where.endswith(".py"):
+        importlib.import_module(where)
+        return
+    path = Path(where).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    # One module per file, so that naming the same file twice registers its formats once.
+    module_name = f"megatron_dapo_call_format_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    if module_name in sys.modules:
+        return
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"{path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+
+
 def multi_turn_runner(cfg: Any, tokenizer: Any, max_context: int) -> MultiTurn | None:
     """The episode runner of a multi-turn run (None when ``rollout.multi_turn.enable`` is off). It
     owns the tool processes: ``close()`` it when the run ends."""
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
-    try:
-        parser = get_call_format(mt.format)
-    except ValueError as e:
-        raise ConfigError(f"rollout.multi_turn.format={mt.format!r}: {e}") from e
+    parser = call_format(mt.format)
     try:
         bridge = ChatBridge(tokenizer)
     except ValueError as e:

@@ -1,7 +1,9 @@
 """`megatron-dapo demo`: the embedded default. A tiny Qwen2-architecture model learns 2-digit +-
 1-digit arithmetic with DAPO on CPU, through the real stack (Ray, 2 Megatron ranks, the HF
 engine, weight sync, dynamic sampling, overlong shaping). `--algo grpo` runs the same budget
-with GRPO settings for comparison."""
+with GRPO settings for comparison. `--task calculator`: the model learns to use a tool, multi-turn
+episodes with a calculator on products it cannot compute; `--no-tools` runs the same budget
+without the tool for comparison."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import megatron_dapo
 from megatron_dapo.config import ConfigError
 from megatron_dapo.demo import environment
 from megatron_dapo.demo.assets import prepare_demo_assets
+from megatron_dapo.demo.calculator.assets import prepare_calculator_assets
 from megatron_dapo.driver.launch import load_for_cli, run_train
 from megatron_dapo.driver.pipeline import WAIT_METRICS
 from megatron_dapo.driver.run_dir import read_metrics
@@ -32,6 +35,18 @@ def register(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.add_argument("--algo", choices=["dapo", "grpo"], default="dapo")
     p.add_argument(
+        "--task",
+        choices=["arithmetic", "calculator"],
+        default="arithmetic",
+        help="arithmetic: 2-digit +- 1-digit, single turn; calculator: 3-digit x 2-digit products with a "
+        "calculator tool, multi-turn episodes (configs/demo_calculator.yaml)",
+    )
+    p.add_argument(
+        "--no-tools",
+        action="store_true",
+        help="calculator task without the tool (rollout.multi_turn.enable=false), the same budget: the comparison",
+    )
+    p.add_argument(
         "--engine",
         choices=["hf", "sglang"],
         default="hf",
@@ -39,7 +54,11 @@ def register(p: argparse.ArgumentParser) -> None:
         "(`make setup-sglang`; sampling there is not seeded, so runs vary)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the task, the warm start and the run")
-    p.add_argument("--assets", default="runs/demo_assets", help="where the tiny model and data are cached")
+    p.add_argument(
+        "--assets",
+        default=None,
+        help="where the tiny model and data are cached (default runs/demo_assets, runs/demo_calculator_assets)",
+    )
     p.add_argument(
         "--bar-gain",
         type=float,
@@ -52,15 +71,43 @@ def register(p: argparse.ArgumentParser) -> None:
         default=80.0,
         help="held-out accuracy (%%) the run must end at, else exit 3",
     )
-    p.add_argument("overrides", nargs="*", help="key=value overrides of configs/demo.yaml")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="key=value overrides of configs/demo.yaml (demo_calculator.yaml: --task calculator)",
+    )
     p.set_defaults(func=run)
 
 
-def demo_config_path() -> Path:
-    path = Path(megatron_dapo.__file__).resolve().parents[1] / "configs" / "demo.yaml"
+def demo_config_path(name: str = "demo.yaml") -> Path:
+    path = Path(megatron_dapo.__file__).resolve().parents[1] / "configs" / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: run the demo from a checkout of megatron-dapo")
     return path
+
+
+def _prepare(args: argparse.Namespace, console) -> tuple[object, Path, list[str], str]:
+    """The task's assets, config file, overrides and run name."""
+    if args.task == "arithmetic":
+        if args.no_tools:
+            raise ConfigError("--no-tools is for --task calculator (the arithmetic demo has no tools)")
+        assets = prepare_demo_assets(args.assets or "runs/demo_assets", seed=args.seed, console=console)
+        return assets, demo_config_path(), [], f"demo_{args.algo}"
+    tools = demo_config_path("tools/calculator.yaml")
+    assets = prepare_calculator_assets(
+        args.assets or "runs/demo_calculator_assets", tools, seed=args.seed, console=console
+    )
+    overrides = [f"rollout.multi_turn.tool_config_path={tools}"]
+    if args.no_tools:
+        # Without the tool every episode scores -1: no group has two outcomes, and dynamic sampling
+        # would stop the run at step 1 for want of one. Without it the steps run, with zero advantages.
+        overrides += [
+            "rollout.multi_turn.enable=false",
+            "algorithm.filter_groups.enable=false",
+            "algorithm.allow_partial_batch=false",
+        ]
+    name = f"demo_calculator_{args.algo}" + ("_notools" if args.no_tools else "")
+    return assets, demo_config_path("demo_calculator.yaml"), overrides, name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
-    console.rule(f"[bold]megatron-dapo demo ({args.algo.upper()})")
+    task = (
+        "" if args.task == "arithmetic" else f", {args.task}" + (" without the tool" if args.no_tools else "")
+    )
+    console.rule(f"[bold]megatron-dapo demo ({args.algo.upper()}{task})")
     env = environment.collect()
     console.print(f"[bold]environment[/]: {env.summary()}")
     if env.lock_mismatches:
@@ -76,14 +126,19 @@ def run(args: argparse.Namespace) -> int:
             f"[yellow]not the locked versions[/] ({', '.join(env.lock_mismatches)}): the README's figures were "
             "measured with requirements/cpu.lock (`make setup` installs it)"
         )
-    assets = prepare_demo_assets(args.assets, seed=args.seed, console=console)
+    try:
+        assets, config_path, task_overrides, run_name = _prepare(args, console)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     t_assets = time.perf_counter() - t0
     overrides = [
         f"model.path={assets.hf_dir}",
         f"data.train_files=[{assets.train_file}]",
         f"data.val_files=[{assets.val_file}]",
         f"trainer.seed={args.seed}",
-        f"trainer.run_name=demo_{args.algo}" + ("_sglang" if args.engine == "sglang" else ""),
+        f"trainer.run_name={run_name}" + ("_sglang" if args.engine == "sglang" else ""),
+        *task_overrides,
     ]
     if args.engine == "sglang":
         overrides.append("rollout.engine=sglang")
@@ -91,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         overrides += GRPO_OVERRIDES
 
     try:
-        cfg = load_for_cli(str(demo_config_path()), overrides + list(args.overrides))
+        cfg = load_for_cli(str(config_path), overrides + list(args.overrides))
         env.write(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)
         set_log_dir(Path(cfg.trainer.runs_dir) / cfg.trainer.run_name)
         summary = run_train(cfg)

@@ -133,7 +133,9 @@ class MultiTurnConfig:
     # Relative, in a YAML: the file beside that YAML when there is one, else the working directory.
     tool_config_path: Optional[str] = None
     # How a model turn's tool calls are written: hermes (<tool_call>{json}</tool_call>, Qwen2.5/3)
-    # or any name registered with megatron_dapo.agent.calls.register_call_format.
+    # or any name registered with megatron_dapo.agent.calls.register_call_format; MODULE:NAME or
+    # path/to/file.py:NAME imports the module that registers NAME first (the calculator demo's:
+    # megatron_dapo.demo.calculator.calls:demo_calc).
     format: str = "hermes"
     # Wall-clock limit of one tool call; the tool's process is killed past it.
     tool_timeout_s: float = 30.0

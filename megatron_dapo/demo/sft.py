@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_dapo.demo.task import Problem
 
@@ -72,18 +73,21 @@ def prompt_ids(tokenizer, question: str) -> list[int]:
     return list(enc["input_ids"])
 
 
-def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int):
-    """Right-padded input ids, attention mask and labels (-100 outside the response)."""
+def _collate(examples: list[tuple[list[int], ...]], pad_id: int):
+    """Right-padded input ids, attention mask and labels (-100 outside the response, and where
+    an example's optional third element, a response loss mask, is 0: a multi-turn episode's
+    environment tokens are context, never targets)."""
     import torch
 
-    width = max(len(p) + len(r) for p, r in examples)
+    width = max(len(e[0]) + len(e[1]) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
     attn = torch.zeros_like(ids)
-    for row, (p, r) in enumerate(examples):
+    for row, (p, r, *mask) in enumerate(examples):
         seq = p + r
         ids[row, : len(seq)] = torch.tensor(seq)
-        labels[row, len(p) : len(seq)] = torch.tensor(r)
+        target = r if not mask else [t if m else -100 for t, m in zip(r, mask[0], strict=True)]
+        labels[row, len(p) : len(seq)] = torch.tensor(target)
         attn[row, : len(seq)] = 1
     return ids, attn, labels
 
@@ -95,6 +99,7 @@ def supervised_warm_start(
     config: SFTConfig,
     on_step: Callable[[int, float], None] | None = None,
     probe: Callable[[object], float] | None = None,
+    encode: Callable[[Any, bool], tuple[list[int], ...]] | None = None,
 ) -> SFTResult:
     """Train ``model`` in place on the worked solutions of ``problems`` for up to ``config.steps`` steps.
 
@@ -102,6 +107,8 @@ def supervised_warm_start(
     and torch is seeded. ``on_step(step, loss)`` is called after every optimizer step.
     ``probe(model) -> accuracy`` (model in eval mode) is what ``config.stop_accuracy`` is
     checked against; it should score problems the same way the demo's held-out check does.
+    ``encode(problem, lazy)`` -> (prompt ids, response ids[, response loss mask]) makes the
+    examples (default: ``encode_example``, the arithmetic demo's).
     """
     import torch
 
@@ -119,7 +126,12 @@ def supervised_warm_start(
     # Which examples are lazy is fixed per example by its own stream, so batches (drawn from ``rng``)
     # are the same whatever the rate.
     lazy_rng = random.Random(f"lazy-{config.seed}")
-    examples = [encode_example(tokenizer, p, lazy_rng.random() < config.lazy_rate) for p in problems]
+    if encode is None:
+
+        def encode(problem: Any, lazy: bool) -> tuple[list[int], ...]:
+            return encode_example(tokenizer, problem, lazy)
+
+    examples = [encode(p, lazy_rng.random() < config.lazy_rate) for p in problems]
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     model.train()
     start = time.perf_counter()

@@ -31,6 +31,33 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# The calculator demo's tool role (megatron_dapo/demo/calculator/): it lists the tools after
+# <|bos|> and opens each tool answer, "<|tool|>16656", after which the generation prompt follows.
+TOOL = "<|tool|>"
+# A tool call is written in the compact format of demo/calculator/calls.py: "[347 * 48]" calls the
+# calculator, "[name:{json arguments}]" any other tool. The prompt lists the tools by name only:
+# a JSON schema is hundreds of characters, a tenth of a second of attention per token on 2 cores.
+CALCULATOR_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|tool|>"
+    "{% for t in tools %}{% if not loop.first %},{% endif %}{{ (t['function'] if 'function' in t else t)['name'] }}"
+    "{% endfor %}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] or '' }}"
+    "{% for c in message.get('tool_calls') or [] %}"
+    "{% set f = c['function'] if 'function' in c else c %}{% set args = f['arguments'] %}"
+    "{% if f['name'] == 'calculator' and args is mapping and args.keys()|list == ['expression'] %}"
+    "[{{ args['expression'] }}]"
+    "{% else %}[{{ f['name'] }}:{{ args if args is string else args|tojson }}]{% endif %}"
+    "{% endfor %}<|end|>"
+    "{% elif message['role'] == 'tool' %}<|tool|>{{ message['content'] }}"
+    "{% else %}{{ raise_exception('the calculator demo template supports user, assistant and tool roles only') }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 
 def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     """Return the demo ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` ids.
@@ -39,21 +66,35 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     per character, then ``<|reserved_k|>`` tokens up to ``vocab_size``; the reserved ones are
     never produced by encoding and decode to their own names.
     """
+    return _build(vocab_size, (), CHAT_TEMPLATE)
+
+
+def build_calculator_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """The calculator demo's tokenizer: ``build_tokenizer``'s, with ``<|tool|>`` (a special token)
+    at the id of ``<|reserved_0|>`` and ``CALCULATOR_CHAT_TEMPLATE``. Every other id is the
+    arithmetic demo's, so one checkpoint shape serves both demos."""
+    return _build(vocab_size, (TOOL,), CALCULATOR_CHAT_TEMPLATE)
+
+
+def _build(vocab_size: int, extra_specials: tuple[str, ...], chat_template: str):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    base = len(SPECIAL_TOKENS) + len(CHARACTERS)
+    base = len(SPECIAL_TOKENS) + len(CHARACTERS) + len(extra_specials)
     if vocab_size < base:
         raise ValueError(f"vocab_size must be >= {base} (specials + characters), got {vocab_size}")
-    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS)
-    tokens += [f"<|reserved_{k}|>" for k in range(vocab_size - base)]
+    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS) + list(extra_specials)
+    # Extra specials take the first reserved ids; the reserved names after them keep their numbers.
+    tokens += [
+        f"<|reserved_{k}|>" for k in range(len(extra_specials), vocab_size - base + len(extra_specials))
+    ]
     vocab = {tok: i for i, tok in enumerate(tokens)}
 
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # Every character (newline included) is its own pre-token; Fuse joins them back verbatim.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + list(extra_specials))
 
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -64,8 +105,9 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
         clean_up_tokenization_spaces=False,
         model_max_length=256,
         padding_side="left",
+        **({"additional_special_tokens": list(extra_specials)} if extra_specials else {}),
     )
-    hf.chat_template = CHAT_TEMPLATE
+    hf.chat_template = chat_template
     return hf
 
 
