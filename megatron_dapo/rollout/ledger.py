@@ -32,8 +32,8 @@ class Ledger:
         self.restarted_tokens = 0  # rollout.partial: carried tokens dropped for staleness
         # unscored: a reward model left the group fewer than two scored responses
         self.filtered = {"all_correct": 0, "all_wrong": 0, "other": 0, "unscored": 0}
-        # reward.model: responses it could not score, in the groups up to the cut
-        self.unscored_samples = 0
+        # reward.model: responses it could not score in the groups up to the cut, by reason
+        self.unscored: dict[str, int] = {}
         # groups whose filter metric is constant, measured whether or not the filter drops them
         self.zero_spread_serials: set[int] = set()
         self.zero_spread = 0
@@ -61,7 +61,9 @@ class Ledger:
         end = self.drawn if self.cut is None else self.cut
         for serial in range(end):
             outcome = self.outcome[serial]
-            self.unscored_samples += sum(s.unscored is not None for s in self.groups[serial].samples or [])
+            for s in self.groups[serial].samples or []:
+                if s.unscored is not None:
+                    self.unscored[s.unscored] = self.unscored.get(s.unscored, 0) + 1
             if outcome == "kept":
                 self.kept.append(self.groups[serial])
             else:

@@ -47,7 +47,7 @@ def rollout_metrics(
         "rollout/filtered_unscored": ledger.filtered["unscored"],
         # responses the reward model could not score (timeout, 5xx, unparseable, down): left out
         # of their groups, never scored 0
-        "reward/unscored": float(ledger.unscored_samples),
+        "reward/unscored": float(sum(ledger.unscored.values())),
         "rollout/zero_spread_fraction": (
             ledger.zero_spread / ledger.scored_groups if ledger.scored_groups else 0.0
         ),
@@ -100,7 +100,8 @@ def reward_metrics(
     samples: list[RolloutSample], ledger: Ledger, gen_intervals: list[tuple[float, float]]
 ) -> dict[str, float]:
     """``reward/*``: the reward's components over the batch (the rule's and the model's mean,
-    where computed), the responses left unscored by reason, and the scoring time, with the share
+    where computed), the responses left unscored by reason (in every group scored up to the cut,
+    most of them dropped from the batch with their group), and the scoring time, with the share
     of it that ran while an engine was still generating (hidden behind generation)."""
     m: dict[str, float] = {}
     rule = [s.rule_score for s in samples if s.rule_score is not None]
@@ -109,10 +110,8 @@ def reward_metrics(
         m["reward/rule_mean"] = sum(rule) / len(rule)
     if model:
         m["reward/model_mean"] = sum(model) / len(model)
-    for s in samples:
-        if s.unscored is not None:
-            key = f"reward/unscored_{s.unscored}"
-            m[key] = m.get(key, 0.0) + 1.0
+    for reason, count in ledger.unscored.items():
+        m[f"reward/unscored_{reason}"] = float(count)
     scoring = union_length(ledger.score_intervals)
     m["reward/score_time_s"] = scoring
     if scoring > 0:
