@@ -193,6 +193,8 @@ LONG_FILES_FIRST = (
     "test_demo_determinism.py",
     "test_sglang_real_demo.py",
     "test_demo_calculator.py",
+    "test_agent_e2e.py",
+    "test_reward_model_e2e.py",
     "test_sglang_real_torchrun.py",
     "test_convert_roundtrip.py",
     "test_sglang_real_server.py",

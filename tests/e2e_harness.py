@@ -61,23 +61,28 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "megatron_dapo.cli", "train", str(REPO / "configs/demo.yaml"), *args]
+DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 
 
-def train_to_end(args: list[str]) -> None:
+def train_cmd(args: list[str], config: Path = DEMO_CONFIG) -> list[str]:
+    return [sys.executable, "-m", "megatron_dapo.cli", "train", str(config), *args]
+
+
+def train_to_end(args: list[str], config: Path = DEMO_CONFIG) -> None:
     """Run `megatron-dapo train` with `args` in a subprocess; fail the test if it fails."""
-    subprocess.run(train_cmd(args), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600)
+    subprocess.run(
+        train_cmd(args, config), check=True, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, timeout=600
+    )
 
 
-def start_and_wait_for_step(args, metrics: Path, step: int) -> subprocess.Popen:
+def start_and_wait_for_step(args, metrics: Path, step: int, config: Path = DEMO_CONFIG) -> subprocess.Popen:
     """Start a training run in its own process group; return once `step` is in its metrics.
 
     The driver is held after `step` (a test-only hook) until a stop signal or `release(run_dir)`,
     so the interruption always lands mid-run however fast or loaded the machine is."""
     hold = {HOLD_ENV: str(step), RELEASE_ENV: str(metrics.parent / "release_hold")}
     proc = subprocess.Popen(
-        train_cmd(args),
+        train_cmd(args, config),
         env=dict(ENV, **hold),
         cwd=REPO,
         start_new_session=True,
