@@ -52,6 +52,8 @@ def test_bar_check_names_each_miss():
     assert "rose +25.0 points, needs +30" in bar_miss(0.45, 0.70, 30, 80)
     assert "ended at 70.0%, needs 80%" in bar_miss(0.45, 0.70, 30, 80)
     assert bar_miss(0.60, 0.79, 0, 80) == "ended at 79.0%, needs 80% (--bar-final)"
+    # 0 and 0: off, as --help says, even for a run that ends lower than it began
+    assert bar_miss(0.60, 0.55, 0, 0) is None
     assert bar_miss(0.45, 0.70, 0, 0) is None  # the bar switched off
 
 

@@ -71,10 +71,10 @@ def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(calculator_as
     from megatron_dapo.cli import main
 
     monkeypatch.setattr(demo_command, "prepare_calculator_assets", lambda *a, **kw: calculator_assets)
-    # --bar-gain -100: 2 steps on 8 problems may end lower than they began (SGLang is not seeded)
+    # the bar off: 2 steps on 8 problems may end lower than they began (SGLang is not seeded)
     runs = tmp_path / "runs"
     code = main(
-        ["demo", "--task", "calculator", "--engine", "sglang", "--bar-gain", "-100", "--bar-final", "0",
+        ["demo", "--task", "calculator", "--engine", "sglang", "--bar-gain", "0", "--bar-final", "0",
          f"trainer.runs_dir={runs}", "trainer.total_steps=2", "trainer.train_batch_size=4",
          "rollout.gen_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "data.val_max_samples=8",
          "trainer.test_freq=2", "trainer.save_freq=0", "logging.plots_at_end=false", "logging.progress=false",

@@ -185,9 +185,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bar_miss(before: float | None, after: float, gain_points: float, final_percent: float) -> str | None:
-    """Why the run misses the bar (rise by ``gain_points`` AND end at ``final_percent``), or None."""
+    """Why the run misses the bar (rise by ``gain_points`` AND end at ``final_percent``), or None.
+    A bar of 0 is off (``--bar-gain 0``: no rise asked for, a fall included)."""
     misses = []
-    if before is not None and (after - before) * 100 < gain_points - 1e-9:
+    if before is not None and gain_points > 0 and (after - before) * 100 < gain_points - 1e-9:
         misses.append(f"rose {(after - before) * 100:+.1f} points, needs +{gain_points:g} (--bar-gain)")
     if after * 100 < final_percent - 1e-9:
         misses.append(f"ended at {after:.1%}, needs {final_percent:g}% (--bar-final)")
