@@ -33,14 +33,16 @@ from pathlib import Path
 PACKAGE = "megatron_dapo"
 
 # What each part may import. errors.py (how a failure reaches the user), ports.py (free TCP
-# ports) and http_errors.py (an HTTP error answer as one line) are leaves anyone may use.
+# ports), http_errors.py (an HTTP error answer as one line) and pyfile.py (a user's Python file
+# by path) are leaves anyone may use.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "ports": set(),
     "http_errors": set(),
+    "pyfile": set(),
     "algo": set(),
     # http_errors: the reward-model clients' 4xx lines carry the server's own reason
-    "rewards": {"errors", "http_errors"},
+    "rewards": {"errors", "http_errors", "pyfile"},
     "data": {"errors"},
     "eval": {"rewards", "data", "errors", "http_errors"},
     # the schema and its checks; algo for the rollout-correction settings, actor.gpu_settings'
@@ -53,7 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     "rollout": {"algo", "arch", "config", "data", "rewards", "errors", "http_errors", "ports"},
     # multi-turn episodes: the runner the rollout manager is handed, the chat-template bridge,
     # tool-call parsers, tools in processes of their own
-    "agent": {"config", "data", "errors", "rollout"},
+    "agent": {"config", "data", "errors", "pyfile", "rollout"},
     # SGLang servers (launch, placement, health) and their HTTP client, an engine of rollout's protocol
     # (rewards: the served reward model's servers, sglang/reward_servers.py)
     "sglang": {"config", "errors", "http_errors", "ports", "rewards", "rollout"},

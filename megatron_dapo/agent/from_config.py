@@ -3,11 +3,8 @@ episode runner (for the rollout manager and validation)."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 from megatron_dapo.agent.bridge import ChatBridge
@@ -16,6 +13,7 @@ from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings
 from megatron_dapo.agent.tools.host import ToolHost
 from megatron_dapo.agent.tools.spec import ToolSpec, load_tool_config
 from megatron_dapo.config import ConfigError
+from megatron_dapo.pyfile import import_file
 
 
 def tool_specs(cfg: Any) -> list[ToolSpec]:
@@ -63,23 +61,7 @@ def _import_format_module(where: str) -> None:
     if not where.endswith(".py"):
         importlib.import_module(where)
         return
-    path = Path(where).expanduser().resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-    # One module per file, so that naming the same file twice registers its formats once.
-    module_name = f"megatron_dapo_call_format_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
-    if module_name in sys.modules:
-        return
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"{path} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
+    import_file(where, "megatron_dapo_call_format")
 
 
 def multi_turn_runner(cfg: Any, tokenizer: Any, max_context: int) -> MultiTurn | None:

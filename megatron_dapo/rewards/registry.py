@@ -11,11 +11,11 @@ A custom reward has verl's signature ``fn(data_source, solution_str, ground_trut
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_dapo.pyfile import import_file
 from megatron_dapo.rewards import math_dapo
 
 MATH_DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "BytedTsinghua-SIA/DAPO-Math-17k")
@@ -58,11 +58,10 @@ def load_custom_fn(spec: str) -> RewardFn:
     path = Path(path_str).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"custom reward file {str(path)!r} (from {spec!r}) does not exist")
-    module_spec = importlib.util.spec_from_file_location(f"custom_reward_{path.stem}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"custom reward file {str(path)!r} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module = import_file(path, "custom_reward")
+    except ImportError as e:
+        raise ValueError(f"custom reward file {str(path)!r} cannot be imported as a Python module") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -38,10 +37,10 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 from megatron_dapo.agent.tools import builtin, verl_shim
+from megatron_dapo.pyfile import import_file
 
 # one line to the model: an exception's message past this is cut (the traceback goes to the log)
 _MESSAGE_CHARS = 500
@@ -130,22 +129,9 @@ class ToolWorker:
         return tool
 
     def _module(self, path: str):
-        if path in self.modules:
-            return self.modules[path]
-        # a name of its own per file, in sys.modules so that the file's dataclasses and pickles work
-        module_name = f"megatron_dapo_tool_{Path(path).stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"{path} cannot be imported as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[module_name]
-            raise
-        self.modules[path] = module
-        return module
+        if path not in self.modules:
+            self.modules[path] = import_file(path, "megatron_dapo_tool")
+        return self.modules[path]
 
     # -- running -------------------------------------------------------------------------
 
