@@ -34,6 +34,8 @@ NOT_CONFIG_COPIES = {
     ("rollout/types.py", "SamplingParams"),
     # the CPU demo's own small recipe, written to a YAML config by the demo command
     ("demo/recipe.py", "DemoRecipe"),
+    # the calculator demo's recipe, written to its YAML config the same way
+    ("demo/calculator/recipe.py", "CalculatorRecipe"),
     # the demo's supervised warm start, not a DAPO run
     ("demo/sft.py", "SFTConfig"),
     # algo/ sits below config/ (it imports nothing of ours); built as RolloutCorrection(**section)

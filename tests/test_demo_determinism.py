@@ -38,6 +38,8 @@ IGNORED_ROLLOUT_METRICS = (
     "rollout/engine_busy_fraction",
     "rollout/tokens_per_s",
     "rollout/tokens_generated",  # includes the tail past the cut, generated until the abort
+    "reward/score_time_s",
+    "reward/hidden_fraction",  # how much of the scoring ran while an engine still generated
 )
 
 

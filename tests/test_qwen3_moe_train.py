@@ -28,6 +28,18 @@ OPTIM = dict(lr=1e-2, weight_decay=0.1, clip_grad=1.0, lr_warmup_steps=0, adam_e
 P_LENS = [3, 5, 4, 6, 2, 5, 3, 4]
 R_LENS = [6, 2, 8, 3, 5, 7, 1, 4]
 LOSS_MASK = [True, True, True, False, True, True, True, True]
+# tool answers inside two responses (multi-turn episodes): sample -> response positions the model
+# read but did not sample, out of the policy loss, its normaliser and the aux loss's weights
+ENV_TOKENS = {0: [2, 3], 5: [1, 2]}
+
+
+def _with_env_tokens(batch):
+    from dataclasses import replace
+
+    sampled = batch.response_mask.clone()
+    for i, gap in ENV_TOKENS.items():
+        sampled[i, gap] = False
+    return replace(batch, response_mask=batch.response_mask & sampled, sampled_mask=sampled)
 # The routers' load-balancing loss in the objective, large enough to move the router visibly.
 AUX_COEF = 0.1
 
@@ -147,7 +159,8 @@ def _rank_run(rank, world, hf_dir, inputs, layouts, deep=None):
         group_index=[0, 0, 1, 1, 2, 2, 3, 3],
         rollout_logprobs=[row[:n].tolist() for row, n in zip(inputs["rollout"], R_LENS)],
         loss_mask=LOSS_MASK,
-    ).with_old_logprobs(inputs["old"])
+    )
+    batch = _with_env_tokens(batch).with_old_logprobs(inputs["old"])
     out = {}
     for layout in layouts:
         if layout.get("vpp"):
@@ -214,12 +227,14 @@ def _reference(hf_dir, inputs, tmp_path_factory, aux_coef):
     from megatron_dapo.algo import policy_loss
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
-    mask = make_actor_batch(
-        inputs["prompts"],
-        inputs["responses"],
-        advantages=inputs["advantages"],
-        group_index=[0, 0, 1, 1, 2, 2, 3, 3],
-        loss_mask=LOSS_MASK,
+    mask = _with_env_tokens(
+        make_actor_batch(
+            inputs["prompts"],
+            inputs["responses"],
+            advantages=inputs["advantages"],
+            group_index=[0, 0, 1, 1, 2, 2, 3, 3],
+            loss_mask=LOSS_MASK,
+        )
     ).response_mask
     token_lps, seq_aux = _token_logprobs(model, inputs["prompts"], inputs["responses"], with_aux=True)
     logprobs = _padded(token_lps, max(R_LENS))
