@@ -1,6 +1,8 @@
 """Importing a user's Python file by path (``reward.custom_fn``, a call format, a tool): one module
 per file, under a name of its own in ``sys.modules`` (so that the file's dataclasses and pickles
-work, and naming the same file twice imports it once). A leaf: anyone may import it."""
+work, and naming the same file twice imports it once). The name hashes the path and the
+contents, so a file edited between two imports in one process is imported anew, never served
+stale. A leaf: anyone may import it."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ def import_file(path: str | Path, prefix: str) -> ModuleType:
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
-    name = f"{prefix}_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    digest = hashlib.sha256(str(path).encode() + b"\0" + path.read_bytes()).hexdigest()[:12]
+    name = f"{prefix}_{path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)

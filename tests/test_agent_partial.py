@@ -209,6 +209,8 @@ def test_a_weight_sync_pause_mid_episode_continues_it_exactly(model, tools):
     handle.remove()
     paused[0].join(60)
     assert sum(s.interrupted for s in batch.samples) > 0, "the pause must have hit the episodes"
+    # a pause's abort is no failure: nothing retried (a retry counts towards max_retries)
+    assert batch.metrics["rollout/retries"] == 0
     for got, want in zip(batch.samples, whole.samples):
         assert got.response_ids == want.response_ids and got.loss_mask == want.loss_mask
         assert got.episode == want.episode

@@ -4,24 +4,20 @@ The promise (issue 13), end to end with the real stack (Ray, 2 Megatron ranks, t
 async K=2, one_step_off's schedule K batches deep (test_async.py checks K=1 = one_step_off's
 schedule with stand-ins): every token of step k's batch comes from the weights of version
 max(k-3, 0), so staleness is 0 at step 1 and reaches exactly 2 at step 3; the loss takes the
-rollout's log-probs as the behaviour policy; a checkpoint carries the batches generated ahead
-(their own file, carried.safetensors), so SIGKILL + resume equals the uninterrupted run;
-colocated placement refuses both modes.
+rollout's log-probs as the behaviour policy; colocated placement refuses both modes. That a
+checkpoint carries the batches generated ahead (carried.safetensors), so that SIGKILL + resume at
+async K=2 equals the uninterrupted run, is test_agent_e2e.py's (tool episodes, the same code).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
-from e2e_harness import DAPO_ON, read_metrics, start_and_wait_for_step, train_overrides, train_to_end
-from safetensors.torch import load_file
+from e2e_harness import DAPO_ON, read_metrics, train_overrides, train_to_end
 from trainer_fakes import FakeDataset, FakeManager, FakeRanks, fake_sample, make_trainer, trainer_config
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.driver.run_state import CARRIED_FILE, read_carried
 from megatron_dapo.driver.stop import StopFlag
 from megatron_dapo.rollout.manager import RolloutAbandoned
 from megatron_dapo.rollout.types import RolloutBatch
@@ -83,42 +79,6 @@ def test_no_token_is_more_than_two_versions_behind(reference):
         assert r["actor/rollout_logprob_abs_diff"] > 1e-3, r["step"]
         spread = r["actor/rollout_corr_weight_max"] - r["actor/rollout_corr_weight_min"]
         assert spread > 1e-3, (r["step"], spread)
-
-
-def test_sigkill_while_two_batches_are_carried_and_resume_equals_the_uninterrupted_run(
-    assets, reference, tmp_path
-):
-    """Held after step 2, SIGKILLed: its checkpoint carries the batches of steps 3 (generated
-    with the initial weights) and 4 (with step 1's). Resumed (trainer.resume=auto): without them
-    in the checkpoint the resumed steps would generate anew with step 2's weights and differ."""
-    args = train_overrides(assets, tmp_path, "killed", STEPS, **ASYNC_K2, **{"trainer.resume": "auto"})
-    run = tmp_path / "killed"
-    proc = start_and_wait_for_step(args, run / "metrics.jsonl", 2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    ckpt = run / "checkpoints" / "step_00000002"
-    assert (run / "checkpoints" / "latest").read_text().strip() == ckpt.name
-    carried = read_carried(ckpt / CARRIED_FILE)
-    assert [{v for s in b.samples for v in s.token_versions} for b in carried] == [{0}, {1}]
-
-    train_to_end(args)
-    assert json.loads((run / "summary.json").read_text())["resumed_from"] == 2
-    a = load_file(str(reference / "hf" / f"step_{STEPS}" / "model.safetensors"))
-    b = load_file(str(run / "hf" / f"step_{STEPS}" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for name in a:
-        assert (a[name] == b[name]).all(), f"{name} differs after resume"
-    ref, got = read_metrics(reference), read_metrics(run)
-    assert [r["step"] for r in got] == [1, 2, 3, 4]
-    for key in (
-        "rollout/reward/mean",
-        "rollout/staleness_token_mean",
-        "actor/pg_loss",
-        "actor/grad_norm",
-        "actor/rollout_corr_weight_max",
-        "train/prompts_consumed",
-    ):
-        assert [r[key] for r in got] == [r[key] for r in ref], key
 
 
 # ---------------------------------------------------------------- stand-in ranks (no Ray)

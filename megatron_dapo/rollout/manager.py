@@ -195,6 +195,9 @@ class RolloutManager:
         self._pausing = False
         self._quiet = False  # paused with no engine call in flight
         self._collecting = False
+        # pauses so far: a call dispatched before the latest one may come back aborted by it
+        # before the loop has seen the pause (pause() aborts the engines itself)
+        self._pauses = 0
         self.clock = time.monotonic  # of the hang probe and the request timeout; tests step a fake one
         self._probe: InFlightProbe | None = None
 
@@ -237,6 +240,7 @@ class RolloutManager:
             )
         with self._cond:
             self._pausing = True
+            self._pauses += 1
             self._cond.notify_all()
             collecting = self._collecting
         if collecting:
@@ -420,7 +424,7 @@ class RolloutManager:
                         call = calls.pop(fut)
                         self._probe.heard(call.engine.name)
                         self._record_interval(call, ledger)
-                        if fut in paused_calls:
+                        if fut in paused_calls or call.pauses != self._pauses:
                             paused_calls.discard(fut)
                             if self._requeue_paused(call, fut, queue, ledger):
                                 continue
@@ -504,7 +508,7 @@ class RolloutManager:
                 self._probe.busy(engine.name)
             stop = threading.Event()
             calls[pool.submit(self.episodes.run, engine, unit.send, stop)] = Call(
-                unit, engine, time.perf_counter(), self.clock(), stop
+                unit, engine, time.perf_counter(), self.clock(), stop, self._pauses
             )
 
     def _finish_call(self, call: Call, fut: Future, queue, scoring, score_pool, ledger: Ledger) -> None:

@@ -81,6 +81,7 @@ class Call:
     since: float  # the manager's clock at dispatch: the request timeout counts from here
     # set when the manager aborts this call's engine for it: a multi-turn runner starts no turn after
     stop: threading.Event = field(default_factory=threading.Event)
+    pauses: int = 0  # the manager's pause count at dispatch: a pause since then may have aborted it
 
 
 def request_seed(seed: int, version: int, serial: int, sample: int) -> int:
