@@ -40,6 +40,8 @@ def _with_env_tokens(batch):
     for i, gap in ENV_TOKENS.items():
         sampled[i, gap] = False
     return replace(batch, response_mask=batch.response_mask & sampled, sampled_mask=sampled)
+
+
 # The routers' load-balancing loss in the objective, large enough to move the router visibly.
 AUX_COEF = 0.1
 
