@@ -186,10 +186,9 @@ def layout_data(layout_hf_dir):
 LONG_FILES_FIRST = (
     "test_driver_e2e.py",
     "test_sglang_real_restart.py",
-    "test_sglang_real_resume.py",
+    "test_sglang_real_sigkill.py",
     "test_sglang_real_torchrun_nodes.py",
     "test_torchrun_train.py",
-    "test_one_step_off.py",
     "test_demo_determinism.py",
     "test_sglang_real_demo.py",
     "test_demo_calculator.py",

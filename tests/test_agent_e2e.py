@@ -11,7 +11,7 @@ and resumed: the run equals the uninterrupted one, weights bit for bit, and ever
 (tool calls per episode and the TIS weights included). Without the carried batches in the
 checkpoint the resumed steps would generate anew with step 2's weights and differ. This is also
 the single-turn SIGKILL-at-async-K=2 test (a single-turn batch is carried by the same code, with
-no episode columns); test_one_step_off.py checks the schedule's staleness on the single-turn demo."""
+no episode columns), and the async K=2 schedule's staleness test (the same code for both too)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ AHEAD = {
     "trainer.val_before_train": "false",
     "trainer.test_freq": 0,
     "logging.plots_at_end": "false",
-    # TIS with a cap the stale tokens rarely reach: the correction weight is a resumed metric too
+    "rollout.dump_rollouts": "true",
+    # TIS with a cap the stale tokens rarely reach: the correction weight exp(pi_old - rollout)
+    # shows in the step metrics, and is a resumed metric too
     "algorithm.rollout_correction.mode": "tis",
     "algorithm.rollout_correction.threshold": 4.0,
 }
@@ -49,6 +51,32 @@ def reference(calculator_assets, tmp_path_factory):
     runs = tmp_path_factory.mktemp("agent_async")
     train_to_end(train_overrides(calculator_assets, runs, "ref", STEPS, **AHEAD), CONFIG)
     return runs / "ref"
+
+
+def test_no_token_is_more_than_two_versions_behind(reference):
+    """The async K=2 schedule: step k trains on what the weights of version max(k-3, 0) generated
+    (the initial ones for steps 1-3), every token of an episode included."""
+    records = read_metrics(reference)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        rows = [json.loads(line) for line in (reference / "rollouts" / f"step_{r['step']}.jsonl").open()]
+        assert rows and {row["weight_version"] for row in rows} == {max(r["step"] - 3, 0)}, r["step"]
+        lag = float(min(r["step"] - 1, 2))  # the actor trains step k with version k-1
+        for key in ("token_mean", "token_max", "sample_mean", "sample_max"):
+            assert r[f"rollout/staleness_{key}"] == lag, (r["step"], key)
+        assert r["timing/actor_wait_data_s"] >= 0 and r["timing/engine_wait_weights_s"] >= 0
+    # step 1 is on-policy: the actor's pi_old reproduces the rollout's log-probs of the sampled
+    # tokens and the correction weight exp(pi_old - rollout) is 1 on every one of them
+    first = records[0]
+    assert first["actor/rollout_logprob_abs_diff"] < 1e-4
+    assert first["actor/rollout_corr_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert first["actor/rollout_corr_weight_min"] == pytest.approx(1.0, abs=1e-4)
+    # from step 2 the behaviour log-probs are the stale rollout's, not the actor's: the loss's
+    # correction weights move off 1 by as much as the two policies differ
+    for r in records[1:]:
+        assert r["actor/rollout_logprob_abs_diff"] > 1e-3, r["step"]
+        spread = r["actor/rollout_corr_weight_max"] - r["actor/rollout_corr_weight_min"]
+        assert spread > 1e-3, (r["step"], spread)
 
 
 def test_episodes_ahead_killed_and_resumed_equal_the_uninterrupted_run(

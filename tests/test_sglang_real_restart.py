@@ -1,6 +1,6 @@
 """A real SGLang server SIGKILLed mid-rollout inside the DAPO loop, recovered by the trainer's own
 restart path (`rollout/engine_pool.py`): 2 real CPU servers, Ray local, one actor rank (TP=1:
-the TP=2 gather into SGLang's update is test_sglang_real_demo's and the two-node test's; a second
+the TP=2 gather into SGLang's update is test_sglang_real_demo's (the calculator demo) and the two-node test's; a second
 rank here only cost CPU), fp32, weights by SGLang's distributed update over gloo after every step.
 
 The victim is engine 0's first call. Its detokenizer is stopped first (SIGSTOP), so the call's

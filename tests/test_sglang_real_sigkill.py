@@ -1,21 +1,15 @@
-"""SIGKILL of a whole run with `rollout.engine=sglang`, then `trainer.resume=auto` (real CPU
-server, Ray local, one actor rank (TP=1: a TP=2 resume is test_driver_e2e's), fp32).
+"""SIGKILL of a whole run with `rollout.engine=sglang` (real CPU server, Ray local, one actor rank,
+fp32): the run blocks inside its step-2 engine call (`sglang_probe_run.py`), so the kill lands at
+a known point, after checkpoint 1 and before any checkpoint 2. Checked: the latest checkpoint is
+step 1's, and the killed run's SGLang server does not outlive it (it runs in its own session, out
+of the killed group, and dies with the Ray process that started it), so a killed job leaves no
+server holding its GPUs.
 
-SGLang on the CPU ignores `sampling_seed` (it refuses `--enable-deterministic-inference` with the
-torch_native attention backend), so the sampled tokens, and with them the trained weights, differ
-from run to run: a resumed run cannot be compared with a separate uninterrupted run bit for bit.
-What is deterministic, and checked here against the killed run itself (uninterrupted up to the
-kill):
-- the resumed run continues at step 2 with the same data cursor: its step-2 engine call carries
-  exactly the prompts that the killed run's step-2 call carried;
-- the fresh server is loaded with the checkpoint's weights: its log-probs of a fixed sequence equal
-  those the killed run's server gave after the step-1 sync (< 1e-6), and differ from the initial
-  weights' (so a resume that skipped the load would fail);
-- no step is repeated or skipped (metrics.jsonl holds steps 1 and 2 once each);
-- the killed run's SGLang server does not outlive it (it runs in its own session, and dies with the
-  Ray process that started it).
-The killed run blocks inside its step-2 engine call (`sglang_probe_run.py`), so the kill lands at
-a known point, after checkpoint 1 and before any checkpoint 2. Skips without `make setup-sglang`.
+What a resume then does with SGLang is tested where it costs no second run: resuming is the
+HF-engine runs' resume (bitwise in test_driver_e2e, test_agent_e2e) followed by the sync every
+step does, and a fresh server given the actor's weights by that sync serves them
+(test_sglang_real_restart: a restarted server's log-probs equal HF's on the actor's exported
+weights within 1e-5; test_sglang_real_torchrun_nodes). Skips without `make setup-sglang`.
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from sglang_fixtures import require_sglang
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,8 +91,8 @@ def _call(probe_dir: Path, k: int) -> dict:
     return json.loads((probe_dir / f"call_{k}.json").read_text())
 
 
-def test_sigkill_and_resume_with_sglang(assets, tmp_path):
-    runs, first, second = tmp_path / "runs", tmp_path / "probe_killed", tmp_path / "probe_resumed"
+def test_sigkill_leaves_checkpoint_1_and_no_server_behind(assets, tmp_path):
+    runs, first = tmp_path / "runs", tmp_path / "probe_killed"
     run = runs / "killed"
     proc = subprocess.Popen(
         [sys.executable, str(PROBE), *_args(assets, runs)],
@@ -119,35 +112,10 @@ def test_sigkill_and_resume_with_sglang(assets, tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver and every process of its group
         proc.wait(timeout=60)
-    killed_1, killed_2 = _call(first, 1), _call(first, 2)
+    killed_2 = _call(first, 2)
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
     # the server was in its own session, out of the killed group: it must die with its starter
     deadline = time.monotonic() + 300
     while not _gone(killed_2["server_pid"]):
         assert time.monotonic() < deadline, f"SGLang server {killed_2['server_pid']} outlived its run"
         time.sleep(0.2)
-
-    subprocess.run(
-        [sys.executable, str(PROBE), *_args(assets, runs)],
-        env=_env(second),
-        cwd=REPO,
-        check=True,
-        stdout=subprocess.DEVNULL,
-        timeout=1200,
-    )
-    resumed = _call(second, 1)  # the resumed run's first call: its step 2
-    assert not (second / "call_2.json").exists()
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["resumed_from"] == 1 and summary["step"] == 2
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if r["step"] >= 1] == [1, 2], "a step was repeated or skipped"
-
-    assert resumed["prompts"] == killed_2["prompts"], "the resumed step 2 drew other prompts"
-    served, checkpoint, initial = (torch.tensor(c["logprobs"]) for c in (resumed, killed_2, killed_1))
-    # Step 1 moved the weights, by more than 10x the bound below: a server left on the initial
-    # weights fails it. SGLang's CPU sampling is not seeded, so step 1 may draw only groups without
-    # reward spread (all-zero advantages); weight decay alone (lr * wd = 3e-5) still moves them.
-    assert (checkpoint - initial).abs().max() > 1e-5
-    diff = (served - checkpoint).abs().max().item()
-    assert diff < 1e-6, f"the resumed server's log-probs are {diff:.3g} from the checkpoint's"
-    assert resumed["server_pid"] != killed_2["server_pid"]
