@@ -79,13 +79,29 @@ def test_two_steps_end_to_end(assets, tmp_path):
 
 STEPS = 3
 COMMON = {"trainer.val_before_train": "false", "trainer.test_freq": 0, "logging.plots_at_end": "false"}
+# The reference-policy KL as a loss and as a reward penalty with the adaptive controller (a horizon
+# of one step's 16 responses, so its coefficient moves each step): a resume that restarted the
+# coefficient, or built the reference from the checkpoint it resumes instead of the initial
+# weights, changes the resumed steps' losses and fails the bitwise comparison below. Its values
+# are test_reference_kl_e2e's.
+KL = {
+    "actor.use_kl_loss": "true",
+    "actor.kl_loss_coef": 0.1,
+    "actor.kl_loss_type": "low_var_kl",
+    "algorithm.use_kl_in_reward": "true",
+    "algorithm.kl_ctrl.type": "adaptive",
+    "algorithm.kl_ctrl.kl_coef": 0.05,
+    "algorithm.kl_ctrl.target_kl": 1e-6,
+    "algorithm.kl_ctrl.horizon": 16,
+}
 
 
 @pytest.fixture(scope="module")
 def reference(assets, tmp_path_factory):
-    """An uninterrupted 3-step run: what every interrupted-and-resumed run must reproduce."""
+    """An uninterrupted 3-step run with the reference KL: what every interrupted-and-resumed run
+    must reproduce."""
     runs = tmp_path_factory.mktemp("ref_runs")
-    train_to_end(train_overrides(assets, runs, "ref", STEPS, **COMMON))
+    train_to_end(train_overrides(assets, runs, "ref", STEPS, **COMMON, **KL))
     return runs / "ref"
 
 
@@ -113,6 +129,7 @@ def test_rollout_correction_reaches_the_loss_and_a_skipped_sync_fails_the_check(
     monkeypatch.setattr(DAPOTrainer, "fit", fit_without_sync)
     over = {
         **COMMON,
+        **KL,  # at step 1 the actor is the reference: the KL terms are exactly 0, as their gradients
         "trainer.save_freq": 0,
         "trainer.hf_export_at_end": "false",
         "algorithm.rollout_correction.mode": "tis",
@@ -155,31 +172,29 @@ def _latest_checkpoint_step(run: Path) -> int | None:
     return int(latest.read_text().strip().removeprefix("step_")) if latest.is_file() else None
 
 
-def test_sigkill_and_resume_reproduces_the_uninterrupted_run(assets, reference, tmp_path):
-    killed = train_overrides(assets, tmp_path, "killed", STEPS, **COMMON, **{"trainer.resume": "auto"})
-    run = tmp_path / "killed"
-    # held after step 1 is saved (save_freq 1) and logged: the kill lands mid-run on any machine
-    proc = start_and_wait_for_step(killed, run / "metrics.jsonl", 1)
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started
-    proc.wait(timeout=30)
-    left = _latest_checkpoint_step(run)
-    assert left == 1, f"the kill must land after step 1 (latest checkpoint: {left})"
-
-    train_to_end(killed)
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["resumed_from"] == left, "the second run must continue from the newest complete checkpoint"
-    _assert_same_as_reference(reference, run)
-
-
 # SIGTERM only: SIGINT takes the same handler (StopFlag.install), whose SIGINT case and the Ray
 # processes' blocking of both signals are tested in test_trainer_stop_resume.py; a Ray run each
 # was the cost of this file.
-def test_signal_to_the_process_group_saves_and_resumes_exactly(assets, reference, tmp_path):
-    """Slurm's preemption: the signal reaches every process of the job, Ray's included. The run
-    must checkpoint its last finished step (save_freq is far away) and exit 0 in bounded time;
-    the resumed run then equals the uninterrupted one."""
+def test_sigterm_then_sigkill_and_resumes_reproduce_the_uninterrupted_run(assets, reference, tmp_path):
+    """Slurm's preemption, then a hard kill, in one run (three Ray runs instead of four):
+
+    1. SIGTERM to the whole process group (Ray's processes included) while the driver is held
+       after step 1: with save_freq far away, the run must checkpoint its last finished step and
+       exit 0 in bounded time, without a traceback.
+    2. trainer.resume=auto continues from step 1; held after step 2 (not saved), SIGKILL to the
+       group: the newest complete checkpoint is still step 1's, and the step-2 record the killed
+       run wrote is dropped by the next resume.
+    3. trainer.resume=auto again: steps 2 and 3 once more. The weights and every step's metrics
+       equal the uninterrupted run's bit for bit, the KL controller's coefficient and the
+       reference model included (KL above)."""
     args = train_overrides(
-        assets, tmp_path, "stopped", STEPS, **COMMON, **{"trainer.save_freq": 100, "trainer.resume": "auto"}
+        assets,
+        tmp_path,
+        "stopped",
+        STEPS,
+        **COMMON,
+        **KL,
+        **{"trainer.save_freq": 100, "trainer.resume": "auto"},
     )
     run = tmp_path / "stopped"
     proc = start_and_wait_for_step(args, run / "metrics.jsonl", 1)
@@ -187,14 +202,25 @@ def test_signal_to_the_process_group_saves_and_resumes_exactly(assets, reference
     _, stderr = proc.communicate(timeout=120)  # the default trainer.stop_timeout_s is 90
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
-    last = max(r["step"] for r in read_metrics(run))
-    assert last == 1, "the driver was held after step 1 until the signal"
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
+    assert max(r["step"] for r in read_metrics(run)) == 1, "the driver was held after step 1 until the signal"
+    assert _latest_checkpoint_step(run) == 1
     assert json.loads((run / "summary.json").read_text())["stopped_by"] == "SIGTERM"
 
+    proc = start_and_wait_for_step(args, run / "metrics.jsonl", 2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started
+    proc.wait(timeout=30)
+    assert _latest_checkpoint_step(run) == 1, "step 2 was not to be saved (save_freq=100)"
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
     train_to_end(args)
-    assert json.loads((run / "summary.json").read_text())["resumed_from"] == last
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == 1, "the last run must continue from the newest complete checkpoint"
     _assert_same_as_reference(reference, run)
+    got, ref = read_metrics(run), read_metrics(reference)
+    for key in ("actor/kl_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"):
+        assert [r[key] for r in got] == [r[key] for r in ref], key
+    coeffs = [r["actor/reward_kl_penalty_coeff"] for r in ref]
+    assert len(set(coeffs)) == STEPS, f"the controller must move every step for the check to bite: {coeffs}"
 
 
 def test_eval_command_on_an_hf_checkpoint(assets, tmp_path):
