@@ -135,3 +135,51 @@ def test_the_scoring_assumptions_are_printed_and_have_flags(capsys):
     a = Assumptions(score_tok_s_per_gpu=5000.0, verdict_tokens=2.0)
     assert plan(a=a).scoring.prefill_s == pytest.approx(3072 * 1458 / (5000 * 4))
     assert main(["plan", RECIPE, "--score-tok-s-per-gpu", "0"]) == 2
+
+
+def test_colocated_reward_servers_add_no_gpus_share_memory_and_add_their_time_to_decoding():
+    """reward.model.placement=colocated, by hand: the 4 judge servers sit on 4 of the 8 engine
+    GPUs (which are the actor's: trainer.placement=colocated), in 0.3 of each beside the engine's
+    0.6; scoring no longer overlaps decoding but adds to it."""
+    own = plan()
+    pl = plan("reward.model.placement=colocated", "reward.model.mem_fraction_static=0.3")
+    r = pl.roles
+    assert (r.total_gpus, r.actor_gpus, r.rollout_gpus, r.reward_gpus) == (8, 8, 8, 0)
+    weights, kv_per_token = QWEN25_7B * 2, 2 * 28 * 4 * 128 * 2
+    pool = 0.3 * 80 * GIB
+    assert (pl.reward.memory.static_pool, pl.reward.memory.weights) == (pool, weights)
+    assert pl.reward.memory.kv_tokens == int((pool - weights) // kv_per_token)
+    # the same scoring work on the same 4 GPUs, now added to the 74.9 s of decoding
+    assert pl.scoring.score_s == pytest.approx(own.scoring.score_s)
+    assert pl.times.rollout_s == pytest.approx(pl.times.decode_s + pl.scoring.score_s)
+    assert own.times.rollout_s == pytest.approx(own.times.decode_s)
+    # the server never releases its 24 GiB: the actor's generation phase counts it
+    assert pl.rollout_phase_bytes == pytest.approx(own.rollout_phase_bytes + pool)
+    (row,) = [row for row in pl.assumptions if row[0] == "reward placement"]
+    assert "shared with rollout engines" in row[1]
+
+
+def test_colocated_placement_is_refused_where_it_cannot_hold():
+    from megatron_dapo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout.sglang.mem_fraction_static=0.75 or lower"):
+        load_config(RECIPE, ["reward.model.placement=colocated", "rollout.sglang.mem_fraction_static=0.8"])
+    assert load_config(RECIPE, ["reward.model.placement=colocated"]).reward.model.mem_fraction_static == 0.15
+    with pytest.raises(ConfigError, match=r"rollout.sglang.mem_fraction_static=0.5 or lower"):
+        load_config(RECIPE, ["reward.model.placement=colocated", "reward.model.mem_fraction_static=0.4"])
+    with pytest.raises(ConfigError, match=r"num_servers=9 must be <= rollout.num_engines=8"):
+        load_config(RECIPE, ["reward.model.placement=colocated", "reward.model.num_servers=9"])
+    with pytest.raises(ConfigError, match=r"a reward.model.url server runs where it was started"):
+        load_config(
+            RECIPE,
+            [
+                "reward.model.placement=colocated",
+                "reward.model.path=null",
+                "reward.model.url=http://j:30000",
+                "reward.model.num_servers=1",
+            ],
+        )
+    with pytest.raises(ConfigError, match=r"rollout.engine=sglang or auto.*reward.model.placement=own"):
+        load_config(RECIPE, ["reward.model.placement=colocated", "rollout.engine=hf"])
+    with pytest.raises(ConfigError, match=r"reward.model.placement='shared' is not one of own, colocated"):
+        load_config(RECIPE, ["reward.model.placement=shared"])

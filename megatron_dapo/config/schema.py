@@ -281,6 +281,13 @@ class RewardModelConfig:
     # Servers the run starts for `path`, and the GPUs (tensor parallel) of each.
     num_servers: int = 1
     gpus_per_server: int = 1
+    # Where those servers go. own: GPUs of the driver's node that no actor rank or rollout engine
+    # uses (added to the job's). colocated: server i on the first gpus_per_server GPUs of rollout
+    # engine i, in mem_fraction_static of each (next to the engine's own
+    # rollout.sglang.mem_fraction_static): no GPUs of their own, but scoring then competes with
+    # decoding on those GPUs.
+    placement: str = "own"
+    mem_fraction_static: float = 0.15
     # One request's limit, and the retries after it for timeouts, 5xx and dropped connections
     # (a 4xx is never retried: it stops the run with the server's reason).
     timeout_s: float = 60.0

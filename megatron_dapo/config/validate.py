@@ -62,6 +62,7 @@ CHOICES: dict[str, tuple] = {
     "trainer.weight_sync.transport": ("auto", "object_store", "nccl", "cuda_ipc", "disk"),
     "logging.wandb_mode": ("offline", "online"),
     "reward.model.kind": (None, "classifier", "judge"),
+    "reward.model.placement": ("own", "colocated"),
 }
 
 POSITIVE_INTS = (
@@ -345,6 +346,50 @@ def _fn_spec(value: str) -> bool:
     return bool(sep and path.endswith(".py") and name.isidentifier())
 
 
+def _check_reward_placement(cfg: DictConfig) -> None:
+    """reward.model.placement=colocated: servers the run starts, one per rollout engine it starts,
+    within the engine's GPUs, and both memory fractions in one GPU."""
+    m, r = cfg.reward.model, cfg.rollout
+    if not 0 < m.mem_fraction_static < 1:
+        raise ConfigError(
+            f"reward.model.mem_fraction_static={m.mem_fraction_static} must be in (0, 1) (the share of a GPU "
+            "a colocated reward server takes for its weights and KV cache)"
+        )
+    if m.placement != "colocated":
+        return
+    if m.path is None:
+        raise ConfigError(
+            "reward.model.placement=colocated places servers the run starts from reward.model.path; a "
+            "reward.model.url server runs where it was started: remove reward.model.placement"
+        )
+    if r.engine == "hf" or r.sglang.urls:
+        raise ConfigError(
+            "reward.model.placement=colocated puts each reward server on the GPUs of an SGLang rollout engine "
+            "the run starts (rollout.engine=sglang or auto, without rollout.sglang.urls); use "
+            "reward.model.placement=own"
+        )
+    if m.num_servers > r.num_engines or m.gpus_per_server > r.tensor_parallel_size:
+        raise ConfigError(
+            f"reward.model.placement=colocated puts reward server i on rollout engine i's GPUs: "
+            f"reward.model.num_servers={m.num_servers} must be <= rollout.num_engines={r.num_engines} and "
+            f"reward.model.gpus_per_server={m.gpus_per_server} <= rollout.tensor_parallel_size="
+            f"{r.tensor_parallel_size}"
+        )
+    total = m.mem_fraction_static + r.sglang.mem_fraction_static
+    if total > _COLOCATED_MEMORY:
+        room = round(_COLOCATED_MEMORY - m.mem_fraction_static, 2)
+        raise ConfigError(
+            f"reward.model.mem_fraction_static={m.mem_fraction_static} + rollout.sglang.mem_fraction_static="
+            f"{r.sglang.mem_fraction_static} = {total:.2f} of each shared GPU, above {_COLOCATED_MEMORY} (CUDA "
+            f"context, activations and graphs need the rest): set rollout.sglang.mem_fraction_static={room} "
+            "or lower"
+        )
+
+
+# the most of a GPU two SGLang servers sharing it may claim together
+_COLOCATED_MEMORY = 0.9
+
+
 def check_reward(cfg: DictConfig) -> None:
     rw = cfg.reward
     m = rw.model
@@ -376,6 +421,7 @@ def check_reward(cfg: DictConfig) -> None:
                 f"reward.model.num_servers={m.num_servers} counts servers the run starts from reward.model.path; "
                 "with reward.model.url leave it 1"
             )
+    _check_reward_placement(cfg)
     if not m.timeout_s > 0:
         raise ConfigError(
             f"reward.model.timeout_s={m.timeout_s} must be > 0 (seconds one scoring request may take)"

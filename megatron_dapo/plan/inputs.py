@@ -54,6 +54,8 @@ class PlanInputs:
     reward_url: str | None = knob("reward.model.url")
     reward_servers: int = knob("reward.model.num_servers")
     reward_tp: int = knob("reward.model.gpus_per_server")
+    reward_placement: str = knob("reward.model.placement")
+    reward_mem_fraction: float = knob("reward.model.mem_fraction_static")
     reward_prompt_template: str | None = knob("reward.model.prompt_template")
     reward_max_new_tokens: int = knob("reward.model.max_new_tokens")
 
@@ -63,11 +65,25 @@ class PlanInputs:
 
     @property
     def reward_gpus(self) -> int:
-        """GPUs of the reward servers the run starts (reward.model.path); a reward.model.url
-        server runs elsewhere and counts none."""
+        """GPUs the reward servers the run starts (reward.model.path) run on, their own or shared
+        with the rollout engines; a reward.model.url server runs elsewhere and counts none."""
         if self.reward_kind is None or self.reward_path is None:
             return 0
         return self.reward_servers * self.reward_tp
+
+    @property
+    def reward_colocated(self) -> bool:
+        return bool(self.reward_gpus) and self.reward_placement == "colocated"
+
+    @property
+    def reward_own_gpus(self) -> int:
+        """GPUs the reward servers add to the job's: none when they share the engines' GPUs."""
+        return 0 if self.reward_colocated else self.reward_gpus
+
+    @property
+    def reward_memory_fraction(self) -> float:
+        """A reward server's share of its GPU: its own, or rollout.sglang's on GPUs of its own."""
+        return self.reward_mem_fraction if self.reward_colocated else self.mem_fraction_static
 
     @property
     def max_seq_len(self) -> int:

@@ -1,13 +1,14 @@
 """Put the arithmetic together: roles and GPU counts, per-GPU memory of each role, whether it fits
 (with a fix when it does not), tokens per step and the rollout/train time split.
 
-A served reward model (``reward.model.path``) is a role of its own: ``num_servers x
-gpus_per_server`` GPUs added to the job's, each server holding the model's bf16 weights over its
-TP and a KV cache in ``rollout.sglang.mem_fraction_static`` of its GPU, as an engine does. The
-config has no way to colocate the reward servers with the rollout engines; if it had, they would
-add no GPUs, their weights and KV would come out of each engine GPU's pool, and scoring would
-compete with decoding instead of overlapping it. A ``reward.model.url`` server runs elsewhere: no
-GPUs, memory or time of it is counted."""
+A served reward model (``reward.model.path``) is a role of its own: with
+``reward.model.placement=own``, ``num_servers x gpus_per_server`` GPUs added to the job's, each
+server holding the model's bf16 weights over its TP and a KV cache in
+``rollout.sglang.mem_fraction_static`` of its GPU, as an engine does, its scoring overlapping the
+engines' decoding. ``colocated``: no GPUs added; each server takes
+``reward.model.mem_fraction_static`` of rollout engine GPUs (the config keeps the two fractions
+within 0.9 of a GPU) and its scoring adds to the decoding time on them instead of overlapping it.
+A ``reward.model.url`` server runs elsewhere: no GPUs, memory or time of it is counted."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ class Roles:
     actor_gpus: int
     rollout_gpus: int
     colocated: bool
-    reward_gpus: int = 0  # the reward servers' own GPUs (reward.model.path)
+    reward_gpus: int = 0  # the reward servers' own GPUs (reward.model.path, placement=own)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def assign_roles(p: PlanInputs, num_gpus: int | None) -> tuple[Roles, PlanInputs
     engines, the rest for the actor. The reward servers' GPUs (reward.model.num_servers x
     gpus_per_server) come on top. `num_gpus` (e.g. --num-gpus, all of the job's) resizes the
     actor world."""
-    reward = p.reward_gpus
+    reward = p.reward_own_gpus
     if p.placement == "colocated":
         total = num_gpus or p.actor_world_size + reward
         if total <= reward:
@@ -274,14 +275,23 @@ def _actor_fits(
     p: PlanInputs, shape: ModelShape, gpu: GPU, a: Assumptions, mean_seq: float, colocated: bool
 ) -> bool:
     stages, _ = actor_stages(p, shape, a, mean_seq)
-    budget = gpu.memory_gib * GIB - (a.paused_engine_gib * GIB if colocated else 0)
+    reward = _resident_reward_bytes(p, gpu, colocated)
+    budget = gpu.memory_gib * GIB - (a.paused_engine_gib * GIB if colocated else 0) - reward
     if any(s.total > budget for s in stages):
         return False
     if colocated:
         resident = max(s.state.total for s in stages)
-        during_rollout = resident + gpu.memory_gib * GIB * p.mem_fraction_static + a.sglang_runtime_gib * GIB
+        during_rollout = (
+            resident + gpu.memory_gib * GIB * p.mem_fraction_static + a.sglang_runtime_gib * GIB + reward
+        )
         return during_rollout <= gpu.memory_gib * GIB
     return True
+
+
+def _resident_reward_bytes(p: PlanInputs, gpu: GPU, colocated: bool) -> float:
+    """A colocated reward server's share of an actor GPU (engines on the actor's GPUs): it never
+    releases it, in training as in generation."""
+    return gpu.memory_gib * GIB * p.reward_mem_fraction if colocated and p.reward_colocated else 0.0
 
 
 def valid_tp(shape: ModelShape, limit: int = 8) -> list[int]:
@@ -467,7 +477,7 @@ def reward_servers(
 ) -> RewardServers:
     """The reward model's parameters and one server's memory per GPU (`shape`: its decoder)."""
     params = reward_params(p, shape)
-    memory = engine_memory(shape, params, p.reward_tp, gpu.memory_gib * GIB, p.mem_fraction_static)
+    memory = engine_memory(shape, params, p.reward_tp, gpu.memory_gib * GIB, p.reward_memory_fraction)
     template = judge_template_tokens(p)
     verdict = p.reward_max_new_tokens if p.reward_kind == "judge" else 0
     return RewardServers(
@@ -568,9 +578,9 @@ def make_plan(
     counts = count_params(shape)
     total_params = counts.total(shape.num_layers)
     active_params = counts.active(shape.num_layers)
-    if roles.reward_gpus and reward_shape is None:
+    if p.reward_gpus and reward_shape is None:
         raise ValueError(f"reward.model.path={p.reward_path}: the planner needs the reward model's shape")
-    rparams = reward_params(p, reward_shape) if roles.reward_gpus else 0
+    rparams = reward_params(p, reward_shape) if p.reward_gpus else 0
     r = resolve_assumptions(p, shape, gpu, a, total_params, rparams)
     mean_seq = r["mean_prompt"] + r["mean_response"]
     checks = _layout_checks(p, shape, roles)
@@ -581,11 +591,12 @@ def make_plan(
     rollout_phase = None
     if stages:
         peak = max(stages, key=lambda s: s.total)
-        budget = gpu_bytes - (a.paused_engine_gib * GIB if roles.colocated else 0)
+        reward_bytes = _resident_reward_bytes(p, gpu, roles.colocated)
+        budget = gpu_bytes - (a.paused_engine_gib * GIB if roles.colocated else 0) - reward_bytes
         train_ok = peak.total <= budget
         if roles.colocated:
             resident = max(s.state.total for s in stages)
-            rollout_phase = resident + gpu_bytes * p.mem_fraction_static + a.sglang_runtime_gib * GIB
+            rollout_phase = resident + gpu_bytes * p.mem_fraction_static + a.sglang_runtime_gib * GIB + reward_bytes
         rollout_ok = rollout_phase is None or rollout_phase <= gpu_bytes
         fix = None
         if not (train_ok and rollout_ok):
@@ -605,7 +616,7 @@ def make_plan(
             )
         )
         if rollout_phase is not None:
-            room = (gpu_bytes - resident - a.sglang_runtime_gib * GIB) / gpu_bytes
+            room = (gpu_bytes - resident - a.sglang_runtime_gib * GIB - reward_bytes) / gpu_bytes
             alt = (
                 [f"rollout.sglang.mem_fraction_static={math.floor(room * 20) / 20:.2f}"]
                 if room > 0.3
@@ -617,7 +628,8 @@ def make_plan(
                     rollout_ok,
                     f"generation phase: actor state {_gib(resident)} + SGLang "
                     f"pool {_gib(gpu_bytes * p.mem_fraction_static)} + runtime {a.sglang_runtime_gib:g} GiB "
-                    f"= {_gib(rollout_phase)}",
+                    + (f"+ reward server {_gib(reward_bytes)} " if reward_bytes else "")
+                    + f"= {_gib(rollout_phase)}",
                     None if rollout_ok else alt,
                 )
             )
@@ -625,7 +637,7 @@ def make_plan(
     eng = engine_memory(shape, total_params, p.engine_tp, gpu_bytes, p.mem_fraction_static)
     checks += _engine_checks(p, shape, roles, eng, gpu, a, mean_seq)
     rs = None
-    if roles.reward_gpus:
+    if p.reward_gpus:
         rs = reward_servers(p, reward_shape, gpu, a, r["mean_prompt"], r["mean_response"])
         checks += _reward_checks(p, reward_shape, rs, gpu, a)
 
@@ -647,7 +659,7 @@ def make_plan(
             tokens.generated_responses,
             rs.mean_request,
             r["verdict_tokens"],
-            roles.reward_gpus,
+            p.reward_gpus,
             r["score_rate"],
             r["verdict_rate"],
         )
@@ -673,6 +685,7 @@ def make_plan(
         tool_s_per_call=a.tool_s_per_call,
         tool_workers=p.tool_workers,
         score_s=scoring.score_s if scoring is not None else 0.0,
+        score_shares_gpus=p.reward_colocated,
     )
     assumptions = [
         (
@@ -778,13 +791,21 @@ def _reward_assumptions(p: PlanInputs, rs: RewardServers | None, r: dict, gpu: G
                 "served elsewhere: none of its GPUs, memory or scoring time is counted here",
             )
         ]
-    rows = [
-        (
+    if p.reward_colocated:
+        placement = (
+            "reward placement",
+            f"{p.reward_servers} x {p.reward_tp} GPUs shared with rollout engines",
+            "reward.model.placement=colocated: no GPUs added; their weights and KV take "
+            "reward.model.mem_fraction_static of each, and scoring adds to the decoding time there",
+        )
+    else:
+        placement = (
             "reward placement",
             f"{p.reward_servers} x {p.reward_tp} GPUs of their own",
-            "added to the job's; colocated with the engines (not a config option) they would add none, "
-            "their weights and KV would come out of each engine's pool, and scoring would compete with decoding",
-        ),
+            "added to the job's (reward.model.placement=own); scoring overlaps the engines' decoding",
+        )
+    rows = [
+        placement,
         (
             "reward scoring",
             f"{r['score_rate']:,.0f} prefill tok/s per reward GPU",
@@ -793,8 +814,9 @@ def _reward_assumptions(p: PlanInputs, rs: RewardServers | None, r: dict, gpu: G
         ),
         (
             "reward server memory",
-            f"mem_fraction_static={p.mem_fraction_static:g}",
-            "rollout.sglang's: bf16 weights over the server's TP, the rest KV cache, as an engine",
+            f"mem_fraction_static={p.reward_memory_fraction:g}",
+            ("reward.model's" if p.reward_colocated else "rollout.sglang's")
+            + ": bf16 weights over the server's TP, the rest KV cache, as an engine",
         ),
     ]
     if p.reward_kind == "judge":

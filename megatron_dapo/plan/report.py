@@ -48,7 +48,12 @@ def render(plan: Plan, console: Console) -> None:
     if rs is not None:
         head.add_row(
             "reward",
-            f"{roles.reward_gpus} GPUs of their own: {rs.servers} SGLang servers x TP={rs.tp}, {rs.kind} "
+            (
+                f"on {p.reward_gpus} rollout engine GPUs (colocated)"
+                if p.reward_colocated
+                else f"{roles.reward_gpus} GPUs of their own"
+            )
+            + f": {rs.servers} SGLang servers x TP={rs.tp}, {rs.kind} "
             f"{rs.model} ({rs.params / 1e9:.2f} B parameters)",
         )
     elif p.reward_kind is not None:
@@ -103,7 +108,7 @@ def render(plan: Plan, console: Console) -> None:
     if rs is not None:
         m = rs.memory
         rew = Table(title="reward server memory per GPU", show_header=False)
-        rew.add_row("static pool", f"{_g(m.static_pool)} GiB (mem_fraction_static={p.mem_fraction_static:g})")
+        rew.add_row("static pool", f"{_g(m.static_pool)} GiB (mem_fraction_static={p.reward_memory_fraction:g})")
         rew.add_row("weights", f"{_g(m.weights)} GiB (bf16 / TP={rs.tp})")
         rew.add_row(
             "KV cache",
@@ -145,14 +150,16 @@ def render(plan: Plan, console: Console) -> None:
     if sc is not None:
         bound = (
             f"longer than decoding ({_hms(ts.decode_s)}): scoring bounds the rollout; add reward servers"
-            if ts.score_s > ts.decode_s
+            if ts.score_s > ts.decode_s and not p.reward_colocated
+            else f"added to decoding's {_hms(ts.decode_s)} on the shared GPUs"
+            if p.reward_colocated
             else f"within decoding's {_hms(ts.decode_s)}"
         )
         verdicts = f" + {sc.verdict_tokens / 1e6:.2f} M verdict tokens decoded" if sc.verdict_tokens else ""
         step.add_row(
             "scored",
             f"{sc.requests:,} requests, {sc.prefill_tokens / 1e6:.1f} M tokens prefilled{verdicts} on "
-            f"{plan.roles.reward_gpus} reward GPUs = {_hms(sc.score_s)}, {bound}",
+            f"{p.reward_gpus} reward GPUs = {_hms(sc.score_s)}, {bound}",
         )
     step.add_row(
         "trained",

@@ -132,13 +132,15 @@ def time_split(
     tool_s_per_call: float = 0.0,
     tool_workers: int = 1,
     score_s: float = 0.0,
+    score_shares_gpus: bool = False,
 ) -> TimeSplit:
     """Rollout: decode tokens / (per-GPU decode rate * rollout GPUs), prefill and the long tail
     ignored; with tools, the longer of that and the tool calls' seconds / `tool_workers` (the
     engines decode other episodes while one waits for its tools, so the two overlap; an episode's
     own wait is ignored like the long tail); with a served reward model, also `score_s` (each
     response is scored as it completes, while others decode: the scores of the last ones, after
-    decoding ends, are ignored like the long tail). Train: one forward for the old log-probs, then per epoch forward + backward (3
+    decoding ends, are ignored like the long tail); `score_shares_gpus` (reward servers colocated
+    with the engines): the scoring runs on the decoding GPUs, so its time adds to decoding's. Train: one forward for the old log-probs, then per epoch forward + backward (3
     forwards' worth) plus one more forward under full recompute, and with a `reference` model one
     forward of it (its log-probs), at `mfu` of peak. The sync DAPO
     step adds the two up whether the roles share GPUs or not; `overlapped` (one_step_off/async on
@@ -149,8 +151,9 @@ def time_split(
     passes = 1 + (1 if reference else 0) + ppo_epochs * (3 + (1 if recompute else 0))
     flops = tokens.train_tokens * fwd_flops_per_token * passes
     train_s = flops / (actor_gpus * peak_tflops * 1e12 * mfu) + a2a_s
+    busy = decode_s + score_s if score_shares_gpus else max(decode_s, score_s)
     return TimeSplit(
-        max(decode_s, tool_s, score_s), train_s, flops, overlapped, a2a_s, decode_s, tool_s, score_s
+        max(busy, tool_s), train_s, flops, overlapped, a2a_s, decode_s, tool_s, score_s
     )
 
 

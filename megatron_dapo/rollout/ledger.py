@@ -3,6 +3,8 @@ aborted, carried), the cut that decides the batch, and the timing of engine call
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatron_dapo.rollout.partial import CarriedGroup
 from megatron_dapo.rollout.units import Group, Unit
 
@@ -45,6 +47,9 @@ class Ledger:
         self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in engine_names}
         # when units were scored (reward), appended by the scoring threads
         self.score_intervals: list[tuple[float, float]] = []
+        # reward.model: (kind, ScoreOutcome) of every response it was asked to score, appended by
+        # the scoring threads (requests, retries and latency of the step)
+        self.model_outcomes: list[tuple[str, Any]] = []
         self.hung: list[str] = []  # engines found hung with calls in flight this step
 
     def record(self, group: Group, outcome: str) -> None:

@@ -545,7 +545,7 @@ class RolloutManager:
         """Score a unit and record when (how much of the scoring hid behind generation)."""
         start = time.perf_counter()
         try:
-            return self.scoring.score(unit, by_id)
+            return self.scoring.score(unit, by_id, ledger.model_outcomes)
         finally:
             ledger.score_intervals.append((start, time.perf_counter()))
 

@@ -102,7 +102,10 @@ def reward_metrics(
     """``reward/*``: the reward's components over the batch (the rule's and the model's mean,
     where computed), the responses left unscored by reason (in every group scored up to the cut,
     most of them dropped from the batch with their group), and the scoring time, with the share
-    of it that ran while an engine was still generating (hidden behind generation)."""
+    of it that ran while an engine was still generating (hidden behind generation). With a served
+    model, ``reward/<kind>_*`` (kind: classifier or judge) over every response it was asked to
+    score this step: requests sent (retries included), retries, latency per response (mean, max,
+    back-off included) and, for a judge, the verdict's length in characters."""
     m: dict[str, float] = {}
     rule = [s.rule_score for s in samples if s.rule_score is not None]
     model = [s.model_score for s in samples if s.model_score is not None]
@@ -112,11 +115,28 @@ def reward_metrics(
         m["reward/model_mean"] = sum(model) / len(model)
     for reason, count in ledger.unscored.items():
         m[f"reward/unscored_{reason}"] = float(count)
+    m.update(served_model_metrics(ledger.model_outcomes))
     scoring = union_length(ledger.score_intervals)
     m["reward/score_time_s"] = scoring
     if scoring > 0:
         hidden = sum(union_length(_clip(gen_intervals, a, b)) for a, b in _merged(ledger.score_intervals))
         m["reward/hidden_fraction"] = hidden / scoring
+    return m
+
+
+def served_model_metrics(outcomes: list[tuple[str, Any]]) -> dict[str, float]:
+    """``reward/<kind>_*`` from ``(kind, ScoreOutcome)`` pairs (see :func:`reward_metrics`)."""
+    m: dict[str, float] = {}
+    for kind in sorted({k for k, _ in outcomes}):
+        mine = [o for k, o in outcomes if k == kind]
+        latency = [o.elapsed_s for o in mine]
+        m[f"reward/{kind}_requests"] = float(sum(o.attempts for o in mine))
+        m[f"reward/{kind}_retries"] = float(sum(max(o.attempts - 1, 0) for o in mine))
+        m[f"reward/{kind}_latency_mean_s"] = sum(latency) / len(latency)
+        m[f"reward/{kind}_latency_max_s"] = max(latency)
+        verdicts = [len(o.verdict) for o in mine if o.verdict is not None]
+        if kind == "judge" and verdicts:
+            m["reward/judge_verdict_chars_mean"] = sum(verdicts) / len(verdicts)
     return m
 
 

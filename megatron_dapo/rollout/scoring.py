@@ -43,6 +43,8 @@ class SampleReward:
 class ModelScorer(Protocol):
     """A served reward model (``rewards.served.BlockingRewardModel``)."""
 
+    kind: str  # reward.model.kind: "classifier" or "judge" (names its reward/<kind>_* metrics)
+
     def score_many(self, samples: Sequence[RewardSample]) -> list[ScoreOutcome]: ...
 
     def check_down(self) -> None: ...
@@ -74,9 +76,16 @@ class GroupScoring:
         self.combiner = combiner or Combiner(None)
         self._logged: set[str | None] = set()
 
-    def score(self, unit: Unit, by_id: dict[str, GenerationResult]) -> list[list[RolloutSample]]:
+    def score(
+        self,
+        unit: Unit,
+        by_id: dict[str, GenerationResult],
+        outcomes: list[tuple[str, ScoreOutcome]] | None = None,
+    ) -> list[list[RolloutSample]]:
         """The scored samples of each of ``unit``'s groups (``by_id``: every request's full
-        response): reward from the text, plus the overlong penalty from the length.
+        response): reward from the text, plus the overlong penalty from the length. With a
+        reward model, each of its outcomes is appended to ``outcomes`` as ``(kind, outcome)``
+        (the step's ``reward/<kind>_*`` metrics: requests, retries, latency).
 
         A multi-turn episode is scored on its last model turn's text (the final answer; a tool's
         output never is), with the whole episode in ``extra_info["turns"]`` (role and text per
@@ -102,7 +111,7 @@ class GroupScoring:
                 rows.append((res, whole, held.interrupted if held is not None else 0))
                 items.append((g.prompt.data_source, text, g.prompt.ground_truth, extra))
             per_group.append(rows)
-        rewards = self._rewards(unit, items)
+        rewards = self._rewards(unit, items, outcomes)
         lengths = torch.tensor(
             [sampled_length(r) for rows in per_group for r, _, _ in rows], dtype=torch.float64
         )
@@ -148,7 +157,9 @@ class GroupScoring:
             out.append(samples)
         return out
 
-    def _rewards(self, unit: Unit, items: list[tuple]) -> list[SampleReward]:
+    def _rewards(
+        self, unit: Unit, items: list[tuple], record: list[tuple[str, ScoreOutcome]] | None
+    ) -> list[SampleReward]:
         """Each response's reward: the rule's, or the reward model's (combined with the rule's)."""
         if self.model is None:
             return [
@@ -167,6 +178,8 @@ class GroupScoring:
             for rid, p, (source, text, gt, extra) in zip(ids, prompts, items)
         ]
         outcomes = self.model.score_many(samples)
+        if record is not None:
+            record.extend((self.model.kind, o) for o in outcomes)
         self.model.check_down()  # a server down past reward.model.down_grace_s stops the run
         out = []
         for sample, outcome, r in zip(samples, outcomes, rule):

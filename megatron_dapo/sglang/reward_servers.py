@@ -2,10 +2,12 @@
 
 They run on the driver's node, beside the rollout engines but apart from them: no weight sync
 ever reaches them (they serve ``reward.model.path``, frozen), and the engine pool does not hold
-them. On a CPU they take the CPU flags of the rollout servers. On GPUs they take the node's GPUs
-that neither the actor nor the rollout engines use (``placement.engine_gpu_ids``), counted by
-``megatron-dapo plan``; a node without enough left refuses in one line (give ``reward.model.url``
-to use a server placed elsewhere).
+them. On a CPU they take the CPU flags of the rollout servers. On GPUs (:func:`reward_gpu_groups`),
+``reward.model.placement=own`` gives them the node's GPUs that neither the actor nor the rollout
+engines use (``placement.engine_gpu_ids``), counted by ``megatron-dapo plan``; a node without
+enough left refuses in one line (give ``reward.model.url`` to use a server placed elsewhere).
+``colocated`` puts server i on the first GPUs of rollout engine i, in
+``reward.model.mem_fraction_static`` of each.
 
 A classifier is served from a corrected copy of its checkpoint (``rewards.served.checkpoint``:
 SGLang's Qwen2/Qwen3 classification head has a bias the checkpoint lacks) and checked at start-up
@@ -71,14 +73,17 @@ class RewardServers:
             served, probe = str(copy.path), str(settings.path)
         specs = server_specs(settings, served)
         cpu = torch.cuda.device_count() == 0
-        gpus = [()] * len(specs) if cpu else _free_gpu_groups(cfg, settings)
+        gpus = [()] * len(specs) if cpu else reward_gpu_groups(cfg, settings, torch.cuda.device_count())
+        own_share = settings.placement == "own"
         configs = [
             SGLangServerConfig(
                 model_path=spec.model_path,
                 tp_size=spec.tp_size,
                 host="127.0.0.1",
                 port=free_port(),
-                mem_fraction_static=0.05 if cpu else float(cfg.rollout.sglang.mem_fraction_static),
+                mem_fraction_static=0.05
+                if cpu
+                else float(cfg.rollout.sglang.mem_fraction_static if own_share else settings.mem_fraction_static),
                 dtype="float32" if cpu else "auto",
                 base_gpu_id=None if cpu else group[0],
                 extra_args=(list(CPU_SERVER_ARGS) if cpu else []) + list(spec.extra_args),
@@ -142,9 +147,10 @@ class RewardServers:
             srv.stop()
 
 
-def _free_gpu_groups(cfg: Any, settings: ServedRewardSettings) -> list[list[int]]:
-    """GPUs of this node that neither the actor nor the rollout engines use, in server-sized runs."""
-    total = torch.cuda.device_count()
+def reward_gpu_groups(cfg: Any, settings: ServedRewardSettings, total: int) -> list[list[int]]:
+    """Each reward server's GPUs on this node of ``total``: with ``placement=own``, GPUs that
+    neither the actor nor the rollout engines use, in server-sized runs; with ``colocated``, the
+    first ``gpus_per_server`` GPUs of rollout engine i for server i."""
     actor = local_actor_gpus(int(cfg.parallel.actor_world_size), total)
     engines = engine_gpu_ids(
         cfg.trainer.placement,
@@ -153,14 +159,16 @@ def _free_gpu_groups(cfg: Any, settings: ServedRewardSettings) -> list[list[int]
         int(cfg.rollout.num_engines),
         int(cfg.rollout.tensor_parallel_size),
     )
+    tp, n = settings.gpus_per_server, settings.num_servers
+    if settings.placement == "colocated":  # the config checked n <= engines, tp <= engine TP
+        return [list(group[:tp]) for group in engines[:n]]
     used = set(actor) | {g for group in engines for g in group}
     free = [g for g in range(total) if g not in used]
-    tp, n = settings.gpus_per_server, settings.num_servers
     groups = [free[i * tp : (i + 1) * tp] for i in range(n)]
     if len(free) < n * tp or any(g != list(range(g[0], g[0] + tp)) for g in groups):
         raise ConfigError(
             f"reward.model.num_servers={n} x gpus_per_server={tp} needs {n * tp} consecutive free GPUs on this "
-            f"node, but the actor and the rollout engines leave {free}; lower them, or serve the reward "
-            "model elsewhere and give reward.model.url"
+            f"node, but the actor and the rollout engines leave {free}; lower them, share the engines' GPUs "
+            "(reward.model.placement=colocated), or serve the reward model elsewhere and give reward.model.url"
         )
     return groups

@@ -143,6 +143,7 @@ class BlockingRewardModel:
     """
 
     def __init__(self, settings: ServedRewardSettings, urls: Sequence[str] | None = None, *, api_key=None):
+        self.kind = settings.kind
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-model-loop", daemon=True)
         self._thread.start()

@@ -26,6 +26,8 @@ class ServedRewardSettings:
     url: str | None = None
     num_servers: int = 1
     gpus_per_server: int = 1
+    placement: str = "own"
+    mem_fraction_static: float = 0.15
     timeout_s: float = 60.0
     max_retries: int = 2
     max_in_flight: int = 32
@@ -57,6 +59,8 @@ def settings_from_config(reward) -> ServedRewardSettings | None:
         url=None if model.url is None else str(model.url),
         num_servers=int(model.num_servers),
         gpus_per_server=int(model.gpus_per_server),
+        placement=str(model.placement),
+        mem_fraction_static=float(model.mem_fraction_static),
         timeout_s=float(model.timeout_s),
         max_retries=int(model.max_retries),
         max_in_flight=int(model.max_in_flight),
