@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, manager_config
 
-from megatron_dapo.rollout.manager import RolloutManager
 from megatron_dapo.rewards.served import ScoreOutcome
+from megatron_dapo.rollout.manager import RolloutManager
 
 # sample index -> (score, verdict, requests, seconds); None: unscored (timeout)
 SCRIPT = {0: (1.0, "yes", 1, 0.5), 1: (-1.0, "no", 2, 1.5), 2: (1.0, "yes", 1, 0.5), 3: (None, None, 3, 4.0)}

@@ -27,7 +27,9 @@ def test_own_gpus_are_those_no_actor_rank_or_engine_uses(monkeypatch):
         [8, 9, 10, 11],
         [12, 13, 14, 15],
     ]
-    with pytest.raises(ConfigError, match=r"needs 8 consecutive free GPUs.*leave \[8, 9, 10, 11\].*colocated"):
+    with pytest.raises(
+        ConfigError, match=r"needs 8 consecutive free GPUs.*leave \[8, 9, 10, 11\].*colocated"
+    ):
         groups(12, "reward.model.gpus_per_server=2")
 
 
@@ -38,5 +40,9 @@ def test_colocated_servers_take_the_first_gpus_of_each_engine(monkeypatch):
     assert groups(8, *tp2, "reward.model.gpus_per_server=2") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert groups(8, *tp2, "reward.model.num_servers=2") == [[0], [2]]
     # disaggregated: the engines' GPUs follow the actor's 4
-    dis = ["trainer.placement=disaggregated", "parallel.actor_world_size=4", "reward.model.placement=colocated"]
+    dis = [
+        "trainer.placement=disaggregated",
+        "parallel.actor_world_size=4",
+        "reward.model.placement=colocated",
+    ]
     assert groups(12, *dis, "rollout.num_engines=8") == [[4], [5], [6], [7]]

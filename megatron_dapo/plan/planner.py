@@ -596,7 +596,9 @@ def make_plan(
         train_ok = peak.total <= budget
         if roles.colocated:
             resident = max(s.state.total for s in stages)
-            rollout_phase = resident + gpu_bytes * p.mem_fraction_static + a.sglang_runtime_gib * GIB + reward_bytes
+            rollout_phase = (
+                resident + gpu_bytes * p.mem_fraction_static + a.sglang_runtime_gib * GIB + reward_bytes
+            )
         rollout_ok = rollout_phase is None or rollout_phase <= gpu_bytes
         fix = None
         if not (train_ok and rollout_ok):

@@ -108,7 +108,9 @@ def render(plan: Plan, console: Console) -> None:
     if rs is not None:
         m = rs.memory
         rew = Table(title="reward server memory per GPU", show_header=False)
-        rew.add_row("static pool", f"{_g(m.static_pool)} GiB (mem_fraction_static={p.reward_memory_fraction:g})")
+        rew.add_row(
+            "static pool", f"{_g(m.static_pool)} GiB (mem_fraction_static={p.reward_memory_fraction:g})"
+        )
         rew.add_row("weights", f"{_g(m.weights)} GiB (bf16 / TP={rs.tp})")
         rew.add_row(
             "KV cache",

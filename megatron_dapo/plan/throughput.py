@@ -152,9 +152,7 @@ def time_split(
     flops = tokens.train_tokens * fwd_flops_per_token * passes
     train_s = flops / (actor_gpus * peak_tflops * 1e12 * mfu) + a2a_s
     busy = decode_s + score_s if score_shares_gpus else max(decode_s, score_s)
-    return TimeSplit(
-        max(busy, tool_s), train_s, flops, overlapped, a2a_s, decode_s, tool_s, score_s
-    )
+    return TimeSplit(max(busy, tool_s), train_s, flops, overlapped, a2a_s, decode_s, tool_s, score_s)
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,9 @@ class RewardServers:
                 port=free_port(),
                 mem_fraction_static=0.05
                 if cpu
-                else float(cfg.rollout.sglang.mem_fraction_static if own_share else settings.mem_fraction_static),
+                else float(
+                    cfg.rollout.sglang.mem_fraction_static if own_share else settings.mem_fraction_static
+                ),
                 dtype="float32" if cpu else "auto",
                 base_gpu_id=None if cpu else group[0],
                 extra_args=(list(CPU_SERVER_ARGS) if cpu else []) + list(spec.extra_args),
