@@ -200,7 +200,6 @@ LONG_FILES_FIRST = (
     "test_rewards_served_real_classifier.py",
     "test_sglang_driver_cluster.py",
     "test_qwen3_e2e.py",
-    "test_reference_kl_e2e.py",
     "test_loss_types_e2e.py",
     "test_cli_bad_inputs.py",
     "test_sglang_routing_replay.py",

@@ -1,6 +1,6 @@
 """The reference-KL knobs from the config to the micro-batch loss and the driver's reward penalty,
 against hand-computed values (the actor's layouts and HF are in test_reference_kl, the whole
-stack and its resume in test_reference_kl_e2e)."""
+stack and its resume in test_driver_e2e)."""
 
 from __future__ import annotations
 
