@@ -4,9 +4,12 @@ function of the request, so that a test knows every response and verdict by hand
 requests interleave.
 
 ``StandIn(routes)``: ``routes`` maps a POST path to ``fn(body) -> (status, payload)`` or
-``"drop"`` (the connection is closed without an answer, as a server that died mid-request).
-``GET /v1/models`` lists one model. Daemon threads: a test (or a forked CLI run) just uses
-``.url``; ``close()`` stops it. ``requests`` records every (path, body).
+``"drop"`` (the connection is closed without an answer, as a server that died mid-request); a
+payload given as a string is sent as is (not JSON). ``other(path, body)``, when given, answers
+the POST paths ``routes`` lacks (else 404). ``GET /v1/models`` lists one model (``model_id``).
+Daemon threads: a test (or a forked CLI run) just uses ``.url``; ``close()`` stops it.
+``requests`` records every (path, body); ``in_flight`` and ``peak`` count the POSTs being answered
+now and the most at once.
 """
 
 from __future__ import annotations
@@ -22,9 +25,17 @@ Route = Callable[[dict], "tuple[int, dict | str] | str"]
 
 
 class StandIn:
-    def __init__(self, routes: dict[str, Route]):
+    def __init__(
+        self,
+        routes: dict[str, Route],
+        other: Callable[[str, dict], tuple[int, dict | str] | str] | None = None,
+        model_id: str = "standin",
+    ):
         self.routes = routes
+        self.other = other
         self.requests: list[tuple[str, dict]] = []
+        self.in_flight = 0
+        self.peak = 0
         self._lock = threading.Lock()
         stand_in = self
 
@@ -36,7 +47,7 @@ class StandIn:
 
             def do_GET(self):  # noqa: N802
                 if self.path == "/v1/models":
-                    return self._send(200, {"object": "list", "data": [{"id": "standin"}]})
+                    return self._send(200, {"object": "list", "data": [{"id": model_id}]})
                 self._send(404, {"detail": "Not Found"})
 
             def do_POST(self):  # noqa: N802
@@ -44,10 +55,22 @@ class StandIn:
                 body = json.loads(self.rfile.read(n)) if n else {}
                 with stand_in._lock:
                     stand_in.requests.append((self.path, body))
+                    stand_in.in_flight += 1
+                    stand_in.peak = max(stand_in.peak, stand_in.in_flight)
+                try:
+                    self._answer(body)
+                finally:
+                    with stand_in._lock:
+                        stand_in.in_flight -= 1
+
+            def _answer(self, body):
                 route = stand_in.routes.get(self.path)
-                if route is None:
+                if route is not None:
+                    answer = route(body)
+                elif stand_in.other is not None:
+                    answer = stand_in.other(self.path, body)
+                else:
                     return self._send(404, {"detail": "Not Found"})
-                answer = route(body)
                 if answer == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)

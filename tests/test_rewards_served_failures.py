@@ -5,13 +5,11 @@ retries, back-off and the in-flight bound are what the settings say (counted at 
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import threading
 import time
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import judge_standin
 import pytest
 
 from megatron_dapo.ports import free_port
@@ -26,77 +24,35 @@ from megatron_dapo.rewards.served.classifier import ClassifierClient
 from megatron_dapo.rewards.served.transport import ServerPool
 
 
-class StandIn:
+class StandIn(judge_standin.StandIn):
     """A 127.0.0.1 server answering the reward endpoints; ``script`` queues one behaviour per
-    request (then ``default``), and it counts requests and the most it held at once."""
+    request (then ``default``): ("ok",), ("verdict", text), ("slow", seconds), ("hang",) until
+    ``release``, ("drop",), ("status", code, payload), ("garbage",). It counts requests and the
+    most it held at once (``peak``)."""
 
     def __init__(self, default=("ok",)):
         self.default = default
         self.script: deque = deque()
-        self.requests: list[tuple[str, dict | None]] = []
-        self.in_flight = 0
-        self.peak = 0
         self.release = threading.Event()  # ends every hang at teardown
-        self._lock = threading.Lock()
-        stand_in = self
+        self._script_lock = threading.Lock()
+        super().__init__({}, other=self._act, model_id="standin-judge")
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                if self.path == "/v1/models":
-                    return self._send(200, {"object": "list", "data": [{"id": "standin-judge"}]})
-                self._send(404, {"detail": "Not Found"})
-
-            def do_POST(self):
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else None
-                with stand_in._lock:
-                    stand_in.requests.append((self.path, body))
-                    action = stand_in.script.popleft() if stand_in.script else stand_in.default
-                    stand_in.in_flight += 1
-                    stand_in.peak = max(stand_in.peak, stand_in.in_flight)
-                try:
-                    self._act(action, body)
-                finally:
-                    with stand_in._lock:
-                        stand_in.in_flight -= 1
-
-            def _act(self, action, body):
-                kind = action[0]
-                if kind == "hang":
-                    stand_in.release.wait(60)
-                    return self._send(200, stand_in.reply(self.path, "yes"))
-                if kind == "drop":
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                if kind == "status":
-                    return self._send(action[1], action[2])
-                if kind == "garbage":
-                    return self._send(200, "{not json", raw=True)
-                if kind == "slow":
-                    time.sleep(action[1])
-                verdict = action[1] if kind == "verdict" else "yes"
-                self._send(200, stand_in.reply(self.path, verdict))
-
-            def _send(self, code, payload, raw=False):
-                data = payload.encode() if raw else json.dumps(payload).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        # a client that gives up mid-answer (a cancelled request) is expected here, not news
-        self.httpd.handle_error = lambda request, address: None
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    def _act(self, path: str, body: dict):
+        with self._script_lock:
+            action = self.script.popleft() if self.script else self.default
+        kind = action[0]
+        if kind == "hang":
+            self.release.wait(60)
+            return 200, self.reply(path, "yes")
+        if kind == "drop":
+            return "drop"
+        if kind == "status":
+            return action[1], action[2]
+        if kind == "garbage":
+            return 200, "{not json"
+        if kind == "slow":
+            time.sleep(action[1])
+        return 200, self.reply(path, action[1] if kind == "verdict" else "yes")
 
     @staticmethod
     def reply(path: str, verdict: str) -> dict:
@@ -115,8 +71,7 @@ class StandIn:
 
     def close(self):
         self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().close()
 
 
 @pytest.fixture
