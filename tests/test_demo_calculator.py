@@ -19,9 +19,10 @@ from megatron_dapo.config import ConfigError
 from megatron_dapo.demo.calculator.assets import episode_settings
 from megatron_dapo.demo.calculator.calls import FORMAT, CompactCalls
 from megatron_dapo.demo.calculator.recipe import CALCULATOR_RECIPE
-from megatron_dapo.demo.calculator.task import MIN_PRODUCT, make_products, split_pairs, to_rows
+from megatron_dapo.demo.calculator.task import MIN_PRODUCT, make_products, split_pairs
 from megatron_dapo.demo.calculator.teacher import Teacher, calculator, sampled_episodes, tools_of
 from megatron_dapo.demo.sft import _collate
+from megatron_dapo.demo.task import to_rows
 from megatron_dapo.demo.tokenizer import build_calculator_tokenizer, build_tokenizer
 from megatron_dapo.rewards.math_dapo import compute_score
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult, SamplingParams

@@ -82,8 +82,9 @@ def make_problems(
     return train, val
 
 
-def to_rows(problems: list[Problem], split: str) -> list[dict]:
-    """verl parquet rows: data_source, prompt (chat messages), ability, reward_model, extra_info."""
+def to_rows(problems: list, split: str) -> list[dict]:
+    """verl parquet rows: data_source, prompt (chat messages), ability, reward_model, extra_info,
+    for any problems with ``question`` and ``answer`` (this task's, the calculator's)."""
     return [
         {
             "data_source": DATA_SOURCE,

@@ -13,7 +13,7 @@ from pathlib import Path
 from megatron_dapo.agent.runner import MultiTurnSettings
 from megatron_dapo.agent.tools.spec import load_tool_config
 from megatron_dapo.demo.calculator.recipe import CALCULATOR_RECIPE, CalculatorRecipe
-from megatron_dapo.demo.calculator.task import make_products, to_rows
+from megatron_dapo.demo.calculator.task import make_products
 from megatron_dapo.demo.calculator.teacher import (
     Teacher,
     calculator,
@@ -23,7 +23,7 @@ from megatron_dapo.demo.calculator.teacher import (
 )
 from megatron_dapo.demo.model import create_model, save_checkpoint
 from megatron_dapo.demo.sft import SFTConfig, supervised_warm_start
-from megatron_dapo.demo.task import write_parquet
+from megatron_dapo.demo.task import to_rows, write_parquet
 from megatron_dapo.demo.tokenizer import build_calculator_tokenizer
 from megatron_dapo.driver.progress import heartbeat
 

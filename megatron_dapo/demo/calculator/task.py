@@ -12,8 +12,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from megatron_dapo.demo.task import ABILITY, DATA_SOURCE
-
 A_RANGE = range(100, 1000)
 B_RANGE = range(10, 100)
 # Five-digit products only (83% of the pairs): the reply then copies the tool's answer from one
@@ -63,17 +61,3 @@ def make_products(
     if not 0 < num_train <= len(train_pairs):
         raise ValueError(f"num_train must be in (0, {len(train_pairs)}], got {num_train}")
     return [Product(*p) for p in train_pairs[:num_train]], [Product(*p) for p in val_pairs]
-
-
-def to_rows(problems: list[Product], split: str) -> list[dict]:
-    """verl parquet rows (``demo.task.write_parquet`` writes them)."""
-    return [
-        {
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": p.question}],
-            "ability": ABILITY,
-            "reward_model": {"ground_truth": str(p.answer), "style": "rule"},
-            "extra_info": {"index": i, "split": split},
-        }
-        for i, p in enumerate(problems)
-    ]
