@@ -252,3 +252,22 @@ def hand_micro(old_logprobs, ref_logprobs=None):
         rollout_logprobs=None,
         ref_logprobs=ref_logprobs,
     )
+
+
+def function_tool_spec(fn: str, path: Path, **params: str):
+    """A ``function`` tool (``path.py:fn``) with an OpenAI schema of string/number/... ``params``,
+    all required, as a tool YAML would declare it."""
+    from megatron_dapo.agent.tools.spec import ToolSpec, check_schema
+
+    schema = {
+        "type": "function",
+        "function": {
+            "name": fn,
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": t} for k, t in params.items()},
+                "required": list(params),
+            },
+        },
+    }
+    return ToolSpec(fn, check_schema(schema, "test"), "function", f"{path}:{fn}")

@@ -9,30 +9,20 @@ import threading
 import time
 from pathlib import Path
 
+from helpers import function_tool_spec
 from test_agent_runner import EOT, CharTokenizer, Scripted, request, toks
 
 from megatron_dapo.agent.calls import ToolCall
 from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings
 from megatron_dapo.agent.tools.host import ToolHost
-from megatron_dapo.agent.tools.spec import ToolSpec, check_schema
+from megatron_dapo.agent.tools.spec import ToolSpec
 
 FIX = Path(__file__).parent / "fixtures" / "agent_tools"
 TIMEOUT_S = 2.0
 
 
 def _spec(fn: str, file: str, **params: str) -> ToolSpec:
-    schema = {
-        "type": "function",
-        "function": {
-            "name": fn,
-            "parameters": {
-                "type": "object",
-                "properties": {k: {"type": t} for k, t in params.items()},
-                "required": list(params),
-            },
-        },
-    }
-    return ToolSpec(fn, check_schema(schema, "test"), "function", f"{FIX / file}:{fn}")
+    return function_tool_spec(fn, FIX / file, **params)
 
 
 class Named:

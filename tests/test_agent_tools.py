@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import function_tool_spec
 
 from megatron_dapo.agent.calls import ToolCall
 from megatron_dapo.agent.tools.builtin import (
@@ -31,7 +32,6 @@ from megatron_dapo.agent.tools.spec import (
     ToolConfigError,
     ToolSpec,
     builtin_spec,
-    check_schema,
     load_tool_config,
 )
 from megatron_dapo.config.schema import MultiTurnConfig
@@ -44,18 +44,7 @@ PYTHON_TIMEOUT = 1.2  # tools.yaml's python builtin: below TIMEOUT, so it answer
 
 
 def _spec(fn: str, file: str = "hostile_tools.py", **params: str) -> ToolSpec:
-    schema = {
-        "type": "function",
-        "function": {
-            "name": fn,
-            "parameters": {
-                "type": "object",
-                "properties": {k: {"type": t} for k, t in params.items()},
-                "required": list(params),
-            },
-        },
-    }
-    return ToolSpec(fn, check_schema(schema, "test"), "function", f"{FIX / file}:{fn}")
+    return function_tool_spec(fn, FIX / file, **params)
 
 
 HOSTILE = [
