@@ -812,7 +812,12 @@ def _reward_assumptions(p: PlanInputs, rs: RewardServers | None, r: dict, gpu: G
             "reward scoring",
             f"{r['score_rate']:,.0f} prefill tok/s per reward GPU",
             f"2 FLOPs a parameter a token at the training MFU {a.mfu:g} of {gpu.bf16_tflops:g} TFLOPS; every "
-            "generated response is one request, scored while others decode (the last ones' tail ignored)",
+            "generated response is one request, "
+            + (
+                "scored on the engines' GPUs (its time added to decoding's)"
+                if p.reward_colocated
+                else "scored while others decode (the last ones' tail ignored)"
+            ),
         ),
         (
             "reward server memory",

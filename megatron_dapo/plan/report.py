@@ -150,13 +150,14 @@ def render(plan: Plan, console: Console) -> None:
         )
     sc = plan.scoring
     if sc is not None:
-        bound = (
-            f"longer than decoding ({_hms(ts.decode_s)}): scoring bounds the rollout; add reward servers"
-            if ts.score_s > ts.decode_s and not p.reward_colocated
-            else f"added to decoding's {_hms(ts.decode_s)} on the shared GPUs"
-            if p.reward_colocated
-            else f"within decoding's {_hms(ts.decode_s)}"
-        )
+        if p.reward_colocated:
+            bound = f"added to decoding's {_hms(ts.decode_s)} on the shared GPUs"
+        elif ts.score_s > ts.decode_s:
+            bound = (
+                f"longer than decoding ({_hms(ts.decode_s)}): scoring bounds the rollout; add reward servers"
+            )
+        else:
+            bound = f"within decoding's {_hms(ts.decode_s)}"
         verdicts = f" + {sc.verdict_tokens / 1e6:.2f} M verdict tokens decoded" if sc.verdict_tokens else ""
         step.add_row(
             "scored",

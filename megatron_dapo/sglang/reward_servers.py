@@ -74,18 +74,19 @@ class RewardServers:
         specs = server_specs(settings, served)
         cpu = torch.cuda.device_count() == 0
         gpus = [()] * len(specs) if cpu else reward_gpu_groups(cfg, settings, torch.cuda.device_count())
-        own_share = settings.placement == "own"
+        # a colocated server takes its own share of an engine's GPU; on GPUs of its own, an engine's
+        share = (
+            settings.mem_fraction_static
+            if settings.placement == "colocated"
+            else float(cfg.rollout.sglang.mem_fraction_static)
+        )
         configs = [
             SGLangServerConfig(
                 model_path=spec.model_path,
                 tp_size=spec.tp_size,
                 host="127.0.0.1",
                 port=free_port(),
-                mem_fraction_static=0.05
-                if cpu
-                else float(
-                    cfg.rollout.sglang.mem_fraction_static if own_share else settings.mem_fraction_static
-                ),
+                mem_fraction_static=0.05 if cpu else share,
                 dtype="float32" if cpu else "auto",
                 base_gpu_id=None if cpu else group[0],
                 extra_args=(list(CPU_SERVER_ARGS) if cpu else []) + list(spec.extra_args),
