@@ -58,9 +58,11 @@ class Result:
 class Scorer:
     def __init__(self):
         self.calls = 0
+        self.items = 0  # responses scored
 
     def score_many(self, items):
         self.calls += 1
+        self.items += len(items)
         return [Result(1.0 if text == "right" else -1.0, text == "right", text) for _, text, _, _ in items]
 
 
@@ -73,7 +75,8 @@ class ScriptedEngine:
     ``slow_once``: a slow prompt blocks until the engine's first abort, then answers at once;
     ``abort_calls``: calls the engine itself aborts at once, returning ``keep_on_abort`` tokens
     (SGLang aborting its running requests as it shuts down); ``dies_with``: the exception a dead
-    engine raises; ``hold``: an event every call waits for before answering."""
+    engine raises; ``hold``: an event every call waits for before answering; ``hand_over``: each
+    answer goes to ``on_result`` before the call returns (False: only in the returned list)."""
 
     def __init__(
         self,
@@ -88,8 +91,10 @@ class ScriptedEngine:
         abort_calls=(),
         dies_with=ConnectionError,
         hold=None,
+        hand_over=True,
     ):
         self.name = name
+        self.hand_over = hand_over
         self.length = length
         self.keep_on_abort = keep_on_abort
         self.slow_once = slow_once
@@ -114,7 +119,7 @@ class ScriptedEngine:
         self._alive = True
         self._lock = threading.Lock()
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         epoch = self._epoch
         with self._lock:
             self.calls += 1
@@ -176,6 +181,8 @@ class ScriptedEngine:
             self.seeds[r.request_id] = r.sampling.seed
             ids = self._full(r)[len(r.prompt_ids) - 3 :]
             out.append(GenerationResult(r.request_id, ids, [-0.5] * len(ids), "stop", self.version))
+            if on_result is not None and self.hand_over:
+                on_result(out[-1])  # as SGLang's client does when each reply arrives
         self.served.append(prompt_idx)
         return out
 
@@ -204,10 +211,10 @@ class HungEngine(ScriptedEngine):
         self.entered, self.returned, self._release = threading.Event(), threading.Event(), threading.Event()
         self.health_calls = 0
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         self.entered.set()
         assert self._release.wait(120), "a hung engine's call was never released"
-        out = super().generate(requests)
+        out = super().generate(requests, on_result)
         self.returned.set()
         return out
 
@@ -228,10 +235,10 @@ class GatedEngine(ScriptedEngine):
         self.gate, self.entered = gate, threading.Event()
         self.health_calls = 0
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         self.entered.set()
         assert self.gate.wait(120), "gate never opened"
-        return super().generate(requests)
+        return super().generate(requests, on_result)
 
     def health(self, check_process=True):
         self.health_calls += 1

@@ -28,7 +28,7 @@ _lock = threading.Lock()
 _original = SGLangEngine.generate
 
 
-def _probed_generate(engine, requests):
+def _probed_generate(engine, requests, on_result=None):
     import ray
 
     with _lock:
@@ -45,7 +45,7 @@ def _probed_generate(engine, requests):
     tmp.rename(OUT / f"call_{k}.json")  # whole or absent: the test polls for it
     if k == BLOCK_AT:
         threading.Event().wait()
-    return _original(engine, requests)
+    return _original(engine, requests, on_result)
 
 
 if __name__ == "__main__":

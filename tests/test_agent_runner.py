@@ -163,6 +163,29 @@ def test_episodes_of_a_call_go_in_lockstep_one_engine_call_per_turn():
     assert results[1].loss_mask == [1] * 5 and len(results[1].episode.turns) == 1
 
 
+def test_each_episode_is_handed_over_when_it_ends_while_the_others_still_run():
+    """``on_result`` gets an episode the moment it ends: b (one turn) before a's and c's second
+    turn is generated, a before c's third; each exactly once, equal to the call's result."""
+    engine = Scripted({"a": ["[up:x]$", "X$"], "b": ["done$"], "c": ["[up:y]$", "[up:z]$", "Z$"]})
+    handed = []
+
+    def on_result(result):
+        handed.append((result.request_id, len(engine.sent)))  # engine calls made so far
+
+    results = runner().run(engine, [request("a"), request("b"), request("c")], threading.Event(), on_result)
+    assert handed == [("b", 1), ("a", 2), ("c", 3)]
+    assert [r.request_id for r in results] == ["a", "b", "c"] and all(
+        r.finish_reason == "stop" for r in results
+    )
+
+
+def test_an_aborted_episode_is_not_handed_over():
+    engine = Scripted({"e0": ["[up:ab]$", "AB$"]}, abort_turn=0)
+    handed = []
+    (res,) = runner().run(engine, [request()], threading.Event(), handed.append)
+    assert res.finish_reason == "abort" and handed == []
+
+
 def test_the_turn_limit_ends_turns_without_running_the_last_calls():
     engine = Scripted({"e0": ["[up:a]$", "[up:b]$", "[up:c]$"]})
     tools = Tools()

@@ -40,6 +40,7 @@ IGNORED_ROLLOUT_METRICS = (
     "rollout/tokens_generated",  # includes the tail past the cut, generated until the abort
     "reward/score_time_s",
     "reward/hidden_fraction",  # how much of the scoring ran while an engine still generated
+    "reward/early_fraction",  # how many responses an engine handed over before its call returned
 )
 
 

@@ -130,6 +130,9 @@ def test_over_sampling_tail_is_continued_by_the_next_rollout_not_discarded():
         assert s.rollout_logprobs == [-0.5] * 3
         assert s.token_versions == [3, 3, 4] and s.interrupted == 1
     assert m["rollout/partial_sample_fraction"] == 1.0
+    # every continued response was scored as the engine handed it over, on the joined tokens (a
+    # reward of the continuation alone would differ from the call's and be scored again)
+    assert m["reward/early_fraction"] == 1.0
     assert m["rollout/tokens_version_lag_1"] == 8 * 2 and m["rollout/tokens_version_lag_0"] == 8
     # the continuations sent prompt + the 2 kept tokens, with the remaining budget (8 - 2)
     sent = {r.request_id: r for r in engine.requests[before:]}

@@ -96,7 +96,7 @@ class Engine(ScriptedEngine):
         self.restarts = 0
         self.server = self if restartable else None
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         w = self.world
         if w.doomed & {r.prompt_ids[2] for r in requests}:
             if w.when == "after_sync" and not w.paused.is_set():
@@ -105,7 +105,7 @@ class Engine(ScriptedEngine):
             if w.carried_at_death is None and w.manager is not None:
                 w.carried_at_death = w.manager.partial_groups()
             self._alive = False
-        return super().generate(requests)
+        return super().generate(requests, on_result)
 
     def abort(self):
         super().abort()

@@ -106,6 +106,12 @@ class SlowEngineHost:
     def generate(self, requests):
         raise RuntimeError("CUDA error: device-side assert")
 
+    def generate_each(self, requests):
+        from megatron_dapo.rollout.types import GenerationResult
+
+        yield ("one", GenerationResult("r0", [1], [-0.5], "stop", 0))
+        raise RuntimeError("CUDA error: device-side assert")
+
 
 def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
     import torch
@@ -132,6 +138,10 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
     assert time.monotonic() - start < 20
     with pytest.raises(EngineError, match="engine hf-7: generate .* failed: .*device-side assert"):
         RemoteEngine("hf-7", handle, timeout_s=10).generate([])
+    handed = []  # streamed: what came before the failure was handed over, then the same error
+    with pytest.raises(EngineError, match="engine hf-7: generate .* failed: .*device-side assert"):
+        RemoteEngine("hf-7", handle, timeout_s=10).generate([], on_result=handed.append)
+    assert [r.request_id for r in handed] == ["r0"]
     ray.kill(handle)
     from ray.exceptions import RayActorError
 
@@ -143,6 +153,38 @@ def test_weight_sync_timeout_and_engine_failure_name_the_engine(ray_local):
         time.sleep(0.1)
     with pytest.raises(EngineError, match="engine hf-7 died during generate"):
         RemoteEngine("hf-7", handle, timeout_s=10).generate([])
+    with pytest.raises(EngineError, match="engine hf-7 died during generate"):
+        RemoteEngine("hf-7", handle, timeout_s=10).generate([], on_result=handed.append)
+
+
+def test_a_ray_hosted_engine_streams_each_result_as_its_row_stops(ray_local, tiny_hf_checkpoint):
+    """``RemoteEngine.generate(..., on_result)`` reads the host's stream: each row's result reaches
+    the driver in the order the rows stop (shortest budget first), and the call's results equal
+    an unstreamed call's."""
+    from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine
+    from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+
+    handle = (
+        ray.remote(EngineHost)
+        .options(num_cpus=0, max_concurrency=4)
+        .remote(str(tiny_hf_checkpoint()), "hf-0", 0)
+    )
+    engine = RemoteEngine("hf-0", handle, timeout_s=120)
+    reqs = [
+        GenerationRequest(f"r{i}", [5 + i] * 3, SamplingParams(0.9, max_new_tokens=k, seed=100 + i))
+        for i, k in enumerate([6, 2, 9, 4])
+    ]
+    handed = []
+    results = engine.generate(reqs, on_result=handed.append)
+    assert [r.request_id for r in results] == ["r0", "r1", "r2", "r3"]
+    assert [len(r.output_ids) for r in results] == [6, 2, 9, 4]  # each row ran to its budget
+    by_length = sorted(results, key=lambda r: len(r.output_ids))
+    assert [(r.request_id, r.output_ids) for r in handed] == [(r.request_id, r.output_ids) for r in by_length]
+    plain = engine.generate(reqs)
+    assert [(r.output_ids, r.logprobs, r.finish_reason) for r in results] == [
+        (r.output_ids, r.logprobs, r.finish_reason) for r in plain
+    ]
+    ray.kill(handle)
 
 
 GLOO_RESET = (
@@ -210,3 +252,24 @@ def test_a_stop_with_a_dead_peer_is_reported_as_its_death():
     assert err.value.megatron_dapo_context == (
         "after step 1; trainer.resume=auto continues from /runs/r/checkpoints/step_00000001"
     )
+
+
+def test_the_hosts_stream_raises_the_engines_error_after_what_it_handed_over():
+    from megatron_dapo.driver.engine_host import EngineHost
+    from megatron_dapo.rollout.types import GenerationResult
+
+    first = GenerationResult("r0", [1], [-0.5], "stop", 0)
+
+    class Failing:
+        name = "hf-0"
+
+        def generate(self, requests, on_result=None):
+            on_result(first)
+            raise RuntimeError("CUDA error: device-side assert")
+
+    host = EngineHost.__new__(EngineHost)  # the stream only, without loading a model
+    host.engine = Failing()
+    stream = host.generate_each([])
+    assert next(stream) == ("one", first)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        next(stream)

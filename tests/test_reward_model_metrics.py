@@ -16,18 +16,16 @@ SCRIPT = {0: (1.0, "yes", 1, 0.5), 1: (-1.0, "no", 2, 1.5), 2: (1.0, "yes", 1, 0
 
 class ScriptedJudge:
     kind = "judge"
+    concurrency = 4
 
     def __init__(self):
         self.asked = 0
 
-    def score_many(self, samples):
-        out = []
-        for s in samples:
-            self.asked += 1
-            score, verdict, attempts, elapsed = SCRIPT[int(str(s.sample_id).rsplit("-s", 1)[1])]
-            unscored = "timeout" if score is None else None
-            out.append(ScoreOutcome(s.sample_id, score, unscored, "", None, verdict, "", attempts, elapsed))
-        return out
+    def score(self, s):
+        self.asked += 1
+        score, verdict, attempts, elapsed = SCRIPT[int(str(s.sample_id).rsplit("-s", 1)[1])]
+        unscored = "timeout" if score is None else None
+        return ScoreOutcome(s.sample_id, score, unscored, "", None, verdict, "", attempts, elapsed)
 
     def check_down(self):
         pass

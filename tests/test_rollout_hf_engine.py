@@ -88,6 +88,32 @@ def test_top_k_one_and_greedy_pick_the_argmax(model):
         assert t.output_ids == g.output_ids
 
 
+def test_each_row_is_handed_over_at_the_decode_step_it_stops(model):
+    """``on_result`` gets row i after its own k_i-th token (k_i forwards: the prefill and k_i - 1
+    decode steps), while the longer rows still decode; the results are the call's own and equal
+    to a call without the hand-over."""
+    budgets = [6, 2, 9, 4]
+    reqs = [
+        GenerationRequest(f"r{i}", [5 + i] * 3, SamplingParams(0.9, max_new_tokens=k, seed=100 + i))
+        for i, k in enumerate(budgets)
+    ]
+    forwards = []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+    handed = []
+    try:
+        results = HFEngine(model=model).generate(reqs, on_result=lambda r: handed.append((r, len(forwards))))
+    finally:
+        hook.remove()
+    assert [(r.request_id, at) for r, at in handed] == [("r1", 2), ("r3", 4), ("r0", 6), ("r2", 9)]
+    by_id = {r.request_id: r for r, _ in handed}
+    assert all(by_id[r.request_id] is r for r in results)  # the same objects, not copies
+    plain = HFEngine(model=model).generate(reqs)
+    assert [(r.output_ids, r.logprobs, r.finish_reason) for r in results] == [
+        (r.output_ids, r.logprobs, r.finish_reason) for r in plain
+    ]
+    assert [len(r.output_ids) for r in results] == budgets
+
+
 def test_stop_tokens_max_new_tokens_and_finish_reasons(model):
     engine = HFEngine(model=model)
     free = engine.generate(requests(max_new_tokens=10))

@@ -30,6 +30,7 @@ from megatron_dapo.rollout.dump import dump_rollouts
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.manager import NoEngineAliveError, RolloutManager, RolloutManagerConfig
 from megatron_dapo.rollout.rollout_metrics import TIMING_DEPENDENT_METRICS
+from megatron_dapo.rollout.types import GenerationResult
 
 
 def test_refill_across_rounds_keeps_only_mixed_groups_in_draw_order():
@@ -137,10 +138,10 @@ class LateFirstEngine(ScriptedEngine):
         super().__init__(name, **kw)
         self.late, self.others, self.all_served, self.gate = set(late), set(others), served, gate
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         if requests[0].prompt_ids[2] in self.late:
             self.gate.wait(timeout=20)  # generous: only a broken manager waits this long
-        out = super().generate(requests)
+        out = super().generate(requests, on_result)
         self.all_served.add(requests[0].prompt_ids[2])
         if self.others <= self.all_served:
             self.gate.set()
@@ -217,12 +218,12 @@ class WedgedEngine(ScriptedEngine):
         self.entered, self._aborted = threading.Event(), threading.Event()
         self.hung_group = None
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         if self.hung_group is None:
             self.hung_group = requests[0].prompt_ids[2]
             self.entered.set()
             assert self._aborted.wait(60), "the manager never aborted the wedged call"
-        return super().generate(requests)
+        return super().generate(requests, on_result)
 
     def abort(self):
         super().abort()
@@ -243,9 +244,9 @@ def test_timed_out_call_is_reissued_elsewhere():
     worker.start()
     assert wedged.entered.wait(60)
     deadline = time.monotonic() + 60
-    while scorer.calls < 3 and time.monotonic() < deadline:
+    while scorer.items < 3 * 4 and time.monotonic() < deadline:  # three groups of 4
         time.sleep(0.01)
-    assert scorer.calls == 3 and wedged.aborts == 0 and mgr.pool.down == {}
+    assert scorer.items == 3 * 4 and wedged.aborts == 0 and mgr.pool.down == {}
     clock.t = 30.5
     worker.join(60)
     assert not worker.is_alive(), "the timed-out call was never re-issued"
@@ -329,3 +330,94 @@ def test_manager_with_the_hf_engine_end_to_end(tiny_hf_checkpoint):
     assert (
         batch.metrics["rollout/tokens_per_s"] > 0 and 0 < batch.metrics["rollout/engine_busy_fraction"] <= 1
     )
+
+
+# ---------------------------------------------------------------- scoring as responses complete
+def _batch(batch):
+    return [(s.prompt.index, s.response_ids, s.score, s.acc, s.final_reward) for s in batch.samples]
+
+
+class HoldingEngine(ScriptedEngine):
+    """Hands every response of a call over, then holds the call open until ``release``."""
+
+    def __init__(self, name, **kw):
+        super().__init__(name, **kw)
+        self.release, self.holding = threading.Event(), threading.Event()
+
+    def generate(self, requests, on_result=None):
+        out = super().generate(requests, on_result)
+        self.holding.set()
+        assert self.release.wait(60), "the test never released the call"
+        return out
+
+
+def test_a_response_is_scored_while_its_call_is_still_open_and_the_batch_is_unchanged():
+    """The rewards of a call's responses run while the call is still open (the engine handed them
+    over); the batch equals the one scored only after each call returned (an engine that hands
+    nothing over)."""
+    conf = manager_config(gen_batch_size=1, train_batch_size=1)
+    late = RolloutManager([ScriptedEngine("e0", hand_over=False)], Scorer(), conf, Tokenizer())
+    reference = late.collect(Dataset([MIXED]), 0)
+    assert reference.metrics["reward/early_fraction"] == 0.0
+    engine, scorer = HoldingEngine("e0"), Scorer()
+    mgr = RolloutManager([engine], scorer, conf, Tokenizer())
+    out = {}
+    worker = threading.Thread(target=lambda: out.update(batch=mgr.collect(Dataset([MIXED]), 0)), daemon=True)
+    worker.start()
+    assert engine.holding.wait(60)
+    deadline = time.monotonic() + 60
+    while scorer.items < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scorer.items == 4 and worker.is_alive()  # all four scored; the call has not returned
+    engine.release.set()
+    worker.join(60)
+    batch = out["batch"]
+    assert _batch(batch) == _batch(reference) and scorer.items == 4  # none scored twice
+    assert batch.metrics["reward/early_fraction"] == 1.0
+
+
+class SwitchingEngine(ScriptedEngine):
+    """Hands over another answer (token 9: scored wrong) for every response, then returns the
+    scripted one: a reward must be of the response the call returned."""
+
+    def generate(self, requests, on_result=None):
+        out = super().generate(requests)
+        for r in out:
+            on_result(
+                GenerationResult(r.request_id, [9] + r.output_ids[1:], r.logprobs, "stop", r.weight_version)
+            )
+        return out
+
+
+def test_a_handed_over_response_that_differs_from_the_returned_one_is_scored_again():
+    conf = manager_config(gen_batch_size=1, train_batch_size=1)
+    reference = RolloutManager([ScriptedEngine("e0")], Scorer(), conf, Tokenizer()).collect(
+        Dataset([MIXED]), 0
+    )
+    scorer = Scorer()
+    batch = RolloutManager([SwitchingEngine("e0")], scorer, conf, Tokenizer()).collect(Dataset([MIXED]), 0)
+    assert _batch(batch) == _batch(reference) and [s.acc for s in batch.samples] == [True, False, True, False]
+    assert batch.metrics["reward/early_fraction"] == 0.0 and scorer.items == 8  # 4 early, 4 again
+
+
+class FailingAfterHandOver(ScriptedEngine):
+    """Call 1 hands its responses over and then fails (a server that died before its reply)."""
+
+    def generate(self, requests, on_result=None):
+        out = super().generate(requests, on_result)
+        if self.calls == 1:
+            raise ConnectionError(f"{self.name}: connection reset after the replies")
+        return out
+
+
+def test_a_call_that_fails_after_handing_over_is_retried_and_each_response_scored_once():
+    """The retry returns the same tokens (seeds per request): the rewards started for the failed
+    call's hand-overs stand, and none is asked for twice."""
+    conf = manager_config(gen_batch_size=1, train_batch_size=1)
+    reference = RolloutManager([ScriptedEngine("e0")], Scorer(), conf, Tokenizer()).collect(Dataset([MIXED]), 0)
+    engine, scorer = FailingAfterHandOver("e0"), Scorer()
+    batch = RolloutManager([engine], scorer, conf, Tokenizer()).collect(Dataset([MIXED]), 0)
+    m = batch.metrics
+    assert engine.calls == 2 and m["rollout/retries"] == 1
+    assert _batch(batch) == _batch(reference) and len(batch.samples) == 4
+    assert scorer.items == 4 and m["reward/early_fraction"] == 1.0

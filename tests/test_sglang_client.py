@@ -342,6 +342,26 @@ def test_abort_returns_open_requests_as_aborted(server, engine_factory):
     assert body == {"abort_all": True}
 
 
+def test_each_reply_is_handed_over_as_it_arrives_and_an_aborted_one_is_not(server, engine_factory):
+    """rq0's reply reaches ``on_result`` while rq1 still blocks the call; rq1, aborted, is returned
+    but never handed over."""
+    e = engine_factory(server.url)
+    server.block_rids = {"rq1"}
+    handed, out = [], {}
+    t = threading.Thread(
+        target=lambda: out.setdefault("r", e.generate([req(0), req(1)], on_result=handed.append))
+    )
+    t.start()
+    deadline = time.monotonic() + 5
+    while not handed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.request_id for r in handed] == ["rq0"] and t.is_alive()  # the call is still open
+    e.abort()
+    t.join(timeout=10)
+    assert [r.finish_reason for r in out["r"]] == ["stop", "abort"]
+    assert handed == [out["r"][0]] and handed[0] is out["r"][0]
+
+
 def test_ipc_payload_round_trips_through_forking_pickler():
     import base64
     from multiprocessing.reduction import ForkingPickler

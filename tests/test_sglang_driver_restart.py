@@ -50,8 +50,8 @@ class VersionedEngine(ScriptedEngine):
         super().__init__(name, **kw)
         self.served_versions = []
 
-    def generate(self, requests):
-        out = super().generate(requests)
+    def generate(self, requests, on_result=None):
+        out = super().generate(requests, on_result)
         self.served_versions.append(self.version)
         return out
 
@@ -151,7 +151,7 @@ class HangingEngine(VersionedEngine):
         super().__init__(name, **kw)
         self.hang_at_call, self.hung, self.killed = hang_at_call, False, threading.Event()
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         with self._lock:
             hang = self.calls + 1 == self.hang_at_call
             if hang:
@@ -160,7 +160,7 @@ class HangingEngine(VersionedEngine):
         if hang:
             assert self.killed.wait(120), "the hung server was never restarted"
             raise ConnectionError(f"{self.name}: connection reset")
-        return super().generate(requests)
+        return super().generate(requests, on_result)
 
     def health(self, check_process=True):
         return self._alive and not self.hung

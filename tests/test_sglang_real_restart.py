@@ -71,7 +71,7 @@ class Victim:
     def wrap(self, original):
         victim = self
 
-        def generate(engine, requests):
+        def generate(engine, requests, on_result=None):
             if engine.name.startswith("sglang-0@") and not victim.armed.is_set():
                 import psutil
 
@@ -85,7 +85,7 @@ class Victim:
                     p.send_signal(signal.SIGSTOP)
                 victim.armed.set()
             after = victim.killed.is_set()
-            results = original(engine, requests)
+            results = original(engine, requests, on_result)
             victim.returned.append((engine.name, after, [r.weight_version for r in results]))
             victim.finished.extend(r.finish_reason for r in results)
             return results

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from megatron_dapo.config.knobs import from_config, knob
-from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.engine import EngineError, OnResult
 from megatron_dapo.rollout.types import (
     EpisodeInfo,
     EpisodeTurn,
@@ -334,11 +334,26 @@ class MultiTurn:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def run(
-        self, engine: Any, requests: Sequence[GenerationRequest], stop: threading.Event
+        self,
+        engine: Any,
+        requests: Sequence[GenerationRequest],
+        stop: threading.Event,
+        on_result: OnResult | None = None,
     ) -> list[GenerationResult]:
         episodes = [_Episode(r, self.settings) for r in requests]
+        ended: dict[int, GenerationResult] = {}
+
+        def report_ended() -> None:
+            """Hand on each episode that ended since the last look (its reward can start now)."""
+            for i, e in enumerate(episodes):
+                if i not in ended and e.info.end is not None:
+                    ended[i] = e.result()
+                    if on_result is not None:
+                        on_result(ended[i])
+
         stopping = False
         while True:
+            report_ended()
             live = [e for e in episodes if e.live]
             if not live:
                 break
@@ -348,6 +363,7 @@ class MultiTurn:
                 break
             batch = [(e, e.next_request(list(self._eot))) for e in live]
             batch = [(e, q) for e, q in batch if q is not None]
+            report_ended()  # a budget spent before the turn ends its episode here
             if not batch:
                 continue
             results = engine.generate([q for _, q in batch])
@@ -356,10 +372,11 @@ class MultiTurn:
                 e.take_turn(r, self.parser, self._decode)
                 stopping |= r.finish_reason == "abort"
             self._answer([e for e, _ in batch if e.pending])
+        report_ended()
         for e in episodes:
             if e.info.end is not None:
                 self.tools.release(e.info.key)
-        return [e.result() for e in episodes]
+        return [ended.get(i) or e.result() for i, e in enumerate(episodes)]
 
     def _answer(self, episodes: list[_Episode]) -> None:
         """Run every pending call of ``episodes`` at once; append each episode's answers in order."""

@@ -4,19 +4,26 @@
 server processes with an HTTP client and need no host) and takes weight updates bucket by bucket
 from `RayObjectTransport`. It is a threaded actor so that `abort` reaches it while `generate`
 runs, which is the engine protocol's concurrency contract. `RemoteEngine` is the driver-side
-proxy that the rollout manager calls.
+proxy that the rollout manager calls; given an ``on_result`` it reads `EngineHost.generate_each`,
+a Ray streaming generator, so each response reaches the driver (and its scoring) as its row
+stops rather than with the whole call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.engine import EngineError, OnResult
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+
+_DONE = object()
 
 
 class EngineHost:
@@ -38,6 +45,26 @@ class EngineHost:
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         return self.engine.generate(requests)
+
+    def generate_each(self, requests: Sequence[GenerationRequest]) -> Iterator[tuple[str, Any]]:
+        """``generate`` as a Ray streaming generator: ``("one", result)`` for each request as it
+        finishes, then ``("all", results)``; a failure is raised after what was already sent."""
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        outcome: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                outcome["all"] = self.engine.generate(requests, on_result=finished.put)
+            except BaseException as e:  # noqa: BLE001 - raised to the caller below
+                outcome["error"] = e
+            finished.put(_DONE)
+
+        threading.Thread(target=work, name=f"{self.engine.name}-generate", daemon=True).start()
+        while (item := finished.get()) is not _DONE:
+            yield ("one", item)
+        if "error" in outcome:
+            raise outcome["error"]
+        yield ("all", outcome["all"])
 
     def abort(self) -> None:
         self.engine.abort()
@@ -94,8 +121,29 @@ class RemoteEngine:
         except RayTaskError as e:
             raise EngineError(f"engine {self.name}: {what} failed: {getattr(e, 'cause', e)}") from e
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        return self._get(self.handle.generate.remote(list(requests)), f"generate ({len(requests)} requests)")
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
+    ) -> list[GenerationResult]:
+        what = f"generate ({len(requests)} requests)"
+        if on_result is None:
+            return self._get(self.handle.generate.remote(list(requests)), what)
+        import ray
+
+        # each result streams back as its row stops, so the driver scores it while the rest decode
+        stream = self.handle.generate_each.options(num_returns="streaming").remote(list(requests))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            ready, _ = ray.wait([stream], timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                raise EngineError(f"engine {self.name}: {what} did not return within {self.timeout_s:.0f}s")
+            try:
+                ref = next(stream)
+            except StopIteration:
+                raise EngineError(f"engine {self.name}: {what} ended without its results") from None
+            kind, value = self._get(ref, what)
+            if kind == "all":
+                return value
+            on_result(value)
 
     def abort(self) -> None:
         self._get(self.handle.abort.remote(), "abort")

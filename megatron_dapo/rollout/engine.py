@@ -9,6 +9,14 @@ what SGLang's ``/abort_request {"abort_all": true}`` does to its open ``/generat
 and what the HF engine does between decode steps, so one blocking method plus one abort cover
 both engines without a second (streaming) API to keep in sync.
 
+``on_result`` is how a response is scored while the others of its call still generate: the engine
+calls it once with each request's result as soon as that request finishes ("stop" or "length";
+never an aborted one), from whichever thread finished it, before ``generate`` returns the list.
+It must return at once (the manager only queues the response for scoring), and a call that
+leaves it out is still answered in full by the list. SGLang's client calls it as each
+``/generate`` reply arrives, the HF engine as each row of its batch stops, and a Ray-hosted
+engine streams each result back to the driver as it comes (``driver/engine_host.py``).
+
 Partial rollouts (``rollout.partial``) need nothing more from an engine: the tokens an aborted
 request returns are kept by the manager, and their continuation is an ordinary request whose
 prompt ends with them and whose ``max_new_tokens`` is the budget left (``rollout/partial.py``).
@@ -16,12 +24,14 @@ prompt ends with them and whose ``max_new_tokens`` is the budget left (``rollout
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
+
+OnResult = Callable[[GenerationResult], None]
 
 
 class EngineError(RuntimeError):
@@ -38,8 +48,11 @@ class RolloutEngine(Protocol):
 
     name: str
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Sample one response per request; results in request order. Thread-safe; see module doc."""
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
+    ) -> list[GenerationResult]:
+        """Sample one response per request; results in request order. Thread-safe; see module doc
+        (``on_result``: each finished result as soon as it is)."""
         ...
 
     def abort(self) -> None:

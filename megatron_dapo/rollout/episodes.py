@@ -10,6 +10,8 @@ for both.
 ``stop`` is set when the manager aborts the engine for this call (the batch is full, a weight-sync
 pause, a time-out): the engine returns what it has as "abort", and a runner that would start
 another turn returns instead, its unfinished episodes as "abort" with their tokens so far.
+``on_result`` is handed each episode the moment it ends (its last turn, or a budget spent), so
+the manager scores it while the call's other episodes still run.
 """
 
 from __future__ import annotations
@@ -18,14 +20,20 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from megatron_dapo.rollout.engine import OnResult
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 
 
 class EpisodeRunner(Protocol):
     def run(
-        self, engine: Any, requests: Sequence[GenerationRequest], stop: threading.Event
+        self,
+        engine: Any,
+        requests: Sequence[GenerationRequest],
+        stop: threading.Event,
+        on_result: OnResult | None = None,
     ) -> list[GenerationResult]:
-        """One result per request, in request order (the engine protocol's contract)."""
+        """One result per request, in request order (the engine protocol's contract);
+        ``on_result`` gets each finished episode as soon as it is (its reward can start)."""
         ...
 
 
@@ -33,10 +41,14 @@ class SingleTurn:
     """One ``engine.generate`` per call: each response is one model turn."""
 
     def run(
-        self, engine: Any, requests: Sequence[GenerationRequest], stop: threading.Event
+        self,
+        engine: Any,
+        requests: Sequence[GenerationRequest],
+        stop: threading.Event,
+        on_result: OnResult | None = None,
     ) -> list[GenerationResult]:
         del stop  # the engine's own abort ends its call
-        return engine.generate(requests)
+        return engine.generate(requests, on_result=on_result)
 
 
 def reward_input(

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.engine import EngineError, OnResult
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,11 @@ class HFEngine:
 
     # -- generation --------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Sample one response per request, in request order (see the module doc for semantics)."""
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
+    ) -> list[GenerationResult]:
+        """Sample one response per request, in request order (see the module doc for semantics);
+        ``on_result`` gets each row's result at the decode step it stops."""
         epoch = self._abort_epoch  # calls waiting for the lock count as in flight
         results: list[GenerationResult] = []
         with self._lock:
@@ -116,7 +119,7 @@ class HFEngine:
                     if self._abort_epoch != epoch:
                         results.extend(self._aborted(r, [], []) for r in chunk)
                         continue
-                    results.extend(self._generate_batch(chunk, epoch))
+                    results.extend(self._generate_batch(chunk, epoch, on_result))
             finally:
                 self.stats["busy_s"] += time.perf_counter() - t0
         return results
@@ -126,7 +129,9 @@ class HFEngine:
         self._abort_epoch += 1
 
     @torch.no_grad()
-    def _generate_batch(self, reqs: list[GenerationRequest], epoch: int) -> list[GenerationResult]:
+    def _generate_batch(
+        self, reqs: list[GenerationRequest], epoch: int, on_result: OnResult | None = None
+    ) -> list[GenerationResult]:
         for r in reqs:
             if not r.prompt_ids:
                 raise ValueError(f"request {r.request_id}: empty prompt_ids")
@@ -155,6 +160,7 @@ class HFEngine:
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_lps: list[list[float]] = [[] for _ in reqs]
         finish: list[str | None] = [None] * n
+        results: list[GenerationResult | None] = [None] * n
 
         if self._routing:
             self._routing.start()
@@ -185,6 +191,10 @@ class HFEngine:
                     or len(r.prompt_ids) + step + 1 >= self.max_positions
                 ):
                     finish[b] = "length"
+                if finish[b] is not None:  # a finished row is never fed again: its result is whole
+                    results[b] = self._finished(r, out_ids[b], out_lps[b], finish[b], routed, b)
+                    if on_result is not None:
+                        on_result(results[b])
             if all(f is not None for f in finish):
                 break
             feed = torch.tensor(
@@ -206,24 +216,24 @@ class HFEngine:
             cache = _cache_of(out)
             logits = out.logits[:, -1, :].float()
 
-        results = []
-        for b, r in enumerate(reqs):
-            if finish[b] is None:
-                results.append(self._aborted(r, out_ids[b], out_lps[b]))
-                continue
-            self.stats["requests"] += 1
-            self.stats["tokens"] += len(out_ids[b])
-            results.append(
-                GenerationResult(
-                    r.request_id,
-                    out_ids[b],
-                    out_lps[b],
-                    finish[b],
-                    self.weight_version,
-                    routed_experts=None if routed is None else torch.cat(routed[b]),
-                )
-            )
-        return results
+        return [
+            self._aborted(r, out_ids[b], out_lps[b]) if results[b] is None else results[b]
+            for b, r in enumerate(reqs)
+        ]
+
+    def _finished(
+        self, r: GenerationRequest, ids: list[int], lps: list[float], finish: str, routed, b: int
+    ) -> GenerationResult:
+        self.stats["requests"] += 1
+        self.stats["tokens"] += len(ids)
+        return GenerationResult(
+            r.request_id,
+            ids,
+            lps,
+            finish,
+            self.weight_version,
+            routed_experts=None if routed is None else torch.cat(routed[b]),
+        )
 
     def _aborted(self, r: GenerationRequest, ids: list[int], lps: list[float]) -> GenerationResult:
         self.stats["aborted"] += 1

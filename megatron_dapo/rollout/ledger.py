@@ -47,6 +47,10 @@ class Ledger:
         self.intervals: dict[str, list[tuple[float, float]]] = {name: [] for name in engine_names}
         # when units were scored (reward), appended by the scoring threads
         self.score_intervals: list[tuple[float, float]] = []
+        # responses of finished calls handed to scoring, and those whose reward had already
+        # started when their call returned (the engine handed them over as they completed)
+        self.scored_responses = 0
+        self.scored_early = 0
         # reward.model: (kind, ScoreOutcome) of every response it was asked to score, appended by
         # the scoring threads (requests, retries and latency of the step)
         self.model_outcomes: list[tuple[str, Any]] = []

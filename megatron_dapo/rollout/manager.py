@@ -4,8 +4,10 @@ One ``collect`` call is one rollout step:
 1. draw a round of prompts (``gen_batch_size``, or an adaptive size from the observed keep rate
    when ``over_sample`` is on), one group of ``n`` requests per prompt;
 2. send groups to the engines, least-outstanding first, within each engine's concurrency limit;
-3. as each group comes back, decode and score it on a scoring thread (off the engines' critical
-   path), add the overlong penalty, and keep it if its metric has spread (``mixed_group_mask``);
+3. as each response completes (the engine hands it over before its call returns), decode and
+   score it on a scoring thread (off the engines' critical path); once a call has returned and
+   its responses are scored, add the overlong penalty and keep each group whose metric has
+   spread (``mixed_group_mask``);
 4. refill with new rounds until ``train_batch_size`` groups are kept or ``max_num_gen_batches``
    rounds are spent (verl's ValueError, or a partial batch when allowed);
 5. the batch is decided by draw order: it is full once the groups drawn up to some position are
@@ -62,9 +64,10 @@ from megatron_dapo.rollout.partial import (
     as_result,
     carry_from_state,
     carry_to_state,
+    join,
 )
 from megatron_dapo.rollout.rollout_metrics import rollout_metrics
-from megatron_dapo.rollout.scoring import GroupScoring, ModelScorer
+from megatron_dapo.rollout.scoring import GroupScoring, ModelScorer, SampleReward
 from megatron_dapo.rollout.types import (
     GenerationRequest,
     GenerationResult,
@@ -157,8 +160,8 @@ class RolloutManager:
         episodes: what one engine call runs (``rollout/episodes.py``): ``SingleTurn`` by default,
             ``agent.runner.MultiTurn`` for tool-use episodes.
         reward_model, combiner: ``reward.model``'s client and ``reward.combine`` (scoring.py).
-            A unit is scored as soon as its engine call returns, while the other calls still
-            generate; with a reward model several units are scored at once.
+            Each response is scored as soon as its engine hands it over (``on_result``), while
+            the rest of its call and the other calls still generate.
     """
 
     def __init__(
@@ -181,8 +184,9 @@ class RolloutManager:
         self.episodes = episodes or SingleTurn()
         # reward, overlong shaping, the filter
         self.scoring = GroupScoring(cfg, scorer, tokenizer, reward_model, combiner)
-        # a served model's scoring waits on its servers, not on this process: overlap units
-        self._score_workers = 1 if reward_model is None else 8
+        # one response per scoring thread: a served model's scoring waits on its servers, so as
+        # many threads as they take requests at once; the rule reward runs in one worker process
+        self._score_workers = 1 if reward_model is None else max(1, min(int(reward_model.concurrency), 256))
         self._keep_rate: float | None = None  # last observed, drives over-sampling
         self._zombies: dict[Future, Call] = {}  # timed-out calls whose threads have not returned
         # set by the trainer: True once the run must stop; a step in flight is then abandoned
@@ -386,7 +390,7 @@ class RolloutManager:
         """Generate and score ``groups`` until all are done or the batch is decided."""
         queue = self._units(groups, version)
         calls: dict[Future, Call] = {}
-        scoring: dict[Future, list[Group]] = {}
+        scoring: dict[Future, Scored] = {}  # each response's reward -> its unit's scoring
         gen_pool = ThreadPoolExecutor(
             max_workers=min(self._slots * len(self.pool), 512), thread_name_prefix="rollout"
         )
@@ -408,7 +412,7 @@ class RolloutManager:
                     return
                 paused = self.cfg.partial and self._paused(calls, paused_calls)
                 if not paused:
-                    self._dispatch(queue, calls, gen_pool)
+                    self._dispatch(queue, calls, gen_pool, score_pool, ledger)
                     if queue and not self.pool.alive():
                         raise NoEngineAliveError(self.pool.down_message())
                 pending = list(calls) + list(scoring) + list(self._zombies) + self._probe.futures()
@@ -419,7 +423,7 @@ class RolloutManager:
                 done, _ = wait(pending, timeout=_POLL_S, return_when=FIRST_COMPLETED)
                 for fut in done:
                     if fut in scoring:
-                        self._classify(scoring.pop(fut), fut.result(), ledger)
+                        self._scored(scoring.pop(fut), fut, ledger)
                     elif fut in calls:
                         call = calls.pop(fut)
                         self._probe.heard(call.engine.name)
@@ -436,7 +440,8 @@ class RolloutManager:
         finally:
             self._probe.close()
             gen_pool.shutdown(wait=False, cancel_futures=True)
-            score_pool.shutdown(wait=True)
+            # rewards started early for responses past the cut are not needed: the queued ones go
+            score_pool.shutdown(wait=True, cancel_futures=True)
 
     def _paused(self, calls: dict[Future, Call], paused_calls: set[Future]) -> bool:
         """While :meth:`pause` holds: abort each call in flight once, and report quiet once none
@@ -489,8 +494,16 @@ class RolloutManager:
     def _slots(self) -> int:
         return max(1, self.cfg.max_concurrency_per_engine // (self.cfg.n * self.cfg.groups_per_call))
 
-    def _dispatch(self, queue: deque[Unit], calls: dict[Future, Call], pool: ThreadPoolExecutor) -> None:
-        """Start queued units on engines with free slots, least outstanding calls first."""
+    def _dispatch(
+        self,
+        queue: deque[Unit],
+        calls: dict[Future, Call],
+        pool: ThreadPoolExecutor,
+        score_pool,
+        ledger: Ledger,
+    ) -> None:
+        """Start queued units on engines with free slots, least outstanding calls first; each
+        response the engine hands over before the call returns is scored at once."""
         while queue:
             alive = self.pool.alive()
             load = {e.name: 0 for e in alive}
@@ -506,10 +519,12 @@ class RolloutManager:
             engine = free[0]
             if self._probe is not None:  # before the call starts: its silence counts from here
                 self._probe.busy(engine.name)
-            stop = threading.Event()
-            calls[pool.submit(self.episodes.run, engine, unit.send, stop)] = Call(
-                unit, engine, time.perf_counter(), self.clock(), stop, self._pauses
-            )
+            call = Call(unit, engine, time.perf_counter(), self.clock(), threading.Event(), self._pauses)
+
+            def on_result(result: GenerationResult, call: Call = call) -> None:
+                self._score_early(call, result, score_pool, ledger)
+
+            calls[pool.submit(self.episodes.run, engine, unit.send, call.stop, on_result)] = call
 
     def _finish_call(self, call: Call, fut: Future, queue, scoring, score_pool, ledger: Ledger) -> None:
         """Hand a finished call's results to scoring, or retry it."""
@@ -529,23 +544,66 @@ class RolloutManager:
             ledger.tokens += unit.fold([r for r in results if isinstance(r, GenerationResult)])
         self._retry(unit, engine, error, queue, ledger)
 
+    def _score_early(self, call: Call, result: GenerationResult, score_pool, ledger: Ledger) -> None:
+        """``on_result``, on the engine's thread: start this response's reward now. It must not
+        block (an SGLang engine calls it from its event loop) nor raise into the engine."""
+        unit = call.unit
+        if call.stop.is_set() or result.request_id not in unit:
+            return
+        rid = result.request_id
+        # rollout.partial: a continuation's answer joined to the tokens before it is the response
+        full = join(unit.prefix.get(rid), result) if self.cfg.partial else result
+        started = unit.early.get(rid)
+        if started is not None and _same_response(started[0], full):
+            return  # an earlier call of this unit handed the same response over: it is scoring
+        try:
+            fut = score_pool.submit(self._timed_reward, unit, rid, full, ledger)
+        except RuntimeError:  # the round is over (its scoring pool is shut): nobody needs it
+            return
+        unit.early[rid] = (full, fut)
+
     def _to_scoring(
-        self, unit: Unit, results: list[GenerationResult], scoring, score_pool, ledger: Ledger
+        self,
+        unit: Unit,
+        results: list[GenerationResult],
+        scoring: dict[Future, Scored],
+        score_pool,
+        ledger: Ledger,
     ) -> None:
+        """Every response of a finished call to scoring: the reward already started for it when
+        an engine handed the same response over early, else a new one."""
         if self.cfg.partial:
             unit.fold(results)  # every answer is complete: all of them are held now
             by_id = {rid: as_result(rid, s) for rid, s in unit.held.items()}
         else:
             by_id = {r.request_id: r for r in results}
-        scoring[score_pool.submit(self._timed_score, unit, by_id, ledger)] = unit.groups
+        scored = Scored(unit, by_id)
+        for rid, res in by_id.items():
+            started = unit.early.get(rid)
+            if started is not None and _same_response(started[0], res):
+                fut = started[1]
+                ledger.scored_early += 1
+            else:
+                fut = score_pool.submit(self._timed_reward, unit, rid, res, ledger)
+            scored.pending[fut] = rid
+            scoring[fut] = scored
+        ledger.scored_responses += len(by_id)
 
-    def _timed_score(
-        self, unit: Unit, by_id: dict[str, GenerationResult], ledger: Ledger
-    ) -> list[list[RolloutSample]]:
-        """Score a unit and record when (how much of the scoring hid behind generation)."""
+    def _scored(self, scored: Scored, fut: Future, ledger: Ledger) -> None:
+        """One response's reward is in (a failure raises here and ends the step); once its
+        unit's last is, build the groups and judge them."""
+        scored.rewards[scored.pending.pop(fut)] = fut.result()
+        if not scored.pending:
+            unit = scored.unit
+            self._classify(unit.groups, self.scoring.samples(unit, scored.by_id, scored.rewards), ledger)
+
+    def _timed_reward(
+        self, unit: Unit, request_id: str, result: GenerationResult, ledger: Ledger
+    ) -> SampleReward:
+        """One response's reward, and when it ran (how much of the scoring hid behind generation)."""
         start = time.perf_counter()
         try:
-            return self.scoring.score(unit, by_id, ledger.model_outcomes)
+            return self.scoring.reward(unit, request_id, result, ledger.model_outcomes)
         finally:
             ledger.score_intervals.append((start, time.perf_counter()))
 
@@ -675,8 +733,8 @@ class RolloutManager:
         if any(f in not_done for f in calls):
             logger.warning("rollout: %d engine calls did not return within abort_timeout_s", len(not_done))
         calls.clear()
-        for groups in scoring.values():
-            ledger.generated.update(g.serial for g in groups)
+        for scored in scoring.values():
+            ledger.generated.update(g.serial for g in scored.unit.groups)
         scoring.clear()
 
     def _carry_tail(self, ledger: Ledger) -> None:
@@ -708,6 +766,24 @@ class RolloutManager:
 
     def _record_interval(self, call: Call, ledger: Ledger) -> None:
         ledger.intervals[call.engine.name].append((call.start, time.perf_counter()))
+
+
+@dataclass
+class Scored:
+    """A finished call's scoring: its responses, and their rewards as they come in."""
+
+    unit: Unit
+    by_id: dict[str, GenerationResult]
+    pending: dict[Future, str] = field(default_factory=dict)  # reward future -> request id
+    rewards: dict[str, SampleReward] = field(default_factory=dict)
+
+
+def _same_response(early: GenerationResult, final: GenerationResult) -> bool:
+    """The response scored early is the one the call returned: same tokens, same episode (a
+    reward reads nothing else of it), so its reward stands."""
+    if early.output_ids != final.output_ids or (early.episode is None) != (final.episode is None):
+        return False
+    return early.episode is None or early.episode.as_dict() == final.episode.as_dict()
 
 
 def _abort_quietly(engine: Any) -> None:

@@ -23,6 +23,7 @@ TIMING_DEPENDENT_METRICS = (
     "rollout/tokens_generated",
     "reward/score_time_s",
     "reward/hidden_fraction",
+    "reward/early_fraction",
 )
 
 
@@ -102,7 +103,9 @@ def reward_metrics(
     """``reward/*``: the reward's components over the batch (the rule's and the model's mean,
     where computed), the responses left unscored by reason (in every group scored up to the cut,
     most of them dropped from the batch with their group), and the scoring time, with the share
-    of it that ran while an engine was still generating (hidden behind generation). With a served
+    of it that ran while an engine was still generating (hidden behind generation), and the share
+    of responses whose reward started before their engine call returned (``early_fraction``: the
+    engine handed each over as it completed). With a served
     model, ``reward/<kind>_*`` (kind: classifier or judge) over every response it was asked to
     score this step: requests sent (retries included), retries, latency per response (mean, max,
     back-off included) and, for a judge, the verdict's length in characters."""
@@ -118,6 +121,8 @@ def reward_metrics(
     m.update(served_model_metrics(ledger.model_outcomes))
     scoring = union_length(ledger.score_intervals)
     m["reward/score_time_s"] = scoring
+    if ledger.scored_responses:  # scored while the rest of their call still generated
+        m["reward/early_fraction"] = ledger.scored_early / ledger.scored_responses
     if scoring > 0:
         hidden = sum(union_length(_clip(gen_intervals, a, b)) for a, b in _merged(ledger.score_intervals))
         m["reward/hidden_fraction"] = hidden / scoring

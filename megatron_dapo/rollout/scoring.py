@@ -6,13 +6,17 @@ The reward is the rule reward (``reward.custom_fn`` or the registry), or with ``
 served reward model's score (``rewards/served``): alone, or mixed with the rule reward by
 ``reward.combine``. A response the model could not score (time-out, 5xx, unparseable verdict,
 server down) is marked ``unscored``, never given a score: it leaves its group.
+
+A reward is a function of one response (its tokens, its episode, its prompt), so the manager
+asks for it the moment the engine hands the response over (``RolloutEngine.generate``'s
+``on_result``), while the rest of the call still generates; the group's samples are built once
+every response of the call is in.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -38,20 +42,23 @@ class SampleReward:
     unscored: str | None = None
     rule_score: float | None = None
     model_score: float | None = None
+    text: str = ""  # the whole response (every turn of an episode), decoded once, for the dump
 
 
 class ModelScorer(Protocol):
     """A served reward model (``rewards.served.BlockingRewardModel``)."""
 
     kind: str  # reward.model.kind: "classifier" or "judge" (names its reward/<kind>_* metrics)
+    concurrency: int  # samples its servers score at once (the scoring threads to keep them busy)
 
-    def score_many(self, samples: Sequence[RewardSample]) -> list[ScoreOutcome]: ...
+    def score(self, sample: RewardSample) -> ScoreOutcome: ...
 
     def check_down(self) -> None: ...
 
 
 class GroupScoring:
-    """Scores a finished call's groups and judges each for the filter.
+    """Scores responses one by one as they complete, builds a finished call's groups from them,
+    and judges each group for the filter.
 
     Args:
         cfg: the manager's config (``n``, the overlong buffer, the filter's switch and metric).
@@ -76,64 +83,83 @@ class GroupScoring:
         self.combiner = combiner or Combiner(None)
         self._logged: set[str | None] = set()
 
-    def score(
-        self,
-        unit: Unit,
-        by_id: dict[str, GenerationResult],
-        outcomes: list[tuple[str, ScoreOutcome]] | None = None,
-    ) -> list[list[RolloutSample]]:
-        """The scored samples of each of ``unit``'s groups (``by_id``: every request's full
-        response): reward from the text, plus the overlong penalty from the length. With a
-        reward model, each of its outcomes is appended to ``outcomes`` as ``(kind, outcome)``
-        (the step's ``reward/<kind>_*`` metrics: requests, retries, latency).
+    def reward(
+        self, unit: Unit, request_id: str, result: GenerationResult, outcomes: list[tuple[str, ScoreOutcome]]
+    ) -> SampleReward:
+        """One response's reward, on a scoring thread: the rule's, or the reward model's (mixed
+        with the rule's by ``reward.combine``). It depends only on the response's tokens and
+        episode and its prompt, so it can run the moment the response completes, while the
+        rest of its call still generates. A reward model's outcome is appended to ``outcomes``
+        as ``(kind, outcome)`` (the step's ``reward/<kind>_*`` metrics).
 
         A multi-turn episode is scored on its last model turn's text (the final answer; a tool's
         output never is), with the whole episode in ``extra_info["turns"]`` (role and text per
         turn) and ``extra_info["tool_calls"]``: verl's reward signature, so existing reward
-        functions see what they always saw. Its overlong penalty counts the tokens the model
-        sampled, not the environment's."""
+        functions see what they always saw."""
+        prompt = unit.groups[unit.position(request_id) // self.cfg.n].prompt
+        text, extra = reward_input(result, self.tokenizer, prompt.extra_info)
+        whole = (
+            text
+            if result.episode is None
+            else self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        )
+        return replace(self._reward(request_id, prompt, text, extra, outcomes), text=whole)
+
+    def _reward(
+        self,
+        request_id: str,
+        prompt: Any,
+        text: str,
+        extra: dict | None,
+        outcomes: list[tuple[str, ScoreOutcome]],
+    ) -> SampleReward:
+        item = (prompt.data_source, text, prompt.ground_truth, extra)
+        if self.model is None:
+            r = self.scorer.score_many([item])[0]
+            return SampleReward(r.score, r.acc, r.pred, r.error, rule_score=float(r.score))
+        rule_score = None
+        if self.combiner.fn is not None and self.scorer.knows(prompt.data_source):
+            # the rule's score, where it has a reward for the data_source, for the combine function
+            rule_score = float(self.scorer.score_many([item])[0].score)
+        sample = RewardSample(
+            request_id,
+            list(prompt.messages),
+            text,
+            str(prompt.ground_truth),
+            prompt.data_source,
+            dict(extra or {}),
+        )
+        outcome = self.model.score(sample)
+        outcomes.append((self.model.kind, outcome))
+        self.model.check_down()  # a server down past reward.model.down_grace_s stops the run
+        if not outcome.scored:
+            self._log_unscored(outcome)
+            return SampleReward(float("nan"), False, "", None, outcome.unscored, rule_score, None)
+        mixed = self.combiner(sample, rule_score, outcome.score)
+        return SampleReward(mixed.score, mixed.acc, mixed.pred, None, None, rule_score, outcome.score)
+
+    def samples(
+        self, unit: Unit, by_id: dict[str, GenerationResult], rewards: dict[str, SampleReward]
+    ) -> list[list[RolloutSample]]:
+        """The scored samples of each of ``unit``'s groups from every request's full response
+        (``by_id``) and its reward: plus the overlong penalty, which counts the tokens the model
+        sampled (an episode's environment tokens are not its length)."""
         cfg = self.cfg
-        per_group: list[list[tuple[GenerationResult, str]]] = []
-        items = []
+        out = []
         for gi, g in enumerate(unit.groups):
-            rows = []
+            samples = []
             for j in range(cfg.n):
                 rid = unit.requests[gi * cfg.n + j].request_id
-                res = by_id[rid]
-                text, extra = reward_input(res, self.tokenizer, g.prompt.extra_info)
+                res, rw = by_id[rid], rewards[rid]
                 held = unit.held.get(rid)
-                # the whole response (every turn) for the dump; the reward's text is the answer
-                whole = (
-                    text
-                    if res.episode is None
-                    else self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
-                )
-                rows.append((res, whole, held.interrupted if held is not None else 0))
-                items.append((g.prompt.data_source, text, g.prompt.ground_truth, extra))
-            per_group.append(rows)
-        rewards = self._rewards(unit, items, outcomes)
-        lengths = torch.tensor(
-            [sampled_length(r) for rows in per_group for r, _, _ in rows], dtype=torch.float64
-        )
-        if cfg.overlong_buffer_enable:
-            penalties = overlong_penalty(
-                lengths, cfg.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
-            ).tolist()
-        else:
-            penalties = [0.0] * len(lengths)
-        out, k = [], 0
-        for g, rows in zip(unit.groups, per_group):
-            samples = []
-            for res, text, interrupted in rows:
-                rw, pen = rewards[k], float(penalties[k])
-                k += 1
+                pen = self._penalty(sampled_length(res))
                 samples.append(
                     RolloutSample(
                         group_id=g.serial,
                         prompt=g.prompt,
                         response_ids=res.output_ids,
                         rollout_logprobs=res.logprobs,
-                        response_text=text,
+                        response_text=rw.text,
                         finish_reason=res.finish_reason,
                         score=float(rw.score),
                         acc=bool(rw.acc),
@@ -146,7 +172,7 @@ class GroupScoring:
                         reward_error=rw.error,
                         token_versions=res.token_versions,
                         routed_experts=res.routed_experts,
-                        interrupted=interrupted,
+                        interrupted=held.interrupted if held is not None else 0,
                         loss_mask=res.loss_mask,
                         episode=None if res.episode is None else res.episode.as_dict(),
                         unscored=rw.unscored,
@@ -157,42 +183,16 @@ class GroupScoring:
             out.append(samples)
         return out
 
-    def _rewards(
-        self, unit: Unit, items: list[tuple], record: list[tuple[str, ScoreOutcome]] | None
-    ) -> list[SampleReward]:
-        """Each response's reward: the rule's, or the reward model's (combined with the rule's)."""
-        if self.model is None:
-            return [
-                SampleReward(r.score, r.acc, r.pred, r.error, rule_score=float(r.score))
-                for r in self.scorer.score_many(items)
-            ]
-        rule: list[Any] = [None] * len(items)
-        if self.combiner.fn is not None:  # the rule's score where it has a reward for the data_source
-            known = [i for i, item in enumerate(items) if self.scorer.knows(item[0])]
-            for i, r in zip(known, self.scorer.score_many([items[i] for i in known])):
-                rule[i] = r
-        prompts = [g.prompt for g in unit.groups for _ in range(self.cfg.n)]
-        ids = [q.request_id for q in unit.requests]
-        samples = [
-            RewardSample(rid, list(p.messages), text, str(gt), source, dict(extra or {}))
-            for rid, p, (source, text, gt, extra) in zip(ids, prompts, items)
-        ]
-        outcomes = self.model.score_many(samples)
-        if record is not None:
-            record.extend((self.model.kind, o) for o in outcomes)
-        self.model.check_down()  # a server down past reward.model.down_grace_s stops the run
-        out = []
-        for sample, outcome, r in zip(samples, outcomes, rule):
-            rule_score = None if r is None else float(r.score)
-            if not outcome.scored:
-                self._log_unscored(outcome)
-                out.append(SampleReward(float("nan"), False, "", None, outcome.unscored, rule_score, None))
-                continue
-            mixed = self.combiner(sample, rule_score, outcome.score)
-            out.append(
-                SampleReward(mixed.score, mixed.acc, mixed.pred, None, None, rule_score, outcome.score)
-            )
-        return out
+    def _penalty(self, length: int) -> float:
+        cfg = self.cfg
+        if not cfg.overlong_buffer_enable:
+            return 0.0
+        lengths = torch.tensor([length], dtype=torch.float64)
+        return float(
+            overlong_penalty(
+                lengths, cfg.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+            )[0]
+        )
 
     def _log_unscored(self, outcome: ScoreOutcome) -> None:
         """Each reason once per run at warning level (the count is the reward/unscored metric)."""

@@ -9,6 +9,7 @@ sample index), so a response does not depend on the engine that ran it, on retri
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +38,23 @@ class Unit:
     send: list[GenerationRequest] = field(default_factory=list)
     held: dict[str, PartialSample] = field(default_factory=dict)
     prefix: dict[str, PartialSample] = field(default_factory=dict)
+    # responses an engine handed over before its call returned (``on_result``), each with its
+    # reward's future: request id -> (the full response scored, future). Kept across the unit's
+    # calls (a retry, a continuation after a pause): a reward stands wherever the same tokens
+    # come back. Written by the engine's thread.
+    early: dict[str, tuple[GenerationResult, Future]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.send and not self.held:
             self.send = self.requests
+        self._positions = {q.request_id: i for i, q in enumerate(self.requests)}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._positions
+
+    def position(self, request_id: str) -> int:
+        """Where ``request_id`` sits in ``requests`` (group ``position // n``, sample ``% n``)."""
+        return self._positions[request_id]
 
     def replan(self) -> None:
         """``send`` from what is held and what is partly generated."""

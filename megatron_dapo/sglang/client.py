@@ -31,7 +31,7 @@ import httpx
 import torch
 
 from megatron_dapo.http_errors import http_error
-from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.engine import EngineError, OnResult
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 from megatron_dapo.sglang.ipc import push_weights_ipc
 from megatron_dapo.sglang.server import ROUTED_EXPERTS_FLAG
@@ -615,13 +615,18 @@ class SGLangEngine:
         """Run a client coroutine on this engine's loop (e.g. ``engine.run(engine.client.flush_cache())``)."""
         return self._loop.run(coro, timeout)
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
+    ) -> list[GenerationResult]:
         epoch = self._abort_epoch
 
         async def one(req: GenerationRequest) -> GenerationResult:
             if self._abort_epoch != epoch:  # aborted before it was sent: never reaches the server
                 return GenerationResult(req.request_id, [], [], "abort", self.weight_version)
-            return await self.client.generate(req)
+            result = await self.client.generate(req)
+            if on_result is not None and result.finish_reason != "abort":
+                on_result(result)  # this reply is in; the others of the call may still be generating
+            return result
 
         async def all_of() -> list[GenerationResult]:
             return list(await asyncio.gather(*(one(r) for r in requests)))

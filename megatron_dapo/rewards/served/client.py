@@ -138,12 +138,15 @@ async def open_reward_model(
 class BlockingRewardModel:
     """:class:`RewardModel` for plain threads: its own event loop in a daemon thread.
 
-    ``score_many(samples)`` scores them concurrently and returns when all are done. Use as a
-    context manager or call :meth:`close`.
+    ``score_many(samples)`` scores them concurrently and returns when all are done; ``score``
+    one sample, from as many threads as ``concurrency``. Use as a context manager or call
+    :meth:`close`.
     """
 
     def __init__(self, settings: ServedRewardSettings, urls: Sequence[str] | None = None, *, api_key=None):
         self.kind = settings.kind
+        # requests the servers take at once: a caller scoring one sample per thread needs this many
+        self.concurrency = settings.max_in_flight * (1 if urls is None else len(urls))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-model-loop", daemon=True)
         self._thread.start()
