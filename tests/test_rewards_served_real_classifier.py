@@ -95,10 +95,11 @@ def test_the_original_checkpoint_fails_the_start_up_check_naming_the_missing_bia
         and "random initialisation" in line
     )
     assert "prepare_served_checkpoint" in line
-    # the defect itself: one constant offset on every conversation
+    # the defect itself: one constant offset on every conversation (the bias's random draw; the
+    # check above raised, so it is past the tolerance, however small the draw was this start)
     served = served_scores(ServedRewardSettings("classifier", path=str(rm)), [url])
     offsets = [s - r for s, r in zip(served, expected)]
-    assert max(offsets) - min(offsets) < TOLERANCE and abs(offsets[0]) > 100 * TOLERANCE, offsets
+    assert max(offsets) - min(offsets) < TOLERANCE and abs(offsets[0]) > TOLERANCE, offsets
 
 
 def test_the_served_copy_passes_the_check_and_scores_as_transformers(rm, expected, server, served_copy):

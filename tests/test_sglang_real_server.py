@@ -163,24 +163,33 @@ def _submit_many(engine, n: int, max_new_tokens: int):
     return engine.submit(many())
 
 
-def _wait_for_load(engine, running: int, waiting: int, timeout_s: float = 300.0) -> None:
+def _wait_for_load(engine, pending, running: int, waiting: int, timeout_s: float = 300.0) -> bool:
     """Poll SGLang's ``GET /v1/loads`` (its scheduler's own count, published every few batches)
-    until it runs ``running`` requests with ``waiting`` queued."""
+    until it runs ``running`` requests with ``waiting`` queued (True), or ``pending`` is done
+    first (False: a loaded machine's scheduler published no count while they ran)."""
     deadline, seen = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not pending.done():
         loads = engine.run(engine.client.call("GET", "/v1/loads?include=core"))["loads"]
         seen = (sum(x["num_running_reqs"] for x in loads), sum(x["num_waiting_reqs"] for x in loads))
         if seen == (running, waiting):
-            return
+            return True
         time.sleep(0.02)
+    if pending.done():
+        return False
     raise AssertionError(f"/v1/loads never showed {running} running + {waiting} waiting; last {seen}")
 
 
 def test_abort_of_running_and_queued_requests(engine, models):
     # 12 requests on a server that runs at most 8 (--max-running-requests 8): 4 wait in its queue.
-    # LONG tokens each: the running ones are far from done when the abort lands.
-    pending = _submit_many(engine, 12, LONG)
-    _wait_for_load(engine, running=8, waiting=4)
+    # LONG tokens each: the running ones are far from done when the abort lands. The abort must
+    # land while the server shows 8 running + 4 waiting; when the requests end before it showed
+    # that, they are sent again.
+    for _ in range(5):
+        pending = _submit_many(engine, 12, LONG)
+        if _wait_for_load(engine, pending, running=8, waiting=4):
+            break
+    else:
+        raise AssertionError("12 requests never showed as 8 running + 4 waiting in 5 tries")
     engine.abort()
     results = pending.result(timeout=300)
     errors = [r for r in results if isinstance(r, BaseException)]
@@ -280,6 +289,11 @@ def test_a_server_that_hangs_mid_rollout_is_left_behind_and_the_step_finishes(sg
             (s.prompt.index, s.response_ids) for s in ref.samples
         ]
         assert batch.metrics["rollout/engines_hung"] == 1
+        # the manager's background abort of the hung engine goes on after SIGCONT (its rounds
+        # abort whatever the server runs, slowly on a loaded machine): let it end first
+        for t in threading.enumerate():
+            if t.name == "abort-hung":
+                t.join(120)
         res = hung.generate([req(0, PROMPTS[0])])[0]  # continued, it answers again
         assert res.finish_reason in ("length", "stop") and res.output_ids
     finally:
