@@ -49,8 +49,9 @@ def _kill_when_it_scores(log: Path, model_dir: Path, killed: list) -> None:
         if log.is_file() and "/generate" in log.read_text(errors="replace"):
             proc = _reward_server(model_dir)
             if proc is not None:
+                parent = " ".join(proc.parent().cmdline())  # who started it
                 os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
-                killed.append(proc.pid)
+                killed.append((proc.pid, parent))
                 return
         time.sleep(0.2)
 
@@ -91,9 +92,13 @@ def test_a_judge_killed_mid_step_is_restarted_and_no_sample_is_scored_0(assets, 
     summary = run_train(load_for_cli(str(REPO / "configs/demo.yaml"), overrides))
     watcher.join(timeout=5)
     assert killed, "the judge's server was never seen answering"
+    # placed by the Ray driver: the child of its node's host actor, as a rollout server is
+    assert "SGLangNodeHost" in killed[0][1], killed
     run = Path(summary["run_dir"])
     records = {r["step"]: r for r in read_metrics(run)}
     assert set(records) >= {1, 2}
+    # the Ray-hosted HF engines streamed each response to the driver as its row stopped
+    assert records[1]["reward/early_fraction"] == records[2]["reward/early_fraction"] == 1.0
     assert records[1]["reward/unscored"] >= 1, "responses scored while the judge was down"
     assert records[1].get("reward/unscored_down", 0) >= 1
     for step in (1, 2):

@@ -1,6 +1,7 @@
 """A judge through the real SGLang 0.5.23 CPU server, on a tiny random causal LM with a chat
 template; a user parser (``path.py:fn``) maps whatever the random model says to a deterministic
-score, so the plumbing is real end to end. One server start.
+score, so the plumbing is real end to end. One server start, by ``RewardServers.launch`` on
+this node (the path a run without Ray takes).
 
 The served judge (``/generate`` with ids rendered here by the judge's chat template) and the same
 server asked as an OpenAI-compatible judge (``/v1/chat/completions``, the server rendering the
@@ -14,9 +15,15 @@ from __future__ import annotations
 import pytest
 from helpers import make_tiny_hf_checkpoint
 from reward_model_fixtures import add_chat_template
-from sglang_fixtures import real_sglang_server
 
-from megatron_dapo.rewards.served import BlockingRewardModel, RewardSample, ServedRewardSettings
+from megatron_dapo.config import load_config
+from megatron_dapo.rewards.served import (
+    BlockingRewardModel,
+    RewardSample,
+    ServedRewardSettings,
+    settings_from_config,
+)
+from megatron_dapo.sglang.reward_servers import RewardServers
 
 PARSER = "def grade(verdict):\n    return (sum(map(ord, verdict)) % 11) / 10\n"
 SAMPLES = [
@@ -38,8 +45,16 @@ def judge_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def judge_server(judge_dir, tmp_path_factory):
-    with real_sglang_server(judge_dir, tmp_path_factory.mktemp("sglang")) as server:
-        yield server
+    """Started as a run without Ray starts it, on its own node (``RewardServers.launch``)."""
+    cfg = load_config(
+        None, [f"model.path={judge_dir}", "reward.model.kind=judge", f"reward.model.path={judge_dir}"]
+    )
+    servers = RewardServers.launch(cfg, settings_from_config(cfg.reward), tmp_path_factory.mktemp("run"))
+    try:
+        yield servers.servers[0]
+    finally:
+        servers.stop()
+    assert not servers.servers[0].process.alive()
 
 
 @pytest.fixture(scope="module")

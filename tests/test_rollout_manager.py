@@ -414,7 +414,9 @@ def test_a_call_that_fails_after_handing_over_is_retried_and_each_response_score
     """The retry returns the same tokens (seeds per request): the rewards started for the failed
     call's hand-overs stand, and none is asked for twice."""
     conf = manager_config(gen_batch_size=1, train_batch_size=1)
-    reference = RolloutManager([ScriptedEngine("e0")], Scorer(), conf, Tokenizer()).collect(Dataset([MIXED]), 0)
+    reference = RolloutManager([ScriptedEngine("e0")], Scorer(), conf, Tokenizer()).collect(
+        Dataset([MIXED]), 0
+    )
     engine, scorer = FailingAfterHandOver("e0"), Scorer()
     batch = RolloutManager([engine], scorer, conf, Tokenizer()).collect(Dataset([MIXED]), 0)
     m = batch.metrics

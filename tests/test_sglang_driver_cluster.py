@@ -112,3 +112,57 @@ def test_engines_start_on_every_node_and_restart_there(cluster, tmp_path):
     finally:
         stop_sglang_engines(engines)
     assert not any(e.server.alive() for e in engines)
+
+
+def test_reward_servers_start_on_their_planned_nodes_and_restart_there(cluster, tmp_path):
+    """reward.model.placement=own on a 3-node cluster whose GPUs 0-1 hold the trainer ranks and a
+    colocated TP2 engine: a TP2 judge server on GPUs 2-3 of every node, each the child of a host
+    actor on its node; one killed there is restarted there by the supervision thread, which
+    tells the client its URL."""
+    import threading
+    from dataclasses import replace
+
+    from megatron_dapo.rewards.served import settings_from_config
+    from megatron_dapo.sglang.placement import plan_reward_servers
+    from megatron_dapo.sglang.reward_servers import RewardServers
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    gpus = {n["NodeID"]: 4 for n in nodes}
+    actor = [GpuSlot(n["NodeID"], n["NodeManagerAddress"], g) for n in nodes for g in (0, 1)]
+    engines = plan_engines("colocated", actor, gpus, NODES, 2, 0)
+    plans = plan_reward_servers("own", actor, gpus, engines, NODES, 2)
+    assert [(p.node_id, p.gpus) for p in plans] == [(e.node_id, (2, 3)) for e in engines]
+    plans = [replace(p, port=free_port()) for p in plans]
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    cfg = load_config(
+        None,
+        [
+            "model.path=/models/none",
+            "rollout.sglang.startup_timeout_s=120",
+            "reward.model.kind=judge",
+            f"reward.model.path={judge}",
+            f"reward.model.num_servers={NODES}",
+            "reward.model.gpus_per_server=2",
+        ],
+    )
+    script = tmp_path / "standin.py"
+    shutil.copy(STANDIN, script)
+    commands = [[sys.executable, str(script), p.node_ip, str(p.port)] for p in plans]
+    servers = RewardServers.launch(cfg, settings_from_config(cfg.reward), tmp_path / "run", plans, commands)
+    restarted, told = [], threading.Event()
+    try:
+        assert servers.urls == [p.url for p in plans]
+        for srv, p in zip(servers.servers, plans):
+            node, _ = ray.get(srv.process.host.where.remote())
+            assert node == p.node_id
+        servers.watch(lambda url: (restarted.append(url), told.set()))
+        victim = plans[2]
+        old = httpx.get(victim.url + "/get_server_info", timeout=30).json()["pid"]
+        os.kill(old, 9)
+        assert told.wait(60), "the dead reward server was not restarted"
+        assert restarted == [victim.url] and servers.restarts == 1
+        assert httpx.get(victim.url + "/get_server_info", timeout=30).json()["pid"] != old
+    finally:
+        servers.stop()
+    assert not any(srv.process.alive() for srv in servers.servers)

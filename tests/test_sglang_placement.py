@@ -11,7 +11,7 @@ import random
 import pytest
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.sglang.placement import GpuSlot, plan_engines, rank_order
+from megatron_dapo.sglang.placement import GpuSlot, plan_engines, plan_reward_servers, rank_order
 
 
 def cluster(nodes: int, gpus: int) -> list[GpuSlot]:
@@ -74,3 +74,30 @@ def test_non_consecutive_actor_gpus_are_not_grouped():
     assert [p.ipc_ranks for p in plans] == [(0, 1), (2, 3)]
     with pytest.raises(ConfigError):
         plan_engines("colocated", [GpuSlot("a", "ip", g) for g in (0, 2, 4)], {"a": 8}, 1, 2, 30000)
+
+
+def test_reward_servers_of_their_own_fill_the_gpus_ranks_and_engines_leave_node_by_node():
+    # node a: 4 ranks on 0-3, engines on 4-5 and 6-7 (disaggregated TP2): nothing left;
+    # node b (7 GPUs, engines only): one TP2 engine on 0-1, so 2-3 and 4-5 take servers and 6 is
+    # left alone (a server of two needs consecutive GPUs)
+    actor = [GpuSlot("a", "10.0.0.1", g) for g in range(4)]
+    engines = plan_engines("disaggregated", actor, {"a": 8, "b": 7}, 3, 2, 30000, node_ips={"b": "10.0.0.2"})
+    assert [(e.node_id, e.gpus) for e in engines] == [("a", (4, 5)), ("a", (6, 7)), ("b", (0, 1))]
+    plans = plan_reward_servers("own", actor, {"a": 8, "b": 7}, engines, 2, 2, node_ips={"b": "10.0.0.2"})
+    assert [(p.index, p.node_id, p.node_ip, p.gpus, p.port) for p in plans] == [
+        (0, "b", "10.0.0.2", (2, 3), 0),
+        (1, "b", "10.0.0.2", (4, 5), 0),
+    ]
+    with pytest.raises(
+        ConfigError, match=r"num_servers=3 x gpus_per_server=2 .*10.0.0.1: \[\]; 10.0.0.2: \[2, 3, 4, 5, 6\]"
+    ):
+        plan_reward_servers("own", actor, {"a": 8, "b": 7}, engines, 3, 2, node_ips={"b": "10.0.0.2"})
+
+
+def test_colocated_reward_servers_take_the_first_gpus_of_engine_i():
+    actor = [GpuSlot("a", "10.0.0.1", g) for g in range(8)]
+    engines = plan_engines("colocated", actor, {"a": 8}, 4, 2, 30000)
+    plans = plan_reward_servers("colocated", actor, {"a": 8}, engines, 3, 1)
+    assert [(p.node_id, p.gpus) for p in plans] == [("a", (0,)), ("a", (2,)), ("a", (4,))]
+    with pytest.raises(ConfigError, match=r"5 servers need 5 engines of at least 1 GPUs.*\[2, 2, 2, 2\]"):
+        plan_reward_servers("colocated", actor, {"a": 8}, engines, 5, 1)

@@ -281,9 +281,9 @@ class RewardModelConfig:
     # Servers the run starts for `path`, and the GPUs (tensor parallel) of each.
     num_servers: int = 1
     gpus_per_server: int = 1
-    # Where those servers go. own: GPUs of the driver's node that no actor rank or rollout engine
-    # uses (added to the job's). colocated: server i on the first gpus_per_server GPUs of rollout
-    # engine i, in mem_fraction_static of each (next to the engine's own
+    # Where those servers go. own: GPUs that no actor rank or rollout engine uses (added to the
+    # job's), on any node of the Ray cluster (under torchrun, the driver's node). colocated: server
+    # i on the first gpus_per_server GPUs of rollout engine i, in mem_fraction_static of each (next to the engine's own
     # rollout.sglang.mem_fraction_static): no GPUs of their own, but scoring then competes with
     # decoding on those GPUs.
     placement: str = "own"

@@ -35,10 +35,11 @@ from megatron_dapo.driver.run_dir import RunDir
 from megatron_dapo.driver.stop import StopFlag, blocked_signals
 from megatron_dapo.driver.trainer import DAPOTrainer
 from megatron_dapo.driver.validation import make_validator
+from megatron_dapo.rewards.served import settings_from_config
 from megatron_dapo.rollout.dump import dump_rollouts
 from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig
 from megatron_dapo.sglang.engines import launch_planned_engines, start_sglang_engines, stop_sglang_engines
-from megatron_dapo.sglang.placement import EnginePlan, plan_engines, rank_order
+from megatron_dapo.sglang.placement import EnginePlan, plan_engines, plan_reward_servers, rank_order
 from megatron_dapo.sync.protocol import WeightTransport
 from megatron_dapo.sync.sglang_transports import sglang_transport
 from megatron_dapo.sync.transports import RayObjectTransport
@@ -237,6 +238,35 @@ class Placement:
             engines.append(RemoteEngine(name, handle, cfg.rollout.request_timeout_s))
         return engines
 
+    def reward_plans(self) -> list[EnginePlan] | None:
+        """Where ``reward.model.path``'s servers go (None: no servers to start): on a CPU, this
+        node; on GPUs, the cluster's (``plan_reward_servers``: GPUs of their own, or the
+        planned rollout engines' own)."""
+        import ray
+
+        settings = settings_from_config(self.cfg.reward)
+        if settings is None or settings.path is None:
+            return None
+        if self.device == "cpu":
+            here = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+            return [EnginePlan(i, *here, (), 0) for i in range(settings.num_servers)]
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        # the engines the run launched on planned GPUs (none when they are given by URL)
+        planned = (
+            [e.plan for e in self.engines]
+            if self.engine_kind == "sglang" and not self.cfg.rollout.sglang.urls
+            else []
+        )
+        return plan_reward_servers(
+            settings.placement,
+            self.actor_slots,
+            {n["NodeID"]: int(n["Resources"].get("GPU", 0)) for n in nodes},
+            planned,
+            settings.num_servers,
+            settings.gpus_per_server,
+            node_ips={n["NodeID"]: n["NodeManagerAddress"] for n in nodes},
+        )
+
     def weight_transport(self) -> WeightTransport:
         timeout = self.cfg.trainer.weight_sync.timeout_s
         if self.engine_kind == "hf":  # `EngineHost` actors: buckets through the object store
@@ -290,18 +320,26 @@ def prepare_run(cfg: DictConfig) -> RunInputs:
     return RunInputs(run, tokenizer, dataset, problems, make_scorer(cfg))
 
 
-def drive(cfg: DictConfig, inputs: RunInputs, ranks, engines: list[Any], stop: StopFlag) -> dict[str, Any]:
+def drive(
+    cfg: DictConfig,
+    inputs: RunInputs,
+    ranks,
+    engines: list[Any],
+    stop: StopFlag,
+    reward_plans: list[EnginePlan] | None = None,
+) -> dict[str, Any]:
     """Run the step loop over placed `ranks` (a rank group) and `engines`, then export and plot.
 
     The caller has attached the weight transport to global rank 0's worker; `ranks.call` reaches
-    every rank the same way whether they are Ray actors or torchrun processes.
+    every rank the same way whether they are Ray actors or torchrun processes. `reward_plans`:
+    where the reward model's servers go on a Ray cluster (None: this node).
     """
     tokenizer = inputs.tokenizer
     mcfg = RolloutManagerConfig.from_config(cfg)
     mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
     # multi-turn tool use: the episode runner (its tool processes end with the run)
     episodes = multi_turn_runner(cfg, tokenizer, _max_context(cfg)) if cfg.rollout.multi_turn.enable else None
-    rewards = ServedReward.start(cfg, inputs.run.root)
+    rewards = ServedReward.start(cfg, inputs.run.root, reward_plans)
     try:
         return _drive(cfg, inputs, ranks, engines, stop, mcfg, episodes, rewards)
     finally:
@@ -405,7 +443,7 @@ def run_train(cfg: DictConfig) -> dict[str, Any]:
                 placement.ranks.call("attach_transport", transport, timeout_s=300)
             else:
                 placement.ranks.workers[0].attach_transport.remote(transport)
-            summary = drive(cfg, inputs, placement.ranks, placement.engines, stop)
+            summary = drive(cfg, inputs, placement.ranks, placement.engines, stop, placement.reward_plans())
             failed = False
             return summary
         finally:

@@ -3,11 +3,13 @@ scores with them, and ``reward.combine``; nothing when ``reward.model.kind`` is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from megatron_dapo.eval.served import ServedScorer
 from megatron_dapo.rewards.served import BlockingRewardModel, Combiner, settings_from_config
+from megatron_dapo.sglang.placement import EnginePlan
 from megatron_dapo.sglang.reward_servers import RewardServers
 
 
@@ -22,11 +24,13 @@ class ServedReward:
         self.servers = servers
 
     @classmethod
-    def start(cls, cfg: Any, run_root: str | Path) -> ServedReward:
+    def start(cls, cfg: Any, run_root: str | Path, plans: Sequence[EnginePlan] | None = None) -> ServedReward:
+        """The model of ``reward.model``, its servers started (on ``plans``' nodes when given,
+        else on this node) when it has a ``path``."""
         settings = settings_from_config(cfg.reward)
         if settings is None:
             return cls(None, None, None)
-        servers = RewardServers.launch(cfg, settings, run_root) if settings.path is not None else None
+        servers = RewardServers.launch(cfg, settings, run_root, plans) if settings.path is not None else None
         try:
             model = BlockingRewardModel(settings, servers.urls if servers else None)
         except BaseException:

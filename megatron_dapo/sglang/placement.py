@@ -9,6 +9,8 @@
 - `plan_engines`: the engines of a whole cluster: which node, which GPUs, which port, and in
   colocated mode which trainer rank sits on each engine TP rank's GPU (the rank whose CUDA IPC
   handles that TP rank can open). An engine never spans nodes.
+- `plan_reward_servers`: the servers of `reward.model.path` on the same cluster: on GPUs that no
+  trainer rank and no engine uses (`own`), or on the first GPUs of engine i (`colocated`).
 """
 
 from __future__ import annotations
@@ -136,12 +138,7 @@ def plan_engines(
         used = sorted(g for (n, g) in rank_on if n == node)
         pool = used if placement == "colocated" else [g for g in range(node_gpus[node]) if g not in used]
         # consecutive runs only: SGLang counts an engine's GPUs up from --base-gpu-id
-        groups, run = [], []
-        for g in pool:
-            run = run + [g] if run and g == run[-1] + 1 else [g]
-            if len(run) == tp:
-                groups.append(tuple(run))
-                run = []
+        groups = _runs(pool, tp)
         free_per_node.append(f"{ips.get(node, node)}: {len(groups)}")
         for k, gpus in enumerate(groups):
             if len(plans) == num_engines:
@@ -154,5 +151,72 @@ def plan_engines(
             f"rollout.num_engines={num_engines} x rollout.tensor_parallel_size={tp} does not fit on {where} "
             f"node by node (engines of TP {tp} per node: {', '.join(free_per_node)}); use fewer or smaller "
             "engines, more nodes, or give rollout.sglang.urls of servers you started"
+        )
+    return plans
+
+
+def _runs(gpus: Sequence[int], size: int) -> list[tuple[int, ...]]:
+    """``gpus`` (sorted) cut into consecutive runs of ``size``, left to right."""
+    groups, run = [], []
+    for g in gpus:
+        run = run + [g] if run and g == run[-1] + 1 else [g]
+        if len(run) == size:
+            groups.append(tuple(run))
+            run = []
+    return groups
+
+
+def plan_reward_servers(
+    placement: str,
+    actor: Sequence[GpuSlot],
+    node_gpus: dict[str, int],
+    engines: Sequence[EnginePlan],
+    num_servers: int,
+    tp: int,
+    node_ips: dict[str, str] | None = None,
+) -> list[EnginePlan]:
+    """Where each reward server runs on the cluster (``port`` 0: a free one on its node).
+
+    ``colocated``: server i on the first ``tp`` GPUs of engine i (the config checked that there
+    are enough engines and that ``tp`` fits an engine). ``own``: GPUs no trainer rank and no
+    engine uses, in consecutive runs of ``tp``, filled node by node (nodes in (address, id)
+    order, as the engines are); a server never spans nodes.
+
+    Raises ConfigError when they do not fit.
+    """
+    if placement == "colocated":
+        if len(engines) < num_servers or any(len(e.gpus) < tp for e in engines[:num_servers]):
+            raise ConfigError(
+                f"reward.model.placement=colocated puts reward server i on the first {tp} GPUs of rollout "
+                f"engine i: {num_servers} servers need {num_servers} engines of at least {tp} GPUs, the plan has "
+                f"{[len(e.gpus) for e in engines]}; lower reward.model.num_servers or gpus_per_server"
+            )
+        return [
+            EnginePlan(i, e.node_id, e.node_ip, e.gpus[:tp], 0) for i, e in enumerate(engines[:num_servers])
+        ]
+    if placement != "own":
+        raise ConfigError(f"reward.model.placement must be own or colocated, got {placement!r}")
+    ips = dict(node_ips or {})
+    used: set[tuple[str, int]] = set()
+    for s in actor:
+        ips[s.node_id] = s.node_ip
+        used.add((s.node_id, s.gpu))
+    for e in engines:
+        ips.setdefault(e.node_id, e.node_ip)
+        used.update((e.node_id, g) for g in e.gpus)
+    plans: list[EnginePlan] = []
+    free_per_node = []
+    for node in sorted(node_gpus, key=lambda n: (ips.get(n, ""), n)):
+        free = [g for g in range(node_gpus[node]) if (node, g) not in used]
+        free_per_node.append(f"{ips.get(node, node)}: {free}")
+        for gpus in _runs(free, tp):
+            if len(plans) < num_servers:
+                plans.append(EnginePlan(len(plans), node, ips.get(node, ""), gpus, 0))
+    if len(plans) < num_servers:
+        raise ConfigError(
+            f"reward.model.num_servers={num_servers} x gpus_per_server={tp} needs {num_servers} runs of {tp} "
+            f"consecutive GPUs that neither the actor nor the rollout engines use, node by node, but the "
+            f"cluster leaves {'; '.join(free_per_node)}; lower them, add a node, share the engines' GPUs "
+            "(reward.model.placement=colocated), or serve the reward model elsewhere and give reward.model.url"
         )
     return plans

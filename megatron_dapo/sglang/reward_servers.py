@@ -1,32 +1,39 @@
 """The SGLang servers a run starts for a served reward model (``reward.model.path``), kept alive.
 
-They run on the driver's node, beside the rollout engines but apart from them: no weight sync
-ever reaches them (they serve ``reward.model.path``, frozen), and the engine pool does not hold
-them. On a CPU they take the CPU flags of the rollout servers. On GPUs (:func:`reward_gpu_groups`),
-``reward.model.placement=own`` gives them the node's GPUs that neither the actor nor the rollout
-engines use (``placement.engine_gpu_ids``), counted by ``megatron-dapo plan``; a node without
-enough left refuses in one line (give ``reward.model.url`` to use a server placed elsewhere).
-``colocated`` puts server i on the first GPUs of rollout engine i, in
-``reward.model.mem_fraction_static`` of each.
+They run beside the rollout engines but apart from them: no weight sync ever reaches them (they
+serve ``reward.model.path``, frozen), and the engine pool does not hold them. Where:
+
+- under the Ray driver, on the cluster (``placement.plan_reward_servers``): each server on its
+  plan's node through that node's ``SGLangNodeHost`` (``node_host.launch_on_nodes``, as the
+  rollout engines), ``reward.model.placement=own`` on GPUs no trainer rank and no engine uses,
+  node by node, ``colocated`` on the first GPUs of rollout engine i in
+  ``reward.model.mem_fraction_static`` of each; on a CPU cluster, on the driver's node;
+- under torchrun, on the driver's node (:func:`reward_gpu_groups`: the same two choices among
+  that node's GPUs).
+
+Either way the plan is counted by ``megatron-dapo plan``, and a cluster or node without room
+refuses in one line (give ``reward.model.url`` to use a server placed elsewhere). On a CPU the
+servers take the CPU flags of the rollout servers.
 
 A classifier is served from a corrected copy of its checkpoint (``rewards.served.checkpoint``:
 SGLang's Qwen2/Qwen3 classification head has a bias the checkpoint lacks) and checked at start-up
 against transformers (``rewards.served.startup_check``), after every restart too.
 
-Supervision: a thread polls each server's process; a dead one is restarted (``SGLangServer
-.restart``, health-waited) and the client is told (``mark_restarted``), so the samples scored
-while it was down come back unscored, never 0, and the ones after score again. A server that
-cannot be brought back keeps failing its requests until ``reward.model.down_grace_s``, when the
-client stops the run with one line.
+Supervision: a thread polls each server's process (on another node, through its host); a dead
+one is restarted there (``SGLangServer.restart``, health-waited) and the client is told
+(``mark_restarted``), so the samples scored while it was down come back unscored, never 0, and
+the ones after score again. A server that cannot be brought back keeps failing its requests
+until ``reward.model.down_grace_s``, when the client stops the run with one line.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,7 +46,8 @@ from megatron_dapo.rewards.served import (
     server_specs,
 )
 from megatron_dapo.sglang.engines import CPU_SERVER_ARGS, cpu_server_env
-from megatron_dapo.sglang.placement import engine_gpu_ids, local_actor_gpus
+from megatron_dapo.sglang.node_host import launch_on_nodes, stop_node_hosts
+from megatron_dapo.sglang.placement import EnginePlan, engine_gpu_ids, local_actor_gpus
 from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
 
 log = logging.getLogger(__name__)
@@ -47,24 +55,61 @@ log = logging.getLogger(__name__)
 _POLL_S = 2.0
 
 
-class RewardServers:
-    """The reward model's servers on this node; :meth:`launch` starts them, :meth:`stop` ends them."""
+class Supervised(Protocol):
+    """A reward server's process as supervision sees it: ``SGLangServer`` on this node, or a node
+    host's ``RemoteServer`` on another."""
 
-    def __init__(self, settings: ServedRewardSettings, servers: list[SGLangServer], probe_model: str | None):
+    def alive(self) -> bool: ...
+
+    def restart(self) -> int: ...  # kill if running, start again, wait until healthy
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class RewardServer:
+    """One reward server: where the client reaches it, its log, and its process."""
+
+    url: str
+    log_file: str
+    process: Supervised
+
+
+class RewardServers:
+    """The reward model's servers; :meth:`launch` starts them, :meth:`stop` ends them."""
+
+    def __init__(
+        self,
+        settings: ServedRewardSettings,
+        servers: list[RewardServer],
+        probe_model: str | None,
+        hosts: Sequence[Any] = (),
+    ):
         self.settings = settings
         self.servers = servers
         self.probe_model = probe_model  # the original checkpoint the start-up check compares with
+        self.hosts = list(hosts)  # the Ray node hosts that run them (launched on planned nodes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.restarts = 0
 
     @property
     def urls(self) -> list[str]:
-        return [s.cfg.url for s in self.servers]
+        return [s.url for s in self.servers]
 
     @classmethod
-    def launch(cls, cfg: Any, settings: ServedRewardSettings, run_root: str | Path) -> RewardServers:
-        """Start ``reward.model.num_servers`` servers for ``reward.model.path`` and wait for them."""
+    def launch(
+        cls,
+        cfg: Any,
+        settings: ServedRewardSettings,
+        run_root: str | Path,
+        plans: Sequence[EnginePlan] | None = None,
+        commands: Sequence[list[str]] | None = None,
+    ) -> RewardServers:
+        """Start ``reward.model.num_servers`` servers for ``reward.model.path`` and wait for them:
+        on this node (torchrun), or each on its plan's node and GPUs through a Ray node host
+        (``plan_reward_servers``; on a CPU cluster, this node without GPUs). ``commands``: argv
+        per planned server instead of SGLang's (tests: a stand-in)."""
         run_root = Path(run_root)
         probe = None
         served = settings.path
@@ -72,8 +117,17 @@ class RewardServers:
             copy = prepare_served_checkpoint(settings.path, run_root / "reward_model_served")
             served, probe = str(copy.path), str(settings.path)
         specs = server_specs(settings, served)
-        cpu = torch.cuda.device_count() == 0
-        gpus = [()] * len(specs) if cpu else reward_gpu_groups(cfg, settings, torch.cuda.device_count())
+        (run_root / "sglang").mkdir(parents=True, exist_ok=True)
+        if plans is not None:
+            cpu = all(not p.gpus for p in plans)
+            gpus = [list(p.gpus) for p in plans]
+            hosts = [p.node_ip for p in plans]
+            ports = [p.port for p in plans]
+        else:
+            cpu = torch.cuda.device_count() == 0
+            gpus = [[]] * len(specs) if cpu else reward_gpu_groups(cfg, settings, torch.cuda.device_count())
+            hosts = ["127.0.0.1"] * len(specs)
+            ports = [free_port() for _ in specs]
         # a colocated server takes its own share of an engine's GPU; on GPUs of its own, an engine's
         share = (
             settings.mem_fraction_static
@@ -84,40 +138,59 @@ class RewardServers:
             SGLangServerConfig(
                 model_path=spec.model_path,
                 tp_size=spec.tp_size,
-                host="127.0.0.1",
-                port=free_port(),
+                host=host,
+                # a planned server's port 0 is a free one on its own node (its host picks it)
+                port=port,
                 mem_fraction_static=0.05 if cpu else share,
                 dtype="float32" if cpu else "auto",
-                base_gpu_id=None if cpu else group[0],
+                base_gpu_id=group[0] if group else None,
                 extra_args=(list(CPU_SERVER_ARGS) if cpu else []) + list(spec.extra_args),
                 startup_timeout_s=float(cfg.rollout.sglang.startup_timeout_s),
                 log_file=str(run_root / "sglang" / f"reward_{spec.index}.log"),
                 env=cpu_server_env() if cpu else {},
                 python=cfg.rollout.sglang.python,
             )
-            for spec, group in zip(specs, gpus)
+            for spec, group, host, port in zip(specs, gpus, hosts, ports)
         ]
-        (run_root / "sglang").mkdir(parents=True, exist_ok=True)
-        servers: list[SGLangServer] = []
+        for c in configs:
+            log.info("starting reward server on %s (%s, log %s)", c.host, settings.kind, c.log_file)
+        if plans is not None:
+            node_hosts, remote = launch_on_nodes(
+                plans,
+                configs,
+                startup_timeout_s=float(cfg.rollout.sglang.startup_timeout_s),
+                commands=commands,
+            )
+            servers = [RewardServer(r.url, c.log_file, r) for r, c in zip(remote, configs)]
+            return cls._checked(settings, servers, probe, node_hosts)
+        local: list[SGLangServer] = []
         try:
             for c in configs:
-                log.info("starting reward server %s (%s, log %s)", c.url, settings.kind, c.log_file)
-                servers.append(SGLangServer(c).start())
-            for srv in servers:
+                local.append(SGLangServer(c).start())
+            for srv in local:
                 srv.wait_healthy()
-            out = cls(settings, servers, probe)
-            for srv in servers:
-                out.check(srv)
-            return out
         except BaseException:
-            for srv in servers:
+            for srv in local:
                 srv.stop()
             raise
+        servers = [RewardServer(srv.cfg.url, srv.cfg.log_file, srv) for srv in local]
+        return cls._checked(settings, servers, probe, ())
 
-    def check(self, server: SGLangServer) -> None:
+    @classmethod
+    def _checked(cls, settings, servers, probe, node_hosts) -> RewardServers:
+        out = cls(settings, servers, probe, node_hosts)
+        try:
+            for srv in servers:
+                out.check(srv)
+        except BaseException:
+            out.stop()
+            raise
+        return out
+
+    def check(self, server: RewardServer) -> None:
         """A classifier scores a probe text as transformers does (raises one line otherwise)."""
         if self.probe_model is not None:
-            check_classifier_server(server.cfg.url, self.probe_model, timeout_s=self.settings.timeout_s)
+            check_classifier_server(server.url, self.probe_model, timeout_s=self.settings.timeout_s)
 
     def watch(self, on_restart: Callable[[str], None]) -> None:
         """Restart any server that dies, from a daemon thread, and tell ``on_restart(url)``."""
@@ -129,25 +202,26 @@ class RewardServers:
     def _watch(self, on_restart: Callable[[str], None]) -> None:
         while not self._stop.wait(_POLL_S):
             for srv in self.servers:
-                if self._stop.is_set() or srv.alive():
+                if self._stop.is_set() or srv.process.alive():
                     continue
-                log.error("reward server %s died (log %s); restarting it", srv.cfg.url, srv.cfg.log_file)
+                log.error("reward server %s died (log %s); restarting it", srv.url, srv.log_file)
                 try:
-                    srv.restart()
-                    srv.wait_healthy()
+                    srv.process.restart()  # waits until it is healthy again
                     self.check(srv)
                 except Exception as e:  # noqa: BLE001 - the client's down grace decides when the run stops
-                    log.error("reward server %s did not come back: %s", srv.cfg.url, e)
+                    log.error("reward server %s did not come back: %s", srv.url, e)
                     continue
                 self.restarts += 1
-                on_restart(srv.cfg.url)
+                on_restart(srv.url)
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         for srv in self.servers:
-            srv.stop()
+            srv.process.stop()
+        if self.hosts:
+            stop_node_hosts(self.hosts)
 
 
 def reward_gpu_groups(cfg: Any, settings: ServedRewardSettings, total: int) -> list[list[int]]:
