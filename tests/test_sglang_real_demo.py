@@ -51,6 +51,8 @@ def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(calculator_as
         assert r["rollout/multiturn/tool_errors"] == 0, r["step"]
         assert r["actor/rollout_logprob_abs_diff"] < 1e-4, r["step"]
         assert r["rollout/engines_down"] == 0 and r["rollout/groups_in_batch"] == 4
+        # every episode was scored as it ended, before its engine call returned
+        assert r["reward/early_fraction"] == 1.0, r["step"]
     assert "val/avg@4" in steps[-1] and steps[-1]["val/num_problems"] == 8
     assert (run / "summary.json").is_file()
     # the control: training moved the weights enough that step 2 sampled from unsynced (initial)
