@@ -109,7 +109,7 @@ class SlowEngineHost:
     def generate_each(self, requests):
         from megatron_dapo.rollout.types import GenerationResult
 
-        yield ("one", GenerationResult("r0", [1], [-0.5], "stop", 0))
+        yield ("some", [GenerationResult("r0", [1], [-0.5], "stop", 0)])
         raise RuntimeError("CUDA error: device-side assert")
 
 
@@ -270,6 +270,6 @@ def test_the_hosts_stream_raises_the_engines_error_after_what_it_handed_over():
     host = EngineHost.__new__(EngineHost)  # the stream only, without loading a model
     host.engine = Failing()
     stream = host.generate_each([])
-    assert next(stream) == ("one", first)
+    assert next(stream) == ("some", [first])
     with pytest.raises(RuntimeError, match="device-side assert"):
         next(stream)

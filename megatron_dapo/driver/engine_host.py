@@ -47,8 +47,10 @@ class EngineHost:
         return self.engine.generate(requests)
 
     def generate_each(self, requests: Sequence[GenerationRequest]) -> Iterator[tuple[str, Any]]:
-        """``generate`` as a Ray streaming generator: ``("one", result)`` for each request as it
-        finishes, then ``("all", results)``; a failure is raised after what was already sent."""
+        """``generate`` as a Ray streaming generator: ``("some", [results])`` as requests finish
+        (the rows that stopped since the last item: rows of one decode step travel together,
+        one Ray object for them), then ``("all", results)``; a failure is raised after what was
+        already sent."""
         finished: queue.SimpleQueue = queue.SimpleQueue()
         outcome: dict[str, Any] = {}
 
@@ -60,8 +62,14 @@ class EngineHost:
             finished.put(_DONE)
 
         threading.Thread(target=work, name=f"{self.engine.name}-generate", daemon=True).start()
-        while (item := finished.get()) is not _DONE:
-            yield ("one", item)
+        done = False
+        while not done:
+            batch = [finished.get()]
+            while not finished.empty():
+                batch.append(finished.get())
+            done = batch[-1] is _DONE
+            if results := [r for r in batch if r is not _DONE]:
+                yield ("some", results)
         if "error" in outcome:
             raise outcome["error"]
         yield ("all", outcome["all"])
@@ -143,7 +151,8 @@ class RemoteEngine:
             kind, value = self._get(ref, what)
             if kind == "all":
                 return value
-            on_result(value)
+            for result in value:
+                on_result(result)
 
     def abort(self) -> None:
         self._get(self.handle.abort.remote(), "abort")
