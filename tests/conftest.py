@@ -194,7 +194,6 @@ LONG_FILES_FIRST = (
     "test_demo_calculator.py",
     "test_agent_e2e.py",
     "test_reward_model_e2e.py",
-    "test_sglang_real_torchrun.py",
     "test_convert_roundtrip.py",
     "test_sglang_real_server.py",
     "test_rewards_served_real_classifier.py",
