@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_dapo.config import load_config  # noqa: E402
 from megatron_dapo.data.types import PromptSample  # noqa: E402
 from megatron_dapo.rewards.served import ScoreOutcome  # noqa: E402
 from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig  # noqa: E402
@@ -114,31 +115,19 @@ class LimitedJudge:
 
 
 def run(args, hand_over: bool) -> dict:
-    cfg = RolloutManagerConfig(
-        n=args.n,
-        gen_batch_size=args.groups,
-        train_batch_size=args.groups,
-        max_num_gen_batches=1,
-        filter_groups_enable=False,
-        filter_metric="acc",
-        allow_partial_batch=False,
-        overlong_buffer_enable=False,
-        overlong_buffer_len=1,
-        overlong_penalty_factor=1.0,
-        max_response_length=8,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=-1,
-        seed=0,
-        over_sample=False,
-        max_over_sample_factor=1.0,
-        max_concurrency_per_engine=args.groups * args.n,
-        groups_per_call=1,
-        request_timeout_s=600.0,
-        max_retries=0,
-        partial=False,
-        health_probe_interval_s=600.0,
-    )
+    # the schema's defaults, with the knobs that shape this rollout: one round, every group kept
+    overrides = {
+        "model.path": "/models/none",
+        "rollout.n": args.n,
+        "rollout.gen_batch_size": args.groups,
+        "trainer.train_batch_size": args.groups,
+        "actor.ppo_mini_batch_size": args.groups,
+        "rollout.groups_per_call": 1,
+        "rollout.max_concurrency_per_engine": args.groups * args.n,
+        "algorithm.filter_groups.enable": "false",
+        "algorithm.overlong_buffer.enable": "false",
+    }
+    cfg = RolloutManagerConfig.from_config(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
     judge = LimitedJudge(args.latency_s, args.in_flight)
     manager = RolloutManager(
         [StaggeredEngine(args.longest_s, hand_over)], RuleStandIn(), cfg, Tokenizer(), reward_model=judge
