@@ -36,6 +36,9 @@ COMMANDS: dict[str, Command] = {
     "convert": Command("convert", "convert checkpoints between HF and Megatron dist-checkpoint formats"),
     "verify-model": Command("verify_model", "compare Megatron and HF transformers logits for a checkpoint"),
     "plot": Command("plot", "write PNG curves of a run (reward, length, entropy, clip, keep rate, val)"),
+    "tools": Command(
+        "tools", "try a tool YAML by hand: `check` its boundary here, `call` one tool as training does"
+    ),
     "plan": Command(
         "plan", "estimate parameters, per-GPU memory, fit (with fixes) and step time of a recipe"
     ),

@@ -24,7 +24,6 @@ from megatron_dapo.agent.tools.builtin import (
     PythonLimits,
     PythonTool,
     calculator,
-    network_isolation,
     run_python,
 )
 from megatron_dapo.agent.tools.host import ToolHost, ToolHostClosed, ToolResult
@@ -484,8 +483,7 @@ def test_calculator_through_the_host(host):
 def test_python_prints_its_result(host):
     result = host.call("e", ToolCall("python", {"code": "print(347*28)"}))
     assert (result.text, result.status, result.metrics["exit_code"]) == ("9716\n", "ok", 0)
-    assert result.metrics["isolation"] in ("netns+audit-hook", "audit-hook")
-    print("python tool isolation here:", result.metrics["isolation"])
+    assert result.metrics["isolation"] == "bwrap"
 
 
 def test_python_stops_an_infinite_loop_itself(host):
@@ -515,42 +513,34 @@ def test_python_has_no_network(host):
             f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')"
         )
         result = host.call("e", ToolCall("python", {"code": code}))
-        assert result.status == "error" and "connected" not in result.text
-        assert "PermissionError: network access is disabled in this interpreter" in result.text
+        assert result.status == "error" and "connected" not in result.text, result.text
         with pytest.raises(BlockingIOError):  # nothing arrived
             listener.accept()
-        # the audit hook alone (no network namespace) refuses it too
-        run = run_python(code, PythonLimits(timeout_s=5, netns=False))
-        assert run.isolation == "audit-hook" and "network access is disabled" in run.output
-        with pytest.raises(BlockingIOError):
-            listener.accept()
 
 
+# What the model's code can use (the hostile cases are tests/test_sandbox.py's).
 @pytest.mark.parametrize(
     ("code", "says"),
     [
-        ("import os\nos.system('true')", "starting or signalling other processes is not allowed (os.system)"),
-        (
-            "import subprocess\nsubprocess.run(['true'])",
-            "starting or signalling other processes is not allowed",
-        ),
-        ("import os\nos.fork()", "(os.fork)"),
-        # ctypes imports (sympy needs it) but loads no library and calls no native function
-        ("import ctypes\nctypes.CDLL('libc.so.6')", "ctypes.dlopen is not allowed"),
-        ("import ctypes\nctypes.CDLL(None).system", "ctypes.dlsym is not allowed"),
         ("import sympy\nx = sympy.symbols('x')\nprint(sympy.solve(x**2 - 4, x))", "[-2, 2]"),
+        ("import numpy as np\nprint(np.linalg.det(np.eye(3) * 2))", "7.99999"),
         # a last bare expression shows its value, as in a notebook cell
         ("x = 347\nx * 28", "9716"),
-        ("open('/tmp/mdapo_escape', 'w')", "writing outside the working directory is not allowed"),
         ("import os\nprint(sorted(os.environ))", "['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS'"),
         ("open('f.txt', 'w').write('kept')\nprint(open('f.txt').read())", "kept"),
+        ("import tempfile\nwith tempfile.TemporaryFile() as f: print('tmp ok')", "tmp ok"),
         ("import asyncio\nprint(asyncio.run(asyncio.sleep(0, 'loop ok')))", "loop ok"),
+        (
+            "import subprocess, sys\nprint(subprocess.run([sys.executable, '-c', 'print(6*7)'], "
+            "capture_output=True, text=True).stdout)",
+            "42",
+        ),
+        ("import multiprocessing as mp\nwith mp.Pool(2) as p: print(p.map(abs, [-1, -2]))", "[1, 2]"),
     ],
 )
-def test_python_sandbox_refuses_processes_and_outside_writes(code, says):
-    run = run_python(code, PythonLimits(timeout_s=5, memory_mb=512), network_isolation())
+def test_python_offers_what_the_model_needs(code, says):
+    run = run_python(code, PythonLimits(timeout_s=5, memory_mb=512))
     assert says in run.output, run.output
-    assert not Path("/tmp/mdapo_escape").exists()
 
 
 def test_python_accepts_code_in_a_markdown_fence():

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 from megatron_dapo.agent.bridge import ChatBridge
 from megatron_dapo.agent.calls import get_call_format
 from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings
+from megatron_dapo.agent.tools.boundary import require_boundaries, write_boundaries
 from megatron_dapo.agent.tools.host import ToolHost
 from megatron_dapo.agent.tools.spec import ToolSpec, load_tool_config
 from megatron_dapo.config import ConfigError
@@ -64,9 +66,13 @@ def _import_format_module(where: str) -> None:
     import_file(where, "megatron_dapo_call_format")
 
 
-def multi_turn_runner(cfg: Any, tokenizer: Any, max_context: int) -> MultiTurn | None:
+def multi_turn_runner(
+    cfg: Any, tokenizer: Any, max_context: int, run_root: str | Path | None = None
+) -> MultiTurn | None:
     """The episode runner of a multi-turn run (None when ``rollout.multi_turn.enable`` is off). It
-    owns the tool processes: ``close()`` it when the run ends."""
+    owns the tool processes: ``close()`` it when the run ends. Stops (ToolConfigError, one line)
+    when a tool needs the sandbox and this machine cannot make it; ``run_root``: where the tools'
+    boundaries are recorded (``tool_boundaries.json``)."""
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
@@ -78,8 +84,10 @@ def multi_turn_runner(cfg: Any, tokenizer: Any, max_context: int) -> MultiTurn |
             f"rollout.multi_turn: the model's chat template cannot render tool turns ({e}); use a tokenizer "
             "whose template has a tool role (model.tokenizer_path)"
         ) from e
-    host = ToolHost(
-        tool_specs(cfg), timeout_s=mt.tool_timeout_s, workers=mt.tool_workers, memory_mb=mt.tool_memory_mb
-    )
+    specs = tool_specs(cfg)
+    boundaries = require_boundaries(specs)
+    if run_root is not None:
+        write_boundaries(boundaries, run_root)
+    host = ToolHost(specs, timeout_s=mt.tool_timeout_s, workers=mt.tool_workers, memory_mb=mt.tool_memory_mb)
     settings = MultiTurnSettings.from_config(cfg, max_context=max_context)
     return MultiTurn(settings, AppendOnly(bridge), host, parser, tokenizer)

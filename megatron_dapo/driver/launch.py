@@ -338,7 +338,11 @@ def drive(
     mcfg = RolloutManagerConfig.from_config(cfg)
     mcfg.stop_token_ids = [int(t) for t in _stop_ids(tokenizer)]
     # multi-turn tool use: the episode runner (its tool processes end with the run)
-    episodes = multi_turn_runner(cfg, tokenizer, _max_context(cfg)) if cfg.rollout.multi_turn.enable else None
+    episodes = (
+        multi_turn_runner(cfg, tokenizer, _max_context(cfg), inputs.run.root)
+        if cfg.rollout.multi_turn.enable
+        else None
+    )
     rewards = ServedReward.start(cfg, inputs.run.root, reward_plans)
     try:
         return _drive(cfg, inputs, ranks, engines, stop, mcfg, episodes, rewards)

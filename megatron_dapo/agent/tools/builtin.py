@@ -2,8 +2,8 @@
 
 - ``calculator``: exact arithmetic on integers and decimals (:func:`calculator`).
 - ``python``: the code interpreter of ReTool / SimpleTIR (:class:`PythonTool`): each call runs the
-  code in a fresh ``python -I`` subprocess, limited in time, memory, CPU and file size, in a scratch
-  directory that is removed afterwards, with an empty environment and no network.
+  code in a fresh interpreter behind the kernel boundary of :mod:`.sandbox` (its own namespaces, a
+  read-only view, a scratch tmpfs, no network, limits), which fails closed.
 
 This module runs inside the tool worker, which must stay light: the standard library only.
 """
@@ -11,20 +11,27 @@ This module runs inside the tool worker, which must stay light: the standard lib
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import math
 import os
-import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
+
+from megatron_dapo.agent.tools.sandbox import (
+    PACKAGES,
+    Sandbox,
+    SandboxLimits,
+    SandboxUnavailable,
+    collect_output,
+    join_output,
+    probe,
+)
 
 __all__ = [
     "BUILTIN_OPTIONS",
@@ -33,7 +40,6 @@ __all__ = [
     "PythonRun",
     "PythonTool",
     "calculator",
-    "network_isolation",
     "run_python",
 ]
 
@@ -59,9 +65,10 @@ PYTHON_SCHEMA = {
     "function": {
         "name": "python",
         "description": (
-            "Runs Python 3 code and returns what it prints (stdout and stderr). Each call starts a fresh "
-            "interpreter: no variables, imports or files are kept between calls. There is no network "
-            "access and no way to start other programs."
+            "Runs Python 3 code and returns what it prints (stdout and stderr); a last bare expression "
+            "shows its value. Each call starts a fresh, isolated interpreter with numpy, sympy and "
+            "mpmath: no variables, imports or files are kept between calls, there is no network, and "
+            "only its working directory is writable."
         ),
         "parameters": {
             "type": "object",
@@ -82,7 +89,10 @@ BUILTIN_OPTIONS: dict[str, dict[str, type]] = {
         "memory_mb": int,
         "max_output_chars": int,
         "max_file_mb": int,
-        "netns": bool,
+        "scratch_mb": int,
+        "max_processes": int,
+        "packages": list,
+        "sandbox": str,
     },
 }
 
@@ -265,34 +275,57 @@ def _format(value: Fraction) -> str:
 # ---------------------------------------------------------------------------------------------
 # python
 
+# What the python tool offers beyond the standard library, when its config names nothing else.
+DEFAULT_PACKAGES = ("numpy", "sympy", "mpmath")
+SANDBOX_CHOICES = ("bwrap", "none")
+
 
 @dataclass(frozen=True)
 class PythonLimits:
-    """Limits of one run of the python tool.
+    """Limits of one run of the python tool (the tool YAML's ``config:``).
 
-    ``timeout_s``: wall clock; past it the process group is killed and the tool says so itself
-    (it is kept below the tool host's timeout, which would kill the whole tool worker).
-    ``memory_mb``: address space (RLIMIT_AS). CPU time (RLIMIT_CPU) is the wall-clock limit
-    rounded up plus 1 s, a backstop for code that holds the process when the wall clock is up.
-    ``max_file_mb``: largest file the code may write (RLIMIT_FSIZE). ``max_output_chars``: what is
-    returned, the start and the end of longer output (a traceback sits at the end).
-    ``netns``: run in a network namespace of its own (``unshare``) when the machine allows.
-    RLIMIT_NPROC is left alone: it counts every process of the user (a trainer has many) and root
-    is exempt from it; the interpreter's audit hook refuses to start processes instead.
+    ``timeout_s``: wall clock; past it every process of the run is killed and the tool says so
+    itself (it is kept below the tool host's timeout, which would kill the whole tool worker). CPU
+    time (RLIMIT_CPU) is the wall-clock limit rounded up plus 1 s. ``memory_mb``: address space per
+    process. ``max_file_mb``: largest file. ``scratch_mb``: the whole writable scratch.
+    ``max_processes``: processes and threads at once. ``max_output_chars``: what is returned, the
+    start and the end of longer output (a traceback sits at the end). ``packages``: importable
+    beyond the standard library. ``sandbox``: ``bwrap`` (the kernel boundary of :mod:`.sandbox`),
+    or ``none``, for trusted code only: a plain limited interpreter that can read, write and signal
+    whatever the trainer can (it warns at every start and is written into the run's metrics).
     """
 
     timeout_s: float = 10.0
     memory_mb: int = 1024
     max_output_chars: int = 16384
     max_file_mb: int = 64
-    netns: bool = True
+    scratch_mb: int = 128
+    max_processes: int = 32
+    packages: tuple[str, ...] = DEFAULT_PACKAGES
+    sandbox: str = "bwrap"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "packages", tuple(self.packages))
+        if self.sandbox not in SANDBOX_CHOICES:
+            raise ValueError(f"sandbox: {self.sandbox!r} is not one of {', '.join(SANDBOX_CHOICES)}")
+
+    def sandbox_limits(self) -> SandboxLimits:
+        return SandboxLimits(
+            timeout_s=self.timeout_s,
+            cpu_s=int(math.ceil(self.timeout_s)) + 1,
+            memory_mb=self.memory_mb,
+            max_file_mb=self.max_file_mb,
+            scratch_mb=self.scratch_mb,
+            max_processes=self.max_processes,
+            max_output_chars=self.max_output_chars,
+        )
 
 
 @dataclass
 class PythonRun:
     """What one run of the python tool gave: ``output`` (the text shown to the model), the exit
     code (negative: killed by that signal), whether the wall-clock limit stopped it, whether the
-    output was cut, and the isolation it ran under."""
+    output was cut, and the boundary it ran behind."""
 
     output: str
     exit_code: int
@@ -301,91 +334,20 @@ class PythonRun:
     isolation: str
 
 
-def network_isolation(unshare: str | None = None) -> list[str]:
-    """The command prefix that gives a process a network namespace of its own, [] if none works here.
-
-    ``unshare -rn`` (a user namespace, works unprivileged where the kernel allows it) is tried
-    first, then ``unshare -n`` (needs CAP_SYS_ADMIN, as root in most containers)."""
-    unshare = unshare or shutil.which("unshare") or ""
-    if not unshare:
-        return []
-    for flags in ("-rn", "-n"):
-        try:
-            probe = subprocess.run(
-                [unshare, flags, "true"],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=10,
-            )
-        except (OSError, subprocess.SubprocessError):
-            continue
-        if probe.returncode == 0:
-            return [unshare, flags]
-    return []
-
-
-# Runs first in the fresh interpreter, before the user's code (main.py in the scratch directory):
-# limits, then an audit hook that Python code cannot remove. Process creation and the network
-# are refused outright; writes are allowed only in the scratch directory. This guards against a
-# model's accidents (rm -rf, a pip install, a web request), not against hostile code written to
-# escape: for that, run the tool workers in a container or a gVisor/firecracker sandbox.
+# Runs first in the sandboxed interpreter, before the model's code (main.py in the scratch
+# directory): the kernel limits, which the code cannot raise again, then the code as a notebook
+# cell. No Python-level guard: the boundary is the kernel's (sandbox.py).
 _BOOTSTRAP = r"""
-import json, os, resource, sys
-_p = json.loads(sys.argv[1])
-for _r, _soft, _hard in ((resource.RLIMIT_AS, _p["as"], _p["as"]), (resource.RLIMIT_CPU, _p["cpu"], _p["cpu"] + 1),
-                         (resource.RLIMIT_FSIZE, _p["fsize"], _p["fsize"]), (resource.RLIMIT_CORE, 0, 0),
-                         (resource.RLIMIT_NOFILE, 256, 256)):
-    _old = resource.getrlimit(_r)[1]  # a limit can only be lowered: the worker's may be lower already
+import json, resource, sys
+for _name, (_soft, _hard) in json.loads(sys.argv[1]).items():
+    _r = getattr(resource, _name)
+    _old = resource.getrlimit(_r)[1]  # a limit can only be lowered
     if _old != resource.RLIM_INFINITY:
         _soft, _hard = min(_soft, _old), min(_hard, _old)
     resource.setrlimit(_r, (_soft, _hard))
-import ctypes
-ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the tool worker
-if os.getppid() != _p["ppid"]:
-    os._exit(137)
-del ctypes
-for _m in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
-    del sys.modules[_m]
-import socket, traceback, _posixsubprocess
-def _no_process(*a, **k):
-    raise PermissionError("starting other programs is not allowed in this interpreter")
-_posixsubprocess.fork_exec = _no_process
-_SCRATCH = os.path.realpath(_p["dir"])
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-_PROCESS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-            "subprocess.Popen", "os.kill", "os.killpg", "os.startfile"}
-_NATIVE = {"ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "resource.setrlimit", "resource.prlimit"}
-_PATHS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,), "os.chmod": (0,),
-          "os.chown": (0,), "os.link": (1,), "os.symlink": (1,), "os.truncate": (0,), "os.utime": (0,),
-          "os.setxattr": (0,), "os.removexattr": (0,), "os.chflags": (0,), "os.lchflags": (0,)}
-def _inside(path):
-    if isinstance(path, int):
-        return True
-    real = os.path.realpath(os.fsdecode(path))
-    return real == os.devnull or real == _SCRATCH or real.startswith(_SCRATCH + os.sep)
-def _hook(event, args):
-    if event.startswith("socket."):
-        if event == "socket.__new__" and args[1] == socket.AF_UNIX:
-            return  # socketpair (asyncio's event loop): no network
-        raise PermissionError("network access is disabled in this interpreter (%s)" % event)
-    if event in _PROCESS:
-        raise PermissionError("starting or signalling other processes is not allowed (%s)" % event)
-    if event == "ctypes.dlopen" and args[0] is None:
-        return  # `import ctypes` opens the interpreter itself (sympy imports it); symbols stay refused
-    if event in _NATIVE:
-        raise PermissionError("%s is not allowed in this interpreter" % event)
-    if event == "import" and args[0] == "_posixsubprocess":
-        raise ImportError("%s is not available in this interpreter" % args[0])
-    if event == "open" and args[2] & _WRITE and args[0] is not None and not _inside(args[0]):
-        raise PermissionError("writing outside the working directory is not allowed: %r" % (args[0],))
-    if event in _PATHS:
-        for _i in _PATHS[event]:
-            if _i < len(args) and args[_i] is not None and not _inside(args[_i]):
-                raise PermissionError("changing files outside the working directory is not allowed: %r" % (args[_i],))
-sys.addaudithook(_hook)
+sys.path.insert(0, sys.argv[2])
 sys.argv = ["main.py"]
-import ast as _ast
+import ast as _ast, traceback
 try:
     with open("main.py", encoding="utf-8") as _f:
         _tree = _ast.parse(_f.read(), "main.py")
@@ -393,7 +355,7 @@ try:
     _last = _tree.body.pop() if _tree.body and isinstance(_tree.body[-1], _ast.Expr) else None
     _code = compile(_tree, "main.py", "exec")
     _show = None if _last is None else compile(_ast.Expression(_last.value), "main.py", "eval")
-    del _f, _p, _r, _soft, _hard, _old, _tree, _last
+    del _f, _name, _soft, _hard, _old, _r, _tree, _last
     _globals = {"__name__": "__main__", "__builtins__": __builtins__}
     exec(_code, _globals)
     if _show is not None:
@@ -412,53 +374,59 @@ except BaseException as _e:
     sys.exit(1)
 """
 
-_READ_CHUNK = 1 << 16
+ISOLATION_BWRAP = "bwrap"
+ISOLATION_NONE = "none (sandbox: none)"
 
 
-def run_python(code: str, limits: PythonLimits, netns_prefix: list[str] | None = None) -> PythonRun:
-    """Run ``code`` in a fresh, limited interpreter (see the module doc); never raises for
-    anything the code does. ``netns_prefix`` is :func:`network_isolation`'s answer (probe it once)."""
-    prefix = list(netns_prefix or []) if limits.netns else []
-    isolation = "netns+audit-hook" if prefix else "audit-hook"
+def run_python(code: str, limits: PythonLimits, sandbox: Sandbox | None = None) -> PythonRun:
+    """Run ``code`` behind the boundary (see the module doc); never raises for anything the code
+    does. Raises :class:`~.sandbox.SandboxUnavailable` when the boundary cannot be made: the code is
+    then not run at all. ``sandbox``: a prepared :class:`~.sandbox.Sandbox` (``limits`` build one)."""
+    if limits.sandbox == "none":
+        return _run_unsandboxed(code, limits)
+    sandbox = sandbox or Sandbox(limits.sandbox_limits(), packages=limits.packages)
+    argv = ["python", "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, sandbox.limits_json(), PACKAGES]
+    done = sandbox.run(argv, {"main.py": code.encode("utf-8", errors="surrogatepass")})
+    return _finish(done.output, done.exit_code, done.timed_out, done.truncated, limits, ISOLATION_BWRAP)
+
+
+def _run_unsandboxed(code: str, limits: PythonLimits) -> PythonRun:
+    """``sandbox: none``: the same interpreter and limits with no namespaces, for trusted code."""
     scratch = tempfile.mkdtemp(prefix="mdapo-python-")
     try:
         with open(os.path.join(scratch, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
-        params = {
-            "as": int(limits.memory_mb) << 20,
-            "cpu": int(math.ceil(limits.timeout_s)) + 1,
-            "fsize": int(limits.max_file_mb) << 20,
-            "dir": scratch,
-            "ppid": os.getpid(),
+        lim = limits.sandbox_limits()
+        rlimits = {
+            "RLIMIT_AS": [lim.memory_mb << 20] * 2,
+            "RLIMIT_CPU": [lim.cpu_s, lim.cpu_s + 1],
+            "RLIMIT_FSIZE": [lim.max_file_mb << 20] * 2,
+            "RLIMIT_CORE": [0, 0],
         }
-        cmd = [*prefix, sys.executable, "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, json.dumps(params)]
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": scratch,
-            "TMPDIR": scratch,
-            "LANG": "C.UTF-8",
-            # BLAS thread pools reserve memory per thread: one thread keeps numpy under RLIMIT_AS
-            "OPENBLAS_NUM_THREADS": "1",
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
+        argv = [sys.executable, "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, json.dumps(rlimits), scratch]
+        env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
         try:
             proc = subprocess.Popen(
-                cmd,
+                argv,
                 cwd=scratch,
-                env=env,
+                env={**env, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own group, killed whole
+                start_new_session=True,
             )
         except OSError as e:
-            return PythonRun(f"Error: the interpreter could not start: {e}", -1, False, False, isolation)
-        head, tail, total, timed_out = _collect(proc, limits)
-        code_ = proc.returncode
+            return PythonRun(f"Error: the interpreter could not start: {e}", -1, False, False, ISOLATION_NONE)
+        head, tail, total, timed_out = collect_output(proc, lim)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    output, truncated = _join(head, tail, total, limits.max_output_chars)
+    output, truncated = join_output(head, tail, total, limits.max_output_chars)
+    return _finish(output, proc.returncode, timed_out, truncated, limits, ISOLATION_NONE)
+
+
+def _finish(
+    output: str, code_: int, timed_out: bool, truncated: bool, limits: PythonLimits, isolation: str
+) -> PythonRun:
     notes = []
     if timed_out:
         notes.append(f"Error: the code ran longer than {limits.timeout_s:g} s and was stopped")
@@ -475,65 +443,6 @@ def run_python(code: str, limits: PythonLimits, netns_prefix: list[str] | None =
     return PythonRun(output, code_, timed_out, truncated, isolation)
 
 
-def _collect(proc: subprocess.Popen, limits: PythonLimits) -> tuple[bytes, bytes, int, bool]:
-    """Read the merged output until EOF or the deadline, keeping its start and its end only (a
-    loop printing forever must not grow the worker past its own memory limit)."""
-    cap = max(1, int(limits.max_output_chars)) * 4  # bytes for up to that many UTF-8 characters
-    head = bytearray()
-    tail = bytearray()
-    total = 0
-    deadline = time.monotonic() + limits.timeout_s
-    timed_out = False
-    fd = proc.stdout.fileno()
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            timed_out = True
-            break
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if not ready:
-            continue
-        chunk = os.read(fd, _READ_CHUNK)
-        if not chunk:
-            break
-        total += len(chunk)
-        if len(head) < cap:
-            take = cap - len(head)
-            head += chunk[:take]
-            chunk = chunk[take:]
-        if chunk:
-            tail += chunk
-            del tail[: max(0, len(tail) - cap)]
-    # before the wait: the group id cannot be reused while its leader is unreaped
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    if timed_out:  # what it printed before the kill is still in the pipe
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end and select.select([fd], [], [], 0.1)[0]:
-            chunk = os.read(fd, _READ_CHUNK)
-            if not chunk:
-                break
-            total += len(chunk)
-            tail += chunk
-            del tail[: max(0, len(tail) - cap)]
-    proc.wait()
-    proc.stdout.close()
-    return bytes(head), bytes(tail), total, timed_out
-
-
-def _join(head: bytes, tail: bytes, total: int, max_chars: int) -> tuple[str, bool]:
-    if total == len(head) + len(tail):  # nothing was dropped while reading
-        text = (head + tail).decode("utf-8", errors="replace")
-        if len(text) <= max_chars:
-            return text, False
-        start = end = text
-    else:
-        start, end = head.decode("utf-8", errors="replace"), tail.decode("utf-8", errors="replace")
-    keep_start = max_chars // 2
-    keep_end = max(1, max_chars - keep_start)
-    return f"{start[:keep_start]}\n... [output cut: {total} bytes in all] ...\n{end[-keep_end:]}", True
-
-
 def _signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name
@@ -542,20 +451,24 @@ def _signal_name(num: int) -> str:
 
 
 class PythonTool:
-    """The ``python`` builtin with its limits; probes network isolation once, at first use."""
+    """The ``python`` builtin with its limits. Its boundary is probed when it is made: where the
+    sandbox cannot be made it raises :class:`~.sandbox.SandboxUnavailable` (fail closed)."""
 
     def __init__(self, limits: PythonLimits):
         self.limits = limits
-        self._prefix: list[str] | None = None
+        self.sandbox: Sandbox | None = None
+        if limits.sandbox != "none":
+            self.sandbox = Sandbox(limits.sandbox_limits(), packages=limits.packages)
+            found = probe(self.sandbox)
+            if not found.ok:
+                raise SandboxUnavailable(found.detail)
 
     def __call__(self, code: str) -> tuple[str, dict]:
         """Run ``code`` (a markdown fence around it, as models often write, is removed first)."""
         if not isinstance(code, str):
             return f"Error: code must be a string, got {type(code).__name__}", {"exit_code": -1}
         code = _unfence(code)
-        if self._prefix is None:
-            self._prefix = network_isolation() if self.limits.netns else []
-        run = run_python(code, self.limits, self._prefix)
+        run = run_python(code, self.limits, self.sandbox)
         return run.output, {
             "exit_code": run.exit_code,
             "timed_out": run.timed_out,

@@ -38,7 +38,7 @@ __all__ = ["KINDS", "ToolConfigError", "ToolSpec", "builtin_spec", "check_schema
 KINDS = ("function", "verl_class", "builtin")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _ENTRY_KEYS = {
-    "function": {"function", "tool_schema"},
+    "function": {"function", "tool_schema", "sandbox"},
     "class_name": {"class_name", "config", "tool_schema"},
     "builtin": {"builtin", "config", "tool_schema"},
 }
@@ -221,7 +221,36 @@ def _function(entry: dict, where: str, base: Path) -> ToolSpec:
             "({type: function, function: {name, description, parameters}})"
         )
     schema = check_schema(entry["tool_schema"], where)
-    return ToolSpec(schema["function"]["name"], schema, "function", f"{file}:{fn}")
+    config = {}
+    if entry.get("sandbox") is not None:
+        config["sandbox"] = _function_sandbox(entry["sandbox"], where, base)
+    return ToolSpec(schema["function"]["name"], schema, "function", f"{file}:{fn}", config)
+
+
+def _function_sandbox(value: Any, where: str, base: Path) -> dict[str, Any]:
+    """A function tool's ``sandbox:`` entry: ``{read: [paths], packages: [names]}``, both optional
+    (``sandbox: {}`` is the boundary with nothing extra to read)."""
+    if not isinstance(value, dict) or set(value) - {"read", "packages"}:
+        raise ToolConfigError(
+            f"{where}: sandbox: must be a mapping with `read: [paths the tool may read]` and/or "
+            f"`packages: [importable names]`, got {value!r}"
+        )
+    read = []
+    for item in value.get("read") or []:
+        path = Path(str(item)).expanduser()
+        path = (path if path.is_absolute() else base / path).resolve()
+        if not path.exists():
+            raise ToolConfigError(
+                f"{where}: sandbox.read: {str(path)!r} does not exist (a relative path is read against the "
+                f"YAML's directory); fix or remove it"
+            )
+        read.append(str(path))
+    packages = value.get("packages") or []
+    if not all(isinstance(p, str) and p.isidentifier() for p in packages):
+        raise ToolConfigError(
+            f"{where}: sandbox.packages: must be a list of importable names, got {packages!r}"
+        )
+    return {"read": read, "packages": list(packages)}
 
 
 def _verl_class(entry: dict, where: str) -> ToolSpec:
@@ -260,11 +289,19 @@ def _builtin(name: Any, config: Any, schema: Any, where: str) -> ToolSpec:
         raise ToolConfigError(f"{where}: config: must be a mapping of {name}'s options, got {_kind(config)}")
     options = BUILTIN_OPTIONS[name]
     for key, value in config.items():
+        if name == "python" and key == "netns":
+            raise ToolConfigError(
+                f"{where}: config.netns: no longer an option: the python tool always runs without a network, "
+                "in the sandbox's own namespaces; remove the key"
+            )
         if key not in options:
             raise ToolConfigError(
                 f"{where}: config.{key}: not an option of builtin {name}; options: {', '.join(options) or 'none'}"
             )
         want = options[key]
+        if want is str or want is list:
+            _check_text_option(name, key, value, where)
+            continue
         ok = (
             isinstance(value, bool)
             if want is bool
@@ -284,6 +321,20 @@ def _builtin(name: Any, config: Any, schema: Any, where: str) -> ToolSpec:
             f"{argument!r}; keep it under that name when renaming or redescribing the tool"
         )
     return ToolSpec(schema["function"]["name"], schema, "builtin", name, dict(config))
+
+
+def _check_text_option(name: str, key: str, value: Any, where: str) -> None:
+    if key == "sandbox" and value not in ("bwrap", "none"):
+        raise ToolConfigError(
+            f"{where}: config.sandbox: {value!r} is not a choice; `bwrap` (the default: the kernel sandbox) or "
+            "`none` (no sandbox, for trusted code only)"
+        )
+    if key == "packages" and not (
+        isinstance(value, list) and all(isinstance(p, str) and p.isidentifier() for p in value)
+    ):
+        raise ToolConfigError(
+            f"{where}: config.packages: must be a list of importable names (e.g. [numpy, sympy]), got {value!r}"
+        )
 
 
 def _top_level_names(tree: ast.Module) -> dict[str, bool]:

@@ -39,7 +39,7 @@ import time
 import traceback
 from typing import Any
 
-from megatron_dapo.agent.tools import builtin, verl_shim
+from megatron_dapo.agent.tools import builtin, sandbox, verl_shim
 from megatron_dapo.pyfile import import_file
 
 # one line to the model: an exception's message past this is cut (the traceback goes to the log)
@@ -81,6 +81,8 @@ class ToolWorker:
             elif spec["kind"] == "builtin":
                 text, status, metrics = tool(**arguments)
                 return self._answer(text, 0.0, metrics, status)
+            elif "sandbox" in spec.get("config", {}):
+                text, reward, metrics = self._sandboxed(spec, arguments), 0.0, {"isolation": "bwrap"}
             else:
                 text, reward, metrics = self._run(tool(**arguments)), 0.0, {}
         except _ToolFailed as e:
@@ -109,6 +111,17 @@ class ToolWorker:
             tool = builtin.make_builtin(
                 target, {**self.python_defaults, **config} if target == "python" else config
             )
+        elif kind == "function" and "sandbox" in config:
+            # loaded inside each call's sandbox, never here; the boundary is probed now (fail closed)
+            box = config["sandbox"]
+            tool = sandbox.Sandbox(
+                self.sandbox_limits(),
+                packages=tuple(box.get("packages") or ()),
+                read=tuple(box.get("read") or ()),
+            )
+            found = sandbox.probe(tool)
+            if not found.ok:
+                raise sandbox.SandboxUnavailable(found.detail)
         elif kind == "function":
             path, _, fn_name = target.rpartition(":")
             module = self._module(path)
@@ -127,6 +140,26 @@ class ToolWorker:
             raise ValueError(f"unknown tool kind {kind!r}")
         self.loaded[name] = tool
         return tool
+
+    def sandbox_limits(self) -> sandbox.SandboxLimits:
+        """A sandboxed function tool's limits: the python builtin's defaults the host passes."""
+        limits = builtin.PythonLimits(
+            **{k: v for k, v in self.python_defaults.items() if k in ("timeout_s", "memory_mb")}
+        )
+        return limits.sandbox_limits()
+
+    def _sandboxed(self, spec: dict, arguments: dict) -> Any:
+        value, printed, done = sandbox.function_in_sandbox(
+            self.loaded[spec["name"]], spec["target"], arguments
+        )
+        if done.timed_out:
+            raise _ToolFailed(
+                f"Error: the tool ran longer than {self.sandbox_limits().timeout_s:g} s and was stopped"
+            )
+        if done.exit_code != 0:
+            last = (printed.strip().splitlines() or [f"exit code {done.exit_code}"])[-1]
+            raise _ToolFailed(f"Error: {last[:_MESSAGE_CHARS]}")
+        return value
 
     def _module(self, path: str):
         if path not in self.modules:
