@@ -347,6 +347,9 @@ for _name, (_soft, _hard) in json.loads(sys.argv[1]).items():
     resource.setrlimit(_r, (_soft, _hard))
 sys.path.insert(0, sys.argv[2])
 sys.argv = ["main.py"]
+import builtins
+if not hasattr(builtins, "exit"):  # without site (-S): exit() and quit() as models write them
+    builtins.exit = builtins.quit = sys.exit
 import ast as _ast, traceback
 try:
     with open("main.py", encoding="utf-8") as _f:
@@ -385,7 +388,9 @@ def run_python(code: str, limits: PythonLimits, sandbox: Sandbox | None = None) 
     if limits.sandbox == "none":
         return _run_unsandboxed(code, limits)
     sandbox = sandbox or Sandbox(limits.sandbox_limits(), packages=limits.packages)
-    argv = ["python", "-I", "-B", "-X", "utf8", "-c", _BOOTSTRAP, sandbox.limits_json(), PACKAGES]
+    # -S: no site processing of the prefix's own site-packages (the offered packages are on the path
+    # by name; site's scan costs more than the rest of the start-up)
+    argv = ["python", "-I", "-S", "-B", "-X", "utf8", "-c", _BOOTSTRAP, sandbox.limits_json(), PACKAGES]
     done = sandbox.run(argv, {"main.py": code.encode("utf-8", errors="surrogatepass")})
     return _finish(done.output, done.exit_code, done.timed_out, done.truncated, limits, ISOLATION_BWRAP)
 
