@@ -6,8 +6,10 @@ tool worker (:mod:`megatron_dapo.agent.tools.worker`) that the host kills, with 
 group, when the call outlives ``timeout_s``, and replaces. A call therefore always returns within
 ``timeout_s`` plus a small slack, whatever the tool does, and the run goes on.
 
-Scheduling: up to ``workers`` processes, started on demand. A function or builtin tool runs on
-any idle worker. A verl class tool keeps per-episode state (``create`` ... ``release``), so the
+Scheduling: up to ``workers`` processes (``tool_workers``, by default the cores the trainer may
+use), started as calls need them; the episode loop runs that many calls at once, so a turn's
+calls beyond that wait in its queue, not against their time limit. A function or builtin tool
+runs on any idle worker. A verl class tool keeps per-episode state (``create`` ... ``release``), so the
 first such call of an episode binds the episode to a worker and its later calls wait for that
 worker. A worker killed or crashed takes the verl instances on it along: later calls of those
 episodes to verl tools get an error observation saying the state was lost (not a fresh instance

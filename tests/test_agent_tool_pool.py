@@ -1,0 +1,172 @@
+"""The tool workers under load (agent/tools/host.py, agent/runner.py): how many calls run at once,
+where a tool's stderr and tracebacks go, and the life of verl class tool instances."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from helpers import function_tool_spec
+
+from megatron_dapo.agent.calls import ToolCall
+from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings
+from megatron_dapo.agent.tools.host import ToolHost
+from megatron_dapo.config.schema import MultiTurnConfig
+from megatron_dapo.rollout.types import GenerationRequest, GenerationResult, SamplingParams
+
+EOT = ord("$")
+
+
+def _toks(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+class _CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+@dataclass
+class _Call:
+    name: str
+    arguments: dict
+    error: str | None = None
+
+
+class _OneCall:
+    """Every ``[...]`` in a turn is one call of ``wait``."""
+
+    def parse(self, text):
+        return [_Call("wait", {}) for _ in range(text.count("["))]
+
+
+class _CharChat:
+    end_of_turn_ids = [EOT]
+
+    def env_ids(self, messages, *, ended_with_eot=True):
+        return ([] if ended_with_eot else [EOT]) + _toks("".join(f"<{m['content']}>" for m in messages))
+
+    def truncate(self, text, max_tokens, side):
+        return text[:max_tokens]
+
+
+class _CallThenStop:
+    """Turn 0 of every episode calls the tool; turn 1 answers."""
+
+    name = "scripted"
+
+    def generate(self, requests):
+        out = []
+        for q in requests:
+            text = "[w]$" if q.request_id.endswith("/t0") else "ok$"
+            ids = _toks(text)
+            out.append(GenerationResult(q.request_id, ids, [0.0] * len(ids), "stop", weight_version=0))
+        return out
+
+
+def _loop(tools) -> MultiTurn:
+    settings = MultiTurnSettings(
+        max_assistant_turns=2,
+        max_turn_tokens=None,
+        max_tool_response_tokens=50,
+        tool_response_truncate_side="right",
+        max_parallel_calls=1,
+    )
+    return MultiTurn(settings, AppendOnly(_CharChat()), tools, _OneCall(), _CharTokenizer())
+
+
+def _episodes(n: int) -> list[GenerationRequest]:
+    return [GenerationRequest(f"e{i}", _toks("Q"), SamplingParams(max_new_tokens=40)) for i in range(n)]
+
+
+@dataclass
+class _Answer:
+    text: str
+    status: str
+
+
+class _Gathering:
+    """Stand-in tools with ``workers`` workers whose call returns once ``workers`` calls are in it
+    at once (a barrier): a loop that runs fewer at a time sees its calls time out."""
+
+    def __init__(self, workers: int, wait_s: float):
+        self.workers = workers
+        self.barrier = threading.Barrier(workers, timeout=wait_s)
+        self.lock = threading.Lock()
+        self.inside = self.most = 0
+
+    def call(self, episode_id, call):
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        try:
+            self.barrier.wait()
+            return _Answer("met", "ok")
+        except threading.BrokenBarrierError:
+            return _Answer("alone", "timeout")
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+    def release(self, episode_id):
+        pass
+
+    def close(self):
+        pass
+
+
+# -- how many calls run at once ---------------------------------------------------------------
+
+
+def test_the_episode_loop_runs_as_many_tool_calls_at_once_as_the_host_has_workers():
+    # 96 episodes each call a tool in the same turn, on a host of 96 workers: all 96 calls are in
+    # the tools at once (the loop used to cap them at 64 threads, the rest waited a round)
+    tools = _Gathering(workers=96, wait_s=10.0)
+    loop = _loop(tools)
+    try:
+        results = loop.run(_CallThenStop(), _episodes(96), threading.Event())
+    finally:
+        loop.close()
+    assert tools.most == 96
+    assert [r.episode.turns[1].timeouts for r in results] == [0] * 96
+    assert [r.finish_reason for r in results] == ["stop"] * 96
+
+
+def test_the_default_tool_workers_are_the_cores_this_process_may_use():
+    # the default follows the machine: its CPU affinity (a Slurm step's share), counted here by hand
+    assert MultiTurnConfig().tool_workers == len(os.sched_getaffinity(0))
+
+
+SLEEPER = """
+import time
+
+
+def nap(seconds):
+    start = time.time()
+    time.sleep(float(seconds))
+    return f"{start} {time.time()}"
+"""
+
+
+def test_calls_of_a_waiting_tool_all_run_at_once_in_worker_processes(tmp_path):
+    # 12 episodes call a tool that sleeps 1 s on a host of 12 workers: the 12 sleeps overlap (the
+    # ideal wall time of 1 s, not 12 / workers s), measured by the tool's own clock
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    spec = function_tool_spec("nap", tmp_path / "sleeper.py", seconds="number")
+    n = 12
+    with ToolHost([spec], timeout_s=20, workers=n, memory_mb=512) as host:
+        host.start()
+        answers: list = [None] * n
+
+        def one(i: int) -> None:
+            answers[i] = host.call(f"e{i}", ToolCall("nap", {"seconds": 1.0}))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [a.status for a in answers] == ["ok"] * n
+    spans = [tuple(map(float, a.text.split())) for a in answers]
+    assert max(s for s, _ in spans) < min(e for _, e in spans)  # every sleep overlaps every other
