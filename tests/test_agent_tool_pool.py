@@ -170,3 +170,43 @@ def test_calls_of_a_waiting_tool_all_run_at_once_in_worker_processes(tmp_path):
     assert [a.status for a in answers] == ["ok"] * n
     spans = [tuple(map(float, a.text.split())) for a in answers]
     assert max(s for s, _ in spans) < min(e for _, e in spans)  # every sleep overlaps every other
+
+
+# -- where a tool's errors go -----------------------------------------------------------------
+
+NOISY = """
+import sys
+
+
+def noisy(n):
+    print(f"NOISE-{n} from the tool", file=sys.stderr, flush=True)
+    raise ValueError("boom")
+
+
+def other():
+    raise KeyError("missing")
+"""
+
+
+def test_a_tools_stderr_and_tracebacks_go_to_the_tool_log_and_the_console_counts(tmp_path, capfd, caplog):
+    (tmp_path / "noisy.py").write_text(NOISY)
+    specs = [
+        function_tool_spec("noisy", tmp_path / "noisy.py", n="integer"),
+        function_tool_spec("other", tmp_path / "noisy.py"),
+    ]
+    log = tmp_path / "run" / "tools.log"
+    caplog.set_level("WARNING", logger="megatron_dapo.agent.tools.host")
+    with ToolHost(specs, timeout_s=20, workers=2, memory_mb=512, log_path=log) as host:
+        answers = [host.call(f"e{i}", ToolCall("noisy", {"n": i})) for i in range(5)]
+        answers.append(host.call("e5", ToolCall("other", {})))
+    assert [a.text for a in answers] == ["Error: ValueError: boom"] * 5 + ["Error: KeyError: 'missing'"]
+    # the console (the trainer's stderr) never sees the tool's own output
+    assert "NOISE" not in capfd.readouterr().err
+    text = log.read_text()
+    assert [f"NOISE-{i} from the tool" in text for i in range(5)] == [True] * 5
+    assert text.count('raise ValueError("boom")') == 5 and text.count('raise KeyError("missing")') == 1
+    # one line when an error first happens, one with its count when it recurred (at close here)
+    boom = [r.getMessage() for r in caplog.records if "boom" in r.getMessage()]
+    assert len(boom) == 2 and str(log) in boom[0] and "Traceback" not in boom[0]
+    assert boom[1] == "tool noisy: Error: ValueError: boom: 5 times (4 since the last count)"
+    assert len([r for r in caplog.records if "missing" in r.getMessage()]) == 1

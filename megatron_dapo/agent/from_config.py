@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 from megatron_dapo.agent.bridge import ChatBridge
@@ -14,6 +15,9 @@ from megatron_dapo.agent.tools.host import ToolHost
 from megatron_dapo.agent.tools.spec import ToolSpec, load_tool_config
 from megatron_dapo.config import ConfigError
 from megatron_dapo.pyfile import import_file
+
+# the run's tool log, in its run directory: the tools' stderr and the tracebacks of failed calls
+TOOL_LOG = "tools.log"
 
 
 def tool_specs(cfg: Any) -> list[ToolSpec]:
@@ -79,7 +83,11 @@ def multi_turn_runner(cfg: Any, tokenizer: Any, max_context: int) -> MultiTurn |
             "whose template has a tool role (model.tokenizer_path)"
         ) from e
     host = ToolHost(
-        tool_specs(cfg), timeout_s=mt.tool_timeout_s, workers=mt.tool_workers, memory_mb=mt.tool_memory_mb
+        tool_specs(cfg),
+        timeout_s=mt.tool_timeout_s,
+        workers=mt.tool_workers,
+        memory_mb=mt.tool_memory_mb,
+        log_path=Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / TOOL_LOG,
     )
     settings = MultiTurnSettings.from_config(cfg, max_context=max_context)
     return MultiTurn(settings, AppendOnly(bridge), host, parser, tokenizer)
