@@ -3,16 +3,23 @@ where a tool's stderr and tracebacks go, and the life of verl class tool instanc
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 from helpers import function_tool_spec
 
 from megatron_dapo.agent.calls import ToolCall
 from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings
+from megatron_dapo.agent.tool_instances import ToolInstances
 from megatron_dapo.agent.tools.host import ToolHost
+from megatron_dapo.agent.tools.spec import ToolSpec
 from megatron_dapo.config.schema import MultiTurnConfig
+from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult, SamplingParams
 
 EOT = ord("$")
@@ -210,3 +217,159 @@ def test_a_tools_stderr_and_tracebacks_go_to_the_tool_log_and_the_console_counts
     assert len(boom) == 2 and str(log) in boom[0] and "Traceback" not in boom[0]
     assert boom[1] == "tool noisy: Error: ValueError: boom: 5 times (4 since the last count)"
     assert len([r for r in caplog.records if "missing" in r.getMessage()]) == 1
+
+
+# -- verl class tools: whose instance is whose ------------------------------------------------
+
+
+def _recording_tool(record: Path) -> ToolSpec:
+    parameters = {"type": "object", "properties": {"step": {"type": "integer"}, "sleep": {"type": "number"}}}
+    return ToolSpec(
+        name="count",
+        schema={"type": "function", "function": {"name": "count", "parameters": parameters}},
+        kind="verl_class",
+        target="tests.fixtures.agent_tools.verl_recorder.RecordingTool",
+        config={"record": str(record)},
+    )
+
+
+def _records(record: Path) -> list[tuple[str, str]]:
+    """(op, instance id) of what the tool recorded, in order."""
+    if not record.exists():
+        return []
+    return [(r["op"], r["id"]) for r in map(json.loads, record.read_text().splitlines())]
+
+
+class _CountCalls:
+    def parse(self, text):
+        return [_Call("count", {"step": 1}) for _ in range(text.count("["))]
+
+
+class _Turns:
+    """Turn 0 calls the tool; turn 1 does ``then``: stop, abort, fail (raise) or wait for
+    ``self.go`` and stop (an engine that hangs until let go)."""
+
+    name = "scripted"
+
+    def __init__(self, then: str):
+        self.then = then
+        self.go = threading.Event()
+        self.waiting = threading.Event()
+
+    def generate(self, requests):
+        out = []
+        for q in requests:
+            if q.request_id.endswith("/t0"):
+                ids, finish = _toks("[c]$"), "stop"
+            elif self.then == "fail":
+                raise EngineError("engine died mid-episode")
+            elif self.then == "abort":
+                ids, finish = _toks("o"), "abort"
+            else:
+                if self.then == "hang":
+                    self.waiting.set()
+                    self.go.wait(30)
+                ids, finish = _toks("ok$"), "stop"
+            out.append(GenerationResult(q.request_id, ids, [0.0] * len(ids), finish, weight_version=0))
+        return out
+
+
+def _episodes_of(host: ToolHost, keep_aborted: bool = False) -> ToolInstances:
+    settings = MultiTurnSettings(
+        max_assistant_turns=3,
+        max_turn_tokens=None,
+        max_tool_response_tokens=50,
+        tool_response_truncate_side="right",
+        max_parallel_calls=1,
+    )
+    loop = MultiTurn(settings, AppendOnly(_CharChat()), host, _CountCalls(), _CharTokenizer())
+    return ToolInstances(loop, keep_aborted=keep_aborted)
+
+
+def _flush(host: ToolHost) -> None:
+    """On a one-worker host, a call on another episode answers only after every release sent
+    before it has run (the worker reads its pipe in order)."""
+    host.call("flush", ToolCall("count", {"step": 0}))
+    host.release("flush")
+    host.call("flush2", ToolCall("count", {"step": 0}))
+
+
+def _text(result: GenerationResult) -> str:
+    return "".join(chr(i) for i in result.output_ids)
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    record = tmp_path / "record.jsonl"
+    with ToolHost([_recording_tool(record)], timeout_s=10, workers=1, memory_mb=1024) as host:
+        yield host, record
+
+
+@pytest.mark.parametrize("keep_aborted", [False, True])
+def test_an_aborted_episodes_instance_is_released_unless_it_may_be_continued(recorder, keep_aborted):
+    host, record = recorder
+    (result,) = _episodes_of(host, keep_aborted).run(_Turns("abort"), _episodes(1), threading.Event())
+    assert result.finish_reason == "abort" and "<total=1>" in _text(result)
+    _flush(host)
+    records = _records(record)
+    assert records[:3] == [("create", records[0][1]), ("start", records[0][1]), ("end", records[0][1])]
+    # without partial rollouts nothing continues it: the tool saw its release
+    assert [op for op, i in records if i == records[0][1]] == ["create", "start", "end"] + (
+        [] if keep_aborted else ["release"]
+    )
+
+
+def test_a_dropped_episodes_instance_is_released_and_its_retry_gets_a_fresh_one(recorder):
+    host, record = recorder
+    episodes = _episodes_of(host)
+    with pytest.raises(EngineError):
+        episodes.run(_Turns("fail"), _episodes(1), threading.Event())
+    # the manager retries the call: the same request id, from the start
+    (again,) = episodes.run(_Turns("stop"), _episodes(1), threading.Event())
+    assert "<total=1>" in _text(again)  # not total=2: the failed run's instance is not reused
+    _flush(host)
+    first, second = [i for op, i in _records(record) if op == "create"][:2]
+    assert first != second
+    assert _records(record)[:5] == [
+        ("create", first),
+        ("start", first),
+        ("end", first),
+        ("release", first),  # the failed run's, before its retry started
+        ("create", second),
+    ]
+
+
+def test_a_retry_never_shares_the_instance_a_dropped_call_still_holds(recorder):
+    host, record = recorder
+    episodes = _episodes_of(host)
+    hung = _Turns("hang")
+    dropped = threading.Thread(target=episodes.run, args=(hung, _episodes(1), threading.Event()))
+    dropped.start()
+    try:
+        assert hung.waiting.wait(30)  # the dropped call made its tool call and now hangs
+        (retry,) = episodes.run(_Turns("stop"), _episodes(1), threading.Event())
+    finally:
+        hung.go.set()
+        dropped.join(30)
+    assert "<total=1>" in _text(retry) and retry.episode.key == "e0~2"
+    _flush(host)
+    records = _records(record)
+    created = [i for op, i in records if op == "create"][:2]
+    assert len(set(created)) == 2
+    assert sorted(i for op, i in records if op == "release" and i in created) == sorted(created)
+
+
+def test_a_call_past_its_time_out_never_runs_beside_the_next_call_on_its_instance(tmp_path):
+    record = tmp_path / "record.jsonl"
+    with ToolHost([_recording_tool(record)], timeout_s=1.5, workers=1, memory_mb=1024) as host:
+        start = time.monotonic()
+        late = host.call("e0", ToolCall("count", {"step": 1, "sleep": 3.0}))
+        after = host.call("e0", ToolCall("count", {"step": 1}))
+        time.sleep(max(0.0, start + 3.5 - time.monotonic()))  # past the end the late call would have had
+    assert late.status == "timeout"
+    assert after.status == "error" and "lost" in after.text
+    records = _records(record)
+    instance = records[0][1]
+    # the late call was stopped where it stood (its worker killed): it never ended, and nothing
+    # else ran on its instance, before or after
+    assert records == [("create", instance), ("start", instance)]

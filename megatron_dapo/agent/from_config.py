@@ -11,6 +11,7 @@ from typing import Any
 from megatron_dapo.agent.bridge import ChatBridge
 from megatron_dapo.agent.calls import get_call_format
 from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings
+from megatron_dapo.agent.tool_instances import ToolInstances
 from megatron_dapo.agent.tools.host import ToolHost
 from megatron_dapo.agent.tools.spec import ToolSpec, load_tool_config
 from megatron_dapo.config import ConfigError
@@ -68,7 +69,7 @@ def _import_format_module(where: str) -> None:
     import_file(where, "megatron_dapo_call_format")
 
 
-def multi_turn_runner(cfg: Any, tokenizer: Any, max_context: int) -> MultiTurn | None:
+def multi_turn_runner(cfg: Any, tokenizer: Any, max_context: int) -> ToolInstances | None:
     """The episode runner of a multi-turn run (None when ``rollout.multi_turn.enable`` is off). It
     owns the tool processes: ``close()`` it when the run ends."""
     mt = cfg.rollout.multi_turn
@@ -90,4 +91,6 @@ def multi_turn_runner(cfg: Any, tokenizer: Any, max_context: int) -> MultiTurn |
         log_path=Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / TOOL_LOG,
     )
     settings = MultiTurnSettings.from_config(cfg, max_context=max_context)
-    return MultiTurn(settings, AppendOnly(bridge), host, parser, tokenizer)
+    episodes = MultiTurn(settings, AppendOnly(bridge), host, parser, tokenizer)
+    # aborted episodes are continued only by partial rollouts: otherwise their instances go
+    return ToolInstances(episodes, keep_aborted=bool(cfg.rollout.partial))
