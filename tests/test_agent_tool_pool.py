@@ -179,6 +179,48 @@ def test_calls_of_a_waiting_tool_all_run_at_once_in_worker_processes(tmp_path):
     assert max(s for s, _ in spans) < min(e for _, e in spans)  # every sleep overlaps every other
 
 
+PID_TOOL = """
+import os
+import time
+
+
+def pid():
+    time.sleep(0.5)
+    return str(os.getpid())
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_workers_a_burst_started_end_once_idle(tmp_path):
+    # three calls at once start three workers; idle past idle_s, they end (the next call starts
+    # one afresh) instead of staying for the rest of the run
+    (tmp_path / "pid.py").write_text(PID_TOOL)
+    spec = function_tool_spec("pid", tmp_path / "pid.py")
+    with ToolHost([spec], timeout_s=20, workers=3, memory_mb=512, idle_s=1.0) as host:
+        burst: list = [None] * 3
+
+        def one(i: int) -> None:
+            burst[i] = int(host.call(f"e{i}", ToolCall("pid", {})).text)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(set(burst)) == 3 and all(map(_alive, burst))
+        time.sleep(2.5)
+        later = int(host.call("e3", ToolCall("pid", {})).text)
+        assert [_alive(p) for p in burst] == [False] * 3
+        assert later not in burst and _alive(later) and host.stats()["workers"] == 1
+
+
 # -- where a tool's errors go -----------------------------------------------------------------
 
 NOISY = """

@@ -7,9 +7,10 @@ group, when the call outlives ``timeout_s``, and replaces. A call therefore alwa
 ``timeout_s`` plus a small slack, whatever the tool does, and the run goes on.
 
 Scheduling: up to ``workers`` processes (``tool_workers``, by default the cores the trainer may
-use), started as calls need them; the episode loop runs that many calls at once, so a turn's
-calls beyond that wait in its queue, not against their time limit. A function or builtin tool
-runs on any idle worker. A verl class tool keeps per-episode state (``create`` ... ``release``), so the
+use), started as calls need them and ended after ``idle_s`` without one (unless they hold verl
+instances), so the pool follows the load; the episode loop runs ``workers`` calls at once, so a
+turn's calls beyond that wait in its queue, not against their time limit. A function or builtin
+tool runs on the idle worker used last (the others age out). A verl class tool keeps per-episode state (``create`` ... ``release``), so the
 first such call of an episode binds the episode to a worker and its later calls wait for that
 worker. A worker killed or crashed takes the verl instances on it along: later calls of those
 episodes to verl tools get an error observation saying the state was lost (not a fresh instance
@@ -64,6 +65,8 @@ _READ_CHUNK = 1 << 16
 _MAX_DISTINCT = 1000  # distinct errors counted apart; later new ones are counted together
 # the console's counts of recurring errors, at most this often (and at close)
 REPORT_EVERY_S = 60.0
+# a worker idle this long ends (a burst's workers do not stay); a new one starts in ~0.1 s
+IDLE_S = 120.0
 
 
 @dataclass
@@ -102,6 +105,7 @@ class _Worker:
         self.dead = False
         self.pending: list[bytes] = []  # release lines, sent before the next request
         self.episodes: set[str] = set()  # episodes whose verl instances live here
+        self.idle_since = 0.0
 
 
 class _Log:
@@ -142,6 +146,7 @@ class ToolHost:
             is sent (a bound for the pipe; the episode runner cuts to tokens later).
         log_path: the tool log (appended to): the workers' stderr and each failed call's
             traceback. None: the workers' stderr is the trainer's, tracebacks go to the logger.
+        idle_s: a worker unused this long ends (one holding verl instances stays).
 
     ``call`` is thread-safe and blocking; use as a context manager or call ``close()`` (also run
     at exit). ``stats()`` counts calls, errors, timeouts and worker restarts.
@@ -156,6 +161,7 @@ class ToolHost:
         memory_mb: int,
         max_output_chars: int = 65536,
         log_path: str | os.PathLike | None = None,
+        idle_s: float = IDLE_S,
     ):
         specs = list(specs)
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -169,6 +175,8 @@ class ToolHost:
                 f"rollout.multi_turn.tool_memory_mb must be an integer >= {MIN_MEMORY_MB} (a tool process "
                 f"needs that much address space to start), got {memory_mb!r}"
             )
+        if not (isinstance(idle_s, (int, float)) and idle_s > 0):
+            raise ToolConfigError(f"idle_s must be a positive number of seconds, got {idle_s!r}")
         if not isinstance(max_output_chars, int) or max_output_chars < 1:
             raise ToolConfigError(f"max_output_chars must be a positive integer, got {max_output_chars!r}")
         names: dict[str, ToolSpec] = {}
@@ -182,6 +190,8 @@ class ToolHost:
         self.workers = workers
         self.memory_mb = memory_mb
         self.max_output_chars = max_output_chars
+        self.idle_s = float(idle_s)
+        self._shrunk_at = time.monotonic()
         self._specs = names
         self._python_defaults = self._check_python(specs)
         self._cond = threading.Condition(threading.Lock())
@@ -242,6 +252,7 @@ class ToolHost:
             if self._closed:
                 raise ToolHostClosed("ToolHost.call after close(): create a new ToolHost")
             self._stats["calls"] += 1
+        self._shrink()
         early = self._refuse(episode_id, call)
         if early is not None:
             return self._count(early)
@@ -404,7 +415,9 @@ class ToolHost:
                         worker.busy = True
                         return worker
                 else:
-                    worker = next((w for w in self._pool if not w.busy and not w.dead), None)
+                    # the one used last: the others stay idle and age out when the load drops
+                    idle = (w for w in self._pool if not w.busy and not w.dead)
+                    worker = max(idle, key=lambda w: w.idle_since, default=None)
                     if worker is None and len(self._pool) < self.workers:
                         worker = _Worker()  # busy: this thread starts it
                         self._pool.append(worker)
@@ -674,10 +687,33 @@ class ToolHost:
                 self._stats["worker_restarts"] += 1
             self._cond.notify_all()
 
+    def _shrink(self) -> None:
+        """End the workers idle for ``idle_s`` that hold no verl instances (checked once a second)."""
+        now = time.monotonic()
+        with self._cond:
+            if now - self._shrunk_at < 1.0:
+                return
+            self._shrunk_at = now
+            stale = [
+                w
+                for w in self._pool
+                if not w.busy
+                and not w.dead
+                and w.proc is not None
+                and not w.episodes
+                and not w.pending
+                and now - w.idle_since > self.idle_s
+            ]
+            for w in stale:
+                w.busy = True  # ours to end
+        for w in stale:
+            self._retire(w, count=False, had_state=False)
+
     def _give_back(self, worker: _Worker) -> None:
         with self._cond:
             closed = self._closed
             if not closed:
+                worker.idle_since = time.monotonic()
                 worker.busy = False
                 self._cond.notify_all()
         if closed:  # started while close() ran, so close() could not see it: not left behind
