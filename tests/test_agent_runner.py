@@ -53,6 +53,8 @@ class Answer:
 class Tools:
     """``up`` answers its argument upper-cased; ``fail`` an error; ``slow`` a time-out."""
 
+    workers = 4
+
     def __init__(self):
         self.calls, self.released = [], []
 

@@ -8,6 +8,8 @@ mask 0. The pieces:
 
 - ``runner.py``: the episode loop the rollout manager runs for each engine call (``MultiTurn``;
   a single-turn response is the one-turn case, ``rollout.episodes.SingleTurn``);
+- ``tool_instances.py``: the runner the manager is handed, keeping each run of an episode's verl
+  tool instances its own (released when aborted, dropped or retried);
 - ``bridge.py``: the chat-template bridge between turns;
 - ``calls.py``: tool-call parsers by format name (``hermes``, and any registered);
 - ``tools/``: tool specs from YAML, the tool processes (timeouts, kills, limits), built-in tools.

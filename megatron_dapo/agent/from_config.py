@@ -11,11 +11,15 @@ from typing import Any
 from megatron_dapo.agent.bridge import ChatBridge
 from megatron_dapo.agent.calls import get_call_format
 from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings
+from megatron_dapo.agent.tool_instances import ToolInstances
 from megatron_dapo.agent.tools.boundary import require_boundaries, write_boundaries
 from megatron_dapo.agent.tools.host import ToolHost
 from megatron_dapo.agent.tools.spec import ToolSpec, load_tool_config
 from megatron_dapo.config import ConfigError
 from megatron_dapo.pyfile import import_file
+
+# the run's tool log, in its run directory: the tools' stderr and the tracebacks of failed calls
+TOOL_LOG = "tools.log"
 
 
 def tool_specs(cfg: Any) -> list[ToolSpec]:
@@ -68,7 +72,7 @@ def _import_format_module(where: str) -> None:
 
 def multi_turn_runner(
     cfg: Any, tokenizer: Any, max_context: int, run_root: str | Path | None = None
-) -> MultiTurn | None:
+) -> ToolInstances | None:
     """The episode runner of a multi-turn run (None when ``rollout.multi_turn.enable`` is off). It
     owns the tool processes: ``close()`` it when the run ends. Stops (ToolConfigError, one line)
     when a tool needs the sandbox and this machine cannot make it; ``run_root``: where the tools'
@@ -88,6 +92,14 @@ def multi_turn_runner(
     boundaries = require_boundaries(specs)
     if run_root is not None:
         write_boundaries(boundaries, run_root)
-    host = ToolHost(specs, timeout_s=mt.tool_timeout_s, workers=mt.tool_workers, memory_mb=mt.tool_memory_mb)
+    host = ToolHost(
+        specs,
+        timeout_s=mt.tool_timeout_s,
+        workers=mt.tool_workers,
+        memory_mb=mt.tool_memory_mb,
+        log_path=Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / TOOL_LOG,
+    )
     settings = MultiTurnSettings.from_config(cfg, max_context=max_context)
-    return MultiTurn(settings, AppendOnly(bridge), host, parser, tokenizer)
+    episodes = MultiTurn(settings, AppendOnly(bridge), host, parser, tokenizer)
+    # aborted episodes are continued only by partial rollouts: otherwise their instances go
+    return ToolInstances(episodes, keep_aborted=bool(cfg.rollout.partial))

@@ -62,6 +62,8 @@ class CallParser(Protocol):
 class ToolRunner(Protocol):
     """``agent/tools/host.py``'s ToolHost: a call returns within its time-out, whatever the tool."""
 
+    workers: int  # calls it runs at once (rollout.multi_turn.tool_workers): the loop runs as many
+
     def call(self, episode_id: str, call: Any) -> Any: ...
 
     def release(self, episode_id: str) -> None: ...
@@ -323,7 +325,7 @@ class MultiTurn:
         self.parser = parser
         self.tokenizer = tokenizer
         self._eot = set(bridge.end_of_turn_ids)
-        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tool-call")
+        self._pool = ThreadPoolExecutor(max_workers=tools.workers, thread_name_prefix="tool-call")
 
     def close(self) -> None:
         """End the tool processes (the run is over)."""

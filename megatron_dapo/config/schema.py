@@ -8,6 +8,7 @@ DAPO script translates key by key. Sizes of batches are counted in prompts (grou
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -110,6 +111,15 @@ class ValSamplingConfig:
     max_response_length: Optional[int] = None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a Slurm step's or a container's
+    share), not the machine's total."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS (macOS)
+        return os.cpu_count() or 1
+
+
 @dataclass
 class MultiTurnConfig:
     """Multi-turn tool-use episodes (megatron_dapo/agent/), verl's names where verl has them.
@@ -141,8 +151,12 @@ class MultiTurnConfig:
     tool_timeout_s: float = 30.0
     # Tool calls of one model turn that run (in parallel); more get an error observation.
     max_parallel_calls: int = 1
-    # Processes that run tools (user code runs only there, each restarted after a kill).
-    tool_workers: int = 4
+    # Processes that run tools at most (user code runs only there, each restarted after a kill),
+    # started as calls need them; as many tool calls run at once. Default: the cores this process
+    # may use where the config is loaded (the trainer's node, where the tools run). Tools that
+    # wait rather than compute (a web search, a remote sandbox) want more: each idle one is a
+    # small Python process.
+    tool_workers: int = field(default_factory=usable_cores)
     # Address-space limit of each tool process, MiB.
     tool_memory_mb: int = 2048
 

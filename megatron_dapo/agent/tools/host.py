@@ -6,8 +6,11 @@ tool worker (:mod:`megatron_dapo.agent.tools.worker`) that the host kills, with 
 group, when the call outlives ``timeout_s``, and replaces. A call therefore always returns within
 ``timeout_s`` plus a small slack, whatever the tool does, and the run goes on.
 
-Scheduling: up to ``workers`` processes, started on demand. A function or builtin tool runs on
-any idle worker. A verl class tool keeps per-episode state (``create`` ... ``release``), so the
+Scheduling: up to ``workers`` processes (``tool_workers``, by default the cores the trainer may
+use), started as calls need them and ended after ``idle_s`` without one (unless they hold verl
+instances), so the pool follows the load; the episode loop runs ``workers`` calls at once, so a
+turn's calls beyond that wait in its queue, not against their time limit. A function or builtin
+tool runs on the idle worker used last (the others age out). A verl class tool keeps per-episode state (``create`` ... ``release``), so the
 first such call of an episode binds the episode to a worker and its later calls wait for that
 worker. A worker killed or crashed takes the verl instances on it along: later calls of those
 episodes to verl tools get an error observation saying the state was lost (not a fresh instance
@@ -16,6 +19,11 @@ that would silently answer from a blank state).
 The time limit covers the whole call: waiting for a free worker, starting one, running. A call
 that finds every worker busy until its time is up gets a ``timeout`` result saying so (and
 ``queue_timeouts`` counts it): give ``tool_workers`` room for the episodes that run at once.
+
+Errors: a tool's stderr (its prints, a crash's stack) and the traceback of each failed call go to
+the run's tool log (``log_path``), not to the console; the console gets one line per distinct
+error (tool and message) when it first happens, and its count when it recurred, at most every
+``REPORT_EVERY_S`` and when the host closes.
 """
 
 from __future__ import annotations
@@ -54,7 +62,11 @@ _KILL_WAIT_S = 2.0
 PYTHON_TIMEOUT_SHARE = 0.8
 _PYTHON_DEFAULT_MEMORY_MB = 1024
 _READ_CHUNK = 1 << 16
-_MAX_LOGGED = 1000  # distinct failure messages logged with their traceback; later ones are counted only
+_MAX_DISTINCT = 1000  # distinct errors counted apart; later new ones are counted together
+# the console's counts of recurring errors, at most this often (and at close)
+REPORT_EVERY_S = 60.0
+# a worker idle this long ends (a burst's workers do not stay); a new one starts in ~0.1 s
+IDLE_S = 120.0
 
 
 @dataclass
@@ -93,6 +105,33 @@ class _Worker:
         self.dead = False
         self.pending: list[bytes] = []  # release lines, sent before the next request
         self.episodes: set[str] = set()  # episodes whose verl instances live here
+        self.idle_since = 0.0
+
+
+class _Log:
+    """The tool log, appended to by the host's threads (each write whole, under a lock, so that
+    none writes to its descriptor once closed and reused) and by the workers (their stderr)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # O_APPEND: the workers' writes and ours interleave by whole writes, none overwritten
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                with contextlib.suppress(OSError):  # a full disk must not fail the call
+                    os.write(self._fd, text.encode(errors="replace"))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 class ToolHost:
@@ -105,6 +144,9 @@ class ToolHost:
         memory_mb: address-space limit of each (``tool_memory_mb``).
         max_output_chars: a tool's answer is cut to this many characters in the worker, before it
             is sent (a bound for the pipe; the episode runner cuts to tokens later).
+        log_path: the tool log (appended to): the workers' stderr and each failed call's
+            traceback. None: the workers' stderr is the trainer's, tracebacks go to the logger.
+        idle_s: a worker unused this long ends (one holding verl instances stays).
 
     ``call`` is thread-safe and blocking; use as a context manager or call ``close()`` (also run
     at exit). ``stats()`` counts calls, errors, timeouts and worker restarts.
@@ -118,6 +160,8 @@ class ToolHost:
         workers: int,
         memory_mb: int,
         max_output_chars: int = 65536,
+        log_path: str | os.PathLike | None = None,
+        idle_s: float = IDLE_S,
     ):
         specs = list(specs)
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
@@ -131,6 +175,8 @@ class ToolHost:
                 f"rollout.multi_turn.tool_memory_mb must be an integer >= {MIN_MEMORY_MB} (a tool process "
                 f"needs that much address space to start), got {memory_mb!r}"
             )
+        if not (isinstance(idle_s, (int, float)) and idle_s > 0):
+            raise ToolConfigError(f"idle_s must be a positive number of seconds, got {idle_s!r}")
         if not isinstance(max_output_chars, int) or max_output_chars < 1:
             raise ToolConfigError(f"max_output_chars must be a positive integer, got {max_output_chars!r}")
         names: dict[str, ToolSpec] = {}
@@ -144,6 +190,8 @@ class ToolHost:
         self.workers = workers
         self.memory_mb = memory_mb
         self.max_output_chars = max_output_chars
+        self.idle_s = float(idle_s)
+        self._shrunk_at = time.monotonic()
         self._specs = names
         self._python_defaults = self._check_python(specs)
         self._cond = threading.Condition(threading.Lock())
@@ -162,13 +210,18 @@ class ToolHost:
             ),
             0,
         )
-        self._logged: set[str] = set()
+        self._errors: dict[str, list[int]] = {}  # "tool: message" -> [count, count at the last report]
+        self._reported_at = time.monotonic()
+        self.log_path = Path(log_path) if log_path is not None else None
+        self._log = _Log(self.log_path) if self.log_path is not None else None
         self._closed = False
         # kills the workers at exit or when the host is collected, without keeping it alive
-        self._finalizer = weakref.finalize(self, _kill_all, self._pool)
+        self._finalizer = weakref.finalize(self, _kill_all, self._pool, self._log)
 
     @classmethod
-    def from_config(cls, multi_turn: MultiTurnConfig) -> ToolHost | None:
+    def from_config(
+        cls, multi_turn: MultiTurnConfig, log_path: str | os.PathLike | None = None
+    ) -> ToolHost | None:
         """The host of ``rollout.multi_turn``: its tool YAML and limits; None without a tool YAML."""
         if not multi_turn.tool_config_path:
             return None
@@ -177,6 +230,7 @@ class ToolHost:
             timeout_s=multi_turn.tool_timeout_s,
             workers=multi_turn.tool_workers,
             memory_mb=multi_turn.tool_memory_mb,
+            log_path=log_path,
         )
 
     # -- public --------------------------------------------------------------------------
@@ -198,6 +252,7 @@ class ToolHost:
             if self._closed:
                 raise ToolHostClosed("ToolHost.call after close(): create a new ToolHost")
             self._stats["calls"] += 1
+        self._shrink()
         early = self._refuse(episode_id, call)
         if early is not None:
             return self._count(early)
@@ -220,13 +275,10 @@ class ToolHost:
             worker = self._acquire(episode_id if stateful else None, deadline)
             if worker is None:
                 self._stats_add("queue_timeouts")
-                self._log_once(
-                    f"queue:{call.name}",
-                    "tool call %s waited %g s for a free tool worker (all %d busy); raise "
-                    "rollout.multi_turn.tool_workers",
+                self._note(
                     call.name,
-                    self.timeout_s,
-                    self.workers,
+                    f"waited {self.timeout_s:g} s for a free tool worker (all {self.workers} busy); "
+                    "raise rollout.multi_turn.tool_workers",
                 )
                 return self._count(
                     ToolResult(
@@ -303,10 +355,13 @@ class ToolHost:
             return {**self._stats, "workers": sum(1 for w in self._pool if w.proc is not None and not w.dead)}
 
     def close(self) -> None:
-        """Kill every worker; later calls raise ToolHostClosed."""
+        """Kill every worker and report the errors' counts; later calls raise ToolHostClosed."""
         with self._cond:
+            already = self._closed
             self._closed = True
             self._cond.notify_all()
+        if not already:
+            self.report_errors()
         self._finalizer()
 
     def __enter__(self) -> ToolHost:
@@ -360,7 +415,9 @@ class ToolHost:
                         worker.busy = True
                         return worker
                 else:
-                    worker = next((w for w in self._pool if not w.busy and not w.dead), None)
+                    # the one used last: the others stay idle and age out when the load drops
+                    idle = (w for w in self._pool if not w.busy and not w.dead)
+                    worker = max(idle, key=lambda w: w.idle_since, default=None)
                     if worker is None and len(self._pool) < self.workers:
                         worker = _Worker()  # busy: this thread starts it
                         self._pool.append(worker)
@@ -412,17 +469,11 @@ class ToolHost:
             return self._timeout(spec.name), False
         if isinstance(reply, str):  # the worker died during the call
             self._retire(worker)
-            self._log_once(f"died:{spec.name}:{reply}", "tool %s: %s", spec.name, reply)
+            self._note(spec.name, f"crashed: {reply}")
             return ToolResult(f"Error: tool {spec.name} crashed: {reply}", "error"), False
         self._give_back(worker)
         if reply.get("traceback"):
-            self._log_once(
-                f"tb:{spec.name}:{reply.get('text')}",
-                "tool %s failed (logged once per message): %s\n%s",
-                spec.name,
-                reply.get("text"),
-                reply["traceback"],
-            )
+            self._note(spec.name, str(reply.get("text")), reply["traceback"])
         metrics = reply.get("metrics") if isinstance(reply.get("metrics"), dict) else {}
         if metrics.get("truncated"):
             self._stats_add("truncated")
@@ -434,9 +485,7 @@ class ToolHost:
         return ToolResult(str(reply.get("text", "")), status, reward, metrics), False
 
     def _timeout(self, name: str) -> ToolResult:
-        self._log_once(
-            f"timeout:{name}", "tool %s timed out after %g s; its worker was killed", name, self.timeout_s
-        )
+        self._note(name, f"timed out after {self.timeout_s:g} s; its worker was killed")
         return ToolResult(f"Error: tool {name} timed out after {self.timeout_s:g} s", "timeout")
 
     def _count(self, result: ToolResult) -> ToolResult:
@@ -450,12 +499,43 @@ class ToolHost:
         with self._cond:
             self._stats[key] += 1
 
-    def _log_once(self, key: str, msg: str, *args: Any) -> None:
+    def _note(self, tool: str, message: str, detail: str | None = None) -> None:
+        """Count an error of ``tool``; its ``detail`` (a traceback) goes to the tool log. The
+        console hears of it once, and of its count later (:meth:`report_errors`)."""
+        key = f"tool {tool}: {message}"
         with self._cond:
-            if key in self._logged or len(self._logged) >= _MAX_LOGGED:
-                return
-            self._logged.add(key)
-        logger.warning(msg, *args)
+            if key not in self._errors and len(self._errors) >= _MAX_DISTINCT:
+                key = f"tool {tool}: (errors past the first {_MAX_DISTINCT} distinct ones)"
+            first = key not in self._errors
+            counts = self._errors.setdefault(key, [0, 0])
+            counts[0] += 1
+            if first:
+                counts[1] = 1
+            due = time.monotonic() - self._reported_at >= REPORT_EVERY_S
+        if self._log is not None:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            self._log.write(f"[{stamp}] {key}\n{detail.rstrip() + chr(10) if detail else ''}")
+        if first:
+            if self._log is not None:
+                logger.warning("%s (its traceback and stderr: %s; repeats are counted)", key, self.log_path)
+            elif detail:
+                logger.warning("%s (repeats are counted)\n%s", key, detail.rstrip())
+            else:
+                logger.warning("%s (repeats are counted)", key)
+        if due:
+            self.report_errors()
+
+    def report_errors(self) -> None:
+        """One console line per distinct error that recurred since the last report, with its count."""
+        with self._cond:
+            self._reported_at = time.monotonic()
+            lines = []
+            for key, counts in self._errors.items():
+                if counts[0] > counts[1]:
+                    lines.append((key, counts[0], counts[0] - counts[1]))
+                    counts[1] = counts[0]
+        for key, total, new in lines:
+            logger.warning("%s: %d times (%d since the last count)", key, total, new)
 
     # -- workers -------------------------------------------------------------------------
 
@@ -482,6 +562,7 @@ class ToolHost:
             worker.proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
+                stderr=self._stderr(),
                 pass_fds=(to_worker_r, from_worker_w),
                 env=env,
                 start_new_session=True,  # its own process group (killed whole), out of the terminal's Ctrl-C
@@ -503,6 +584,13 @@ class ToolHost:
         }
         with contextlib.suppress(OSError):  # a worker that died at once is reported by _await_ready
             _write_all(worker.requests_fd, (json.dumps(init) + "\n").encode(), time.monotonic() + 10)
+
+    def _stderr(self) -> int | None:
+        """Where a worker's stderr goes: the tool log; the trainer's without one."""
+        if self._log is None:
+            return None
+        fd = self._log.fileno()
+        return fd if fd >= 0 else subprocess.DEVNULL  # closed meanwhile (-1 would ask for a pipe)
 
     def _await_ready(self, worker: _Worker, deadline: float) -> str | None:
         reply = self._read_reply(worker, deadline)
@@ -599,10 +687,33 @@ class ToolHost:
                 self._stats["worker_restarts"] += 1
             self._cond.notify_all()
 
+    def _shrink(self) -> None:
+        """End the workers idle for ``idle_s`` that hold no verl instances (checked once a second)."""
+        now = time.monotonic()
+        with self._cond:
+            if now - self._shrunk_at < 1.0:
+                return
+            self._shrunk_at = now
+            stale = [
+                w
+                for w in self._pool
+                if not w.busy
+                and not w.dead
+                and w.proc is not None
+                and not w.episodes
+                and not w.pending
+                and now - w.idle_since > self.idle_s
+            ]
+            for w in stale:
+                w.busy = True  # ours to end
+        for w in stale:
+            self._retire(w, count=False, had_state=False)
+
     def _give_back(self, worker: _Worker) -> None:
         with self._cond:
             closed = self._closed
             if not closed:
+                worker.idle_since = time.monotonic()
                 worker.busy = False
                 self._cond.notify_all()
         if closed:  # started while close() ran, so close() could not see it: not left behind
@@ -650,7 +761,7 @@ def _write_all(fd: int, data: bytes, deadline: float) -> None:
             continue
 
 
-def _kill_all(pool: list[_Worker]) -> None:
+def _kill_all(pool: list[_Worker], log: _Log | None = None) -> None:
     """Kill every worker's group. The pipes of workers in a call are left to the calling thread,
     which sees the end of its reply pipe and closes them (closing them here could hand their fd
     numbers to another file while that thread still reads)."""
@@ -669,6 +780,8 @@ def _kill_all(pool: list[_Worker]) -> None:
             worker.requests_fd = worker.replies_fd = -1
         worker.dead = True
     pool.clear()
+    if log is not None:
+        log.close()
 
 
 def _jsonable(value: Any) -> Any:

@@ -144,6 +144,7 @@ class _Borrowed:
 
     def __init__(self, tools: Any):
         self.tools = tools
+        self.workers = tools.workers
 
     def call(self, episode_id: str, call: Any) -> Any:
         return self.tools.call(episode_id, call)
