@@ -412,6 +412,7 @@ def _engine(args, cfg, seed: int):
     server_cfg = OmegaConf.merge(base, {"model": {"path": str(args.hf_dir)}})
     log_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_eval_sglang_"))
     config = server_config(server_cfg, 0, (), log_dir, port=free_port(), cpu=True)
+    print(f"eval: starting an SGLang server on the CPU (log {config.log_file})", file=sys.stderr)
     (engine,) = launch_sglang_engines(server_cfg, [config])
     return engine, [lambda: stop_sglang_engines([engine])]
 
