@@ -237,3 +237,18 @@ def test_episode_metrics_are_means_and_totals_over_the_episodes():
     # single-turn responses have none
     single = evaluate([problem], lambda probs, k: [[Completion("7", 4, False)]], Exact(), k=1)
     assert not any("multiturn" in key for key in single)
+
+
+def test_tools_flag_without_a_run_uses_the_schemas_multi_turn_settings(
+    capsys, tmp_path, chat_server, tool_run
+):
+    """--tools PATH with no --run: the episodes with that tool YAML and rollout.multi_turn's defaults."""
+    data = tool_run.parent / "val.parquet"
+    tokenizer = tool_run.parent / "tokenizer"
+    args = ["--url", chat_server, "--tokenizer", tokenizer, "--data", data, "--tools", CALCULATOR]
+    status, metrics, err = run_eval(
+        capsys, *args, "--template", "none", "--max-tokens", 64, "--k", 1, "--pass-k", 1
+    )
+    assert status == 0, err
+    assert metrics["avg@1"] == 1.0 and metrics["multiturn/tool_calls_mean"] == 1.0
+    assert len(ChatStandIn.requests) == 2 * len(PRODUCTS)
