@@ -6,6 +6,7 @@ tests/test_agent_bridge.py's (CONTRACT_CASES["demo-calculator"])."""
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from pathlib import Path
@@ -290,3 +291,15 @@ def test_two_steps_of_tool_episodes_through_ray(calculator_assets, tmp_path):
         # the trainer's log-probs of the sampled tokens are the engine's (environment tokens are
         # masked out of the comparison)
         assert r["actor/rollout_logprob_abs_diff"] < 1e-4, (r["step"], r["actor/rollout_logprob_abs_diff"])
+    # `eval --run` of the run's warm start measures what its step-0 validation measured: prompts
+    # listing the tool, episodes through the same loop and tool, the run's protocol and seeds. The
+    # HF engine seeds each request, so these are the same samples and the same metrics.
+    from megatron_dapo.cli import main
+
+    out = tmp_path / "eval.json"
+    args = ["eval", "--run", summary["run_dir"], "--hf-dir", str(calculator_assets.hf_dir), "--pass-k", "1"]
+    assert main([*args, "--out", str(out)]) == 0
+    metrics = json.loads(out.read_text())
+    step0 = {key.removeprefix("val/"): v for key, v in records[0].items() if key.startswith("val/")}
+    assert {key: metrics.get(key) for key in step0} == step0
+    assert metrics["multiturn/tool_calls_mean"] > 0 and metrics["multiturn/tool_errors"] == 0

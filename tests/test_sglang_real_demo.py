@@ -13,13 +13,17 @@ skips, and fails in CI (tests/conftest.py).
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from sglang_fixtures import hf_sequence_logprobs, require_sglang
 
 SEQUENCE = [5, 6, 7, 8, 40, 41, 42, 100, 3, 77]
 
 
-def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(calculator_assets, tmp_path, monkeypatch):
+def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(
+    calculator_assets, tmp_path, monkeypatch, capsys
+):
     """`megatron-dapo demo --task calculator --engine sglang`: two DAPO steps of tool episodes. The
     server stops each turn at <|end|> (the end-of-turn token) and gets each next turn as input ids
     holding the tool's answer; its log-probs of the sampled tokens are the trainer's."""
@@ -61,3 +65,16 @@ def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(calculator_as
         calculator_assets.hf_dir, SEQUENCE
     )
     assert moved.abs().max() > 1e-3, moved
+    # `eval --run` of the trained model with --engine sglang: its episodes, with the run's tool, on
+    # an SGLang server that eval starts on the CPU (the run's protocol: 8 problems, avg@4)
+    capsys.readouterr()
+    out = tmp_path / "eval.json"
+    args = ["eval", "--run", str(run), "--hf-dir", str(run / "hf" / "step_2"), "--engine", "sglang"]
+    assert main([*args, "--pass-k", "1", "--out", str(out)]) == 0
+    log = re.search(r"starting an SGLang server on the CPU \(log (\S+)\)", capsys.readouterr().err)
+    assert log and Path(log.group(1)).stat().st_size > 0
+    metrics = json.loads(out.read_text())
+    assert metrics["num_problems"] == 8 and metrics["samples_per_problem"] == 4
+    assert metrics["multiturn/tool_calls_mean"] > 0 and metrics["multiturn/tool_errors"] == 0
+    # the warm start answers right about half the time; 2 steps do not undo that
+    assert metrics["avg@4"] > 0

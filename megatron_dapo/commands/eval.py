@@ -11,6 +11,16 @@ A served reward model (`reward.model`, as training uses it: the run's, or `rewar
 overrides) judges the responses instead of the rule: by `reward.model.url`, or served here from
 `reward.model.path` once sampling is done. A response it could not score is left out of its
 problem's avg@k / pass@k / maj@k, never counted as wrong, and counted in `unscored`.
+
+With tools: a run trained with `rollout.multi_turn.enable` is evaluated as its validation ran, its
+prompts listing the tools and each sample an episode through the same loop and tools (its tool
+YAML, call format, turn and token budgets); `--tools PATH` gives another tool YAML, `--tools none`
+samples one turn without tools. `--hf-dir` runs the episodes on the HF engine or an SGLang server
+(`--engine`), `--url` through the chat API's `tools` and `tool_calls`. The metrics then also hold
+the model turns and tool calls per episode and the calls answered by an error or a time-out
+(`multiturn/*`). With `--run`, the sampling protocol (k, temperature, top_p, top_k, seed) and the
+problem limit are the run's validation's unless a flag gives them, so `eval --run` of a run's
+checkpoint measures what its validation measured.
 """
 
 from __future__ import annotations
@@ -19,22 +29,31 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from megatron_dapo.agent.bridge import ChatBridge
+from megatron_dapo.agent.from_config import tool_specs
+from megatron_dapo.agent.runner import MultiTurnSettings
+from megatron_dapo.agent.tools.host import ToolHost
 from megatron_dapo.commands.eval_reward import (
     RewardInputError,
     reward_overrides,
     reward_section,
     served_scorer,
 )
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.commands.eval_tools import NO_TOOLS, EvalTools, EvalToolsError, eval_tools
+from megatron_dapo.config import ConfigError, DAPOConfig, load_config
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.loading import load_prompt_rows
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.data.types import DataError
 from megatron_dapo.driver.datasets import make_scorer
 from megatron_dapo.driver.validation import engine_generator
+from megatron_dapo.eval.chat_tools import make_chat_tool_generator
 from megatron_dapo.eval.openai_endpoint import (
     check_reachable,
     make_endpoint_generator,
@@ -43,10 +62,12 @@ from megatron_dapo.eval.openai_endpoint import (
 )
 from megatron_dapo.eval.prompt_fit import PromptSettings, PromptTooLong, check_prompts_fit
 from megatron_dapo.eval.runner import EvalProblem, dedupe_problems, evaluate
+from megatron_dapo.ports import free_port
 from megatron_dapo.rewards.scorer import Scorer
 from megatron_dapo.rollout.hf_engine import HFEngine
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.sglang.client import SGLangEngine
+from megatron_dapo.sglang.engines import launch_sglang_engines, server_config, stop_sglang_engines
 from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
 
 DEFAULT_DATA = "data/aime-2024.parquet"
@@ -57,6 +78,9 @@ DEFAULTS = {
     "max_prompt_length": 2048,
     "max_response_length": 20480,
 }
+# The sampling protocol's defaults (the DAPO AIME protocol), used where neither a flag nor --run's
+# rollout.val / trainer.seed gives a value.
+PROTOCOL_DEFAULTS = {"k": 32, "temperature": 1.0, "top_p": 0.7, "top_k": -1, "seed": 0}
 FLAGS = {
     "template": "--template",
     "apply_chat_template": "--no-chat-template",
@@ -88,10 +112,12 @@ def register(p: argparse.ArgumentParser) -> None:
         nargs="+",
         help=f"eval set(s) (verl parquet/jsonl; default: the run's data.val_files, else {DEFAULT_DATA})",
     )
-    p.add_argument("--k", type=int, default=32, help="samples per problem (avg@k)")
+    p.add_argument(
+        "--k", type=int, help="samples per problem (avg@k; default: the run's rollout.val.n, else 32)"
+    )
     p.add_argument("--pass-k", type=int, nargs="*", default=[1, 8, 16], help="k values for pass@k / maj@k")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.7)
+    p.add_argument("--temperature", type=float, help="default: the run's rollout.val.temperature, else 1.0")
+    p.add_argument("--top-p", type=float, help="default: the run's rollout.val.top_p, else 0.7")
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -116,8 +142,27 @@ def register(p: argparse.ArgumentParser) -> None:
         help="prompt template for bare problems: auto | dapo | none | a string with {problem} "
         "(default: the run's data.template, else auto)",
     )
-    p.add_argument("--limit", type=int, help="evaluate only the first N distinct problems")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--limit",
+        type=int,
+        help="evaluate only the first N distinct problems (default: the run's data.val_max_samples, else all)",
+    )
+    p.add_argument("--seed", type=int, help="sampling seed (default: the run's trainer.seed, else 0)")
+    p.add_argument(
+        "--tools",
+        metavar="YAML|none",
+        help="episodes with the tools of this tool YAML (the run's other rollout.multi_turn settings, else "
+        "the schema's); default: the run's rollout.multi_turn.tool_config_path when the run trained with "
+        f"tools; {NO_TOOLS}: one turn without tools",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["auto", "hf", "sglang"],
+        default="auto",
+        help="engine for --hf-dir: auto (an SGLang server on a GPU with sglang installed, else the HF "
+        "engine), hf, or sglang (a server started here, on the CPU without a GPU: the run's "
+        "rollout.sglang settings, `make setup-sglang`)",
+    )
     p.add_argument("--out", help="write the metrics as JSON here")
     p.add_argument("--dump", help="write every response (text, tokens, score) as JSONL here")
     p.add_argument(
@@ -218,7 +263,23 @@ def _settings(args, cfg, cfg_path):
     return PromptSettings(origin=origin, **values)
 
 
-def _problems(files, settings, tokenizer, layout_cfg, limit):
+def _protocol(args, cfg) -> dict:
+    """k, temperature, top_p, top_k and seed: a flag, else the run's validation's, else the
+    protocol's default."""
+    from_run = {}
+    if cfg is not None:
+        v = cfg.rollout.val
+        from_run = {"k": v.n, "temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k}
+        from_run["seed"] = cfg.trainer.seed
+    flags = {"k": args.k, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    out = {}
+    for key, default in PROTOCOL_DEFAULTS.items():
+        value = flags.get(key)
+        out[key] = value if value is not None else from_run.get(key, default)
+    return out
+
+
+def _problems(files, settings, tokenizer, layout_cfg, limit, tools: list[dict] | None = None):
     """Deduplicated problems; ``layout_cfg``: the run whose column layout the files have."""
     read = {}
     if layout_cfg is not None:
@@ -243,6 +304,7 @@ def _problems(files, settings, tokenizer, layout_cfg, limit):
         apply_chat_template=settings.apply_chat_template,
         seed=0,
         shuffle=False,
+        tools=tools,  # the chat template lists them, as in the run's prompts
     )
     problems = dedupe_problems(
         [
@@ -299,41 +361,66 @@ def _token_counter(tokenizer):
     return count
 
 
-def _hf_generator(args, tokenizer, max_tokens: int):
-    """An engine for the checkpoint: SGLang when a GPU and sglang are there, else the HF engine."""
-    import torch
-
+def _hf_generator(args, cfg, tokenizer, max_tokens: int, protocol: dict, episodes=None):
+    """An engine for the checkpoint (``--engine``) and the generator over it; ``episodes``: the
+    episode loop of an evaluation with tools (one turn without)."""
     sampling = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
+        temperature=protocol["temperature"],
+        top_p=protocol["top_p"],
+        top_k=protocol["top_k"],
         max_new_tokens=max_tokens,
         stop_token_ids=[] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)],
     )
-    cleanup = []
-    try:
-        import sglang  # noqa: F401
+    engine, cleanup = _engine(args, cfg, protocol["seed"])
+    generate = engine_generator([engine], tokenizer, sampling, seed=protocol["seed"], episodes=episodes)
+    return generate, cleanup
 
-        use_sglang = torch.cuda.is_available()
-    except ImportError:
+
+def _engine(args, cfg, seed: int):
+    """The engine ``--engine`` names and what stops it: SGLang on a GPU with sglang installed (or
+    asked for), else the HF engine."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if args.engine == "hf":
         use_sglang = False
-    if use_sglang:
+    elif args.engine == "sglang":
+        use_sglang = True
+    else:
+        try:
+            import sglang  # noqa: F401
+
+            use_sglang = cuda
+        except ImportError:
+            use_sglang = False
+    if not use_sglang:
+        engine = HFEngine(args.hf_dir, name="hf-eval", seed=seed, device="cuda" if cuda else "cpu")
+        return engine, []
+    if cuda:
         server = SGLangServer(
             SGLangServerConfig(model_path=args.hf_dir, tp_size=torch.cuda.device_count())
         ).start()
-        server.wait_healthy()
-        cleanup.append(server.stop)
-        engine = SGLangEngine(server.cfg.url, server=server, tp_size=server.cfg.tp_size)
-    else:
-        engine = HFEngine(
-            args.hf_dir, name="hf-eval", seed=args.seed, device="cuda" if torch.cuda.is_available() else "cpu"
-        )
-    return engine_generator([engine], tokenizer, sampling, seed=args.seed), cleanup
+        try:
+            server.wait_healthy()
+        except BaseException:
+            server.stop()
+            raise
+        return SGLangEngine(server.cfg.url, server=server, tp_size=server.cfg.tp_size), [server.stop]
+    # a CPU server, as a CPU run starts its own: the run's rollout.sglang settings (else the
+    # schema's), SGLang's CPU flags, a free port
+    base = cfg if cfg is not None else OmegaConf.structured(DAPOConfig)
+    server_cfg = OmegaConf.merge(base, {"model": {"path": str(args.hf_dir)}})
+    log_dir = Path(tempfile.mkdtemp(prefix="megatron_dapo_eval_sglang_"))
+    config = server_config(server_cfg, 0, (), log_dir, port=free_port(), cpu=True)
+    print(f"eval: starting an SGLang server on the CPU (log {config.log_file})", file=sys.stderr)
+    (engine,) = launch_sglang_engines(server_cfg, [config])
+    return engine, [lambda: stop_sglang_engines([engine])]
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except (EvalInputError, RewardInputError) as e:
+    except (EvalInputError, RewardInputError, EvalToolsError) as e:
         print(f"eval: {e}", file=sys.stderr)
         return 2
 
@@ -348,6 +435,13 @@ def _run(args: argparse.Namespace) -> int:
     cfg, cfg_path = _load_run(args.run, overrides) if args.run else (None, None)
     reward = reward_section(cfg, overrides)
     settings = _settings(args, cfg, cfg_path)
+    protocol = _protocol(args, cfg)
+    tools = eval_tools(args.tools, cfg, cfg_path)
+    if tools is not None and args.url and not settings.apply_chat_template:
+        raise EvalInputError(
+            f"{tools.origin} with --url: episodes go through the chat API, which renders the chat "
+            f"template; drop --no-chat-template or give --tools {NO_TOOLS}"
+        )
     run_tokenizer = (cfg.model.tokenizer_path or cfg.model.path) if cfg is not None else None
     tok_path = args.tokenizer or run_tokenizer or args.hf_dir
     if tok_path is None:
@@ -377,7 +471,15 @@ def _run(args: argparse.Namespace) -> int:
     tokenizer.model_max_length = sys.maxsize
     try:
         # the run's column layout applies to the run's own files, not to --data
-        problems = _problems(files, settings, tokenizer, None if args.data else cfg, args.limit)
+        limit = args.limit or (cfg.data.val_max_samples if cfg is not None else None)
+        problems = _problems(
+            files,
+            settings,
+            tokenizer,
+            None if args.data else cfg,
+            limit,
+            None if tools is None else tools.schemas,
+        )
     except DataError as e:
         raise EvalInputError(str(e)) from e
     context, context_from = _context(args, cards, tok_path)
@@ -409,23 +511,32 @@ def _run(args: argparse.Namespace) -> int:
             stack.enter_context(reward_model)
         cleanup = []
         stack.callback(lambda: [fn() for fn in cleanup])
-        if args.url:
+        if args.url and tools is not None:
+            generate = _chat_generator(args, stack, tools, tokenizer, settings, protocol, context)
+        elif args.url:
             generate = make_endpoint_generator(
                 args.url,
                 model=args.model,
-                temperature=args.temperature,
-                top_p=args.top_p,
+                temperature=protocol["temperature"],
+                top_p=protocol["top_p"],
                 max_tokens=settings.max_response_length,
                 count_text=_token_counter(tokenizer),
             )
         else:
-            generate, cleanup[:] = _hf_generator(args, tokenizer, settings.max_response_length)
+            episodes = None
+            if tools is not None:
+                episodes = tools.runner(tokenizer, context)
+                stack.callback(episodes.close)  # the tool processes
+            generate, cleanup[:] = _hf_generator(
+                args, cfg, tokenizer, settings.max_response_length, protocol, episodes
+            )
+        k = protocol["k"]
         metrics = evaluate(
             problems,
             _then(generate, cleanup),
             served or scorer,
-            k=args.k,
-            pass_ks=tuple(k for k in args.pass_k if k <= args.k),
+            k=k,
+            pass_ks=tuple(x for x in args.pass_k if x <= k),
             dump_path=args.dump,
             prefix="",
         )
@@ -442,6 +553,40 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _chat_generator(args, stack, tools: EvalTools, tokenizer, settings, protocol: dict, context):
+    """Episodes through the chat API with the tools' schemas; the tools run here."""
+    mt = tools.section
+    try:
+        bridge = ChatBridge(tokenizer)
+    except ValueError as e:
+        raise EvalInputError(
+            f"{tools.origin}: the tokenizer's chat template cannot render tool turns ({e}); give --tokenizer "
+            "the served model's tokenizer"
+        ) from e
+    host = ToolHost(
+        [*tool_specs(tools.cfg)],
+        timeout_s=mt.tool_timeout_s,
+        workers=mt.tool_workers,
+        memory_mb=mt.tool_memory_mb,
+    )
+    stack.callback(host.close)
+    turns = MultiTurnSettings.from_config(tools.cfg, max_context=context or 1 << 30)
+    return make_chat_tool_generator(
+        args.url,
+        model=args.model,
+        temperature=protocol["temperature"],
+        top_p=protocol["top_p"],
+        max_tokens=settings.max_response_length,
+        count_text=_token_counter(tokenizer),
+        tools=host,
+        schemas=tools.schemas,
+        settings=turns,
+        truncate=lambda text: bridge.truncate(
+            text, turns.max_tool_response_tokens, turns.tool_response_truncate_side
+        ),
+    )
 
 
 def _then(generate, cleanup: list):

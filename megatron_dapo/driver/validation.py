@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from megatron_dapo.eval.runner import Completion, EvalProblem, evaluate
+from megatron_dapo.eval.runner import Completion, EpisodeCounts, EvalProblem, evaluate
 from megatron_dapo.rollout.episodes import EpisodeRunner, SingleTurn, reward_input, sampled_length
-from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
+from megatron_dapo.rollout.types import EpisodeInfo, GenerationRequest, SamplingParams
 
 
 def engine_generator(
@@ -70,12 +70,25 @@ def engine_generator(
                         sampled_length(r),
                         r.finish_reason == "length",
                         extra_info=None if r.episode is None else extra,
+                        episode=None if r.episode is None else episode_counts(r.episode),
                     )
                 )
             out.append(row)
         return out
 
     return generate
+
+
+def episode_counts(info: EpisodeInfo) -> EpisodeCounts:
+    """An episode's model turns, the calls they wrote, and the calls answered by an error or a
+    time-out, counted as the rollout's ``rollout/multiturn/*`` metrics count them."""
+    turns = info.turns
+    return EpisodeCounts(
+        turns=sum(t.role == "assistant" for t in turns),
+        tool_calls=sum(t.calls for t in turns if t.role == "assistant"),
+        tool_errors=sum(t.errors for t in turns if t.role == "tool"),
+        tool_timeouts=sum(t.timeouts for t in turns if t.role == "tool"),
+    )
 
 
 def val_sampling(cfg, tokenizer) -> SamplingParams:

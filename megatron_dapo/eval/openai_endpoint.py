@@ -98,6 +98,43 @@ def response_tokens(
     return count_text(choice.get("text") or "") + int(stopped)
 
 
+def post_with_retries(
+    client: httpx.Client,
+    url: str,
+    payload: dict,
+    *,
+    headers: dict,
+    what: str,
+    timeout_s: float,
+    max_retries: int,
+    backoff_s: float,
+) -> dict:
+    """POST ``payload``; the reply's JSON, which has ``choices`` (see the module docstring for
+    what is retried)."""
+    last = ""
+    for attempt in range(max_retries + 1):
+        if attempt:
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        try:
+            r = client.post(url, json=payload, headers=headers, timeout=timeout_s)
+        except httpx.TransportError as e:
+            last = f"{type(e).__name__}: {e} (POST {url}, {what})"
+            continue
+        if 400 <= r.status_code < 500:
+            raise EndpointError(f"{http_error(r, what)}; not retried: the server refused the request")
+        if r.status_code >= 500:
+            last = http_error(r, what)
+            continue
+        try:
+            reply = r.json()
+            if isinstance(reply.get("choices"), list):
+                return reply
+            last = f"a reply without choices: {r.text[:200]!r} (POST {url}, {what})"
+        except (ValueError, AttributeError):
+            last = f"a reply that is not JSON: {r.text[:200]!r} (POST {url}, {what})"
+    raise EndpointError(f"{what} failed after {max_retries + 1} tries; last: {last}")
+
+
 def make_endpoint_generator(
     base_url: str,
     *,
@@ -119,29 +156,16 @@ def make_endpoint_generator(
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def post(client: httpx.Client, prob: EvalProblem, payload: dict) -> dict:
-        what = f"problem {prob.problem_id}"
-        last = ""
-        for attempt in range(max_retries + 1):
-            if attempt:
-                time.sleep(backoff_s * 2 ** (attempt - 1))
-            try:
-                r = client.post(url, json=payload, headers=headers, timeout=timeout_s)
-            except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e} (POST {url}, {what})"
-                continue
-            if 400 <= r.status_code < 500:
-                raise EndpointError(f"{http_error(r, what)}; not retried: the server refused the request")
-            if r.status_code >= 500:
-                last = http_error(r, what)
-                continue
-            try:
-                reply = r.json()
-                if isinstance(reply.get("choices"), list):
-                    return reply
-                last = f"a reply without choices: {r.text[:200]!r} (POST {url}, {what})"
-            except (ValueError, AttributeError):
-                last = f"a reply that is not JSON: {r.text[:200]!r} (POST {url}, {what})"
-        raise EndpointError(f"{what} failed after {max_retries + 1} tries; last: {last}")
+        return post_with_retries(
+            client,
+            url,
+            payload,
+            headers=headers,
+            what=f"problem {prob.problem_id}",
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+        )
 
     def one(client: httpx.Client, prob: EvalProblem, k: int) -> list[Completion]:
         payload = {

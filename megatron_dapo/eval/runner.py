@@ -13,11 +13,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_dapo.eval.metrics import ProblemSamples, aggregate
 from megatron_dapo.eval.served import ServedScorer
+
+
+@dataclass
+class EpisodeCounts:
+    """What a tool-use episode did, for the ``multiturn/*`` metrics (as the rollout's own)."""
+
+    turns: int
+    tool_calls: int
+    tool_errors: int = 0
+    tool_timeouts: int = 0
 
 
 @dataclass
@@ -30,6 +40,9 @@ class Completion:
     truncated: bool
     # a multi-turn episode's extra_info for the reward (its turns, tool calls); None: the problem's
     extra_info: dict | None = None
+    # a multi-turn episode's model turns, the tool calls it wrote, and the calls answered by an
+    # error or a time-out; None for a single-turn response
+    episode: EpisodeCounts | None = None
 
 
 @dataclass
@@ -69,7 +82,8 @@ def evaluate(
 ) -> dict[str, float]:
     """avg@k, pass@k, maj@k (and per data_source avg@k) of `generate` on `problems`; with a served
     reward model also the unscored counts and the mean score (metrics.py says how an unscored
-    response is left out)."""
+    response is left out); with tool-use episodes their model turns and tool calls per episode and
+    the calls answered by an error or a time-out (``multiturn/*``)."""
     problems = dedupe_problems(problems)
     completions = generate(problems, k)
     if len(completions) != len(problems) or any(len(c) != k for c in completions):
@@ -120,6 +134,8 @@ def evaluate(
                 }
                 if served:
                     row.update(r.dump())
+                if c.episode is not None:
+                    row.update(asdict(c.episode))
                 dump.append(row)
         per_problem.append(samples)
         by_source.setdefault(prob.data_source, []).append(samples)
@@ -132,6 +148,25 @@ def evaluate(
             value = aggregate(group, vote=vote).get(f"avg@{k}")
             if value is not None:
                 out[f"{prefix}{source}/avg@{k}"] = value
+    out.update(
+        {f"{prefix}{key}": v for key, v in episode_metrics([c for row in completions for c in row]).items()}
+    )
     if dump_path:
         Path(dump_path).write_text("".join(json.dumps(d) + "\n" for d in dump))
     return out
+
+
+def episode_metrics(completions: Sequence[Completion]) -> dict[str, float]:
+    """``multiturn/*`` over the tool-use episodes among ``completions`` ({} when there are none):
+    model turns and tool calls per episode (means), calls answered by an error or a time-out
+    (totals), named as the rollout's ``rollout/multiturn/*``."""
+    episodes = [c.episode for c in completions if c.episode is not None]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {
+        "multiturn/turns_mean": sum(e.turns for e in episodes) / n,
+        "multiturn/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+        "multiturn/tool_errors": float(sum(e.tool_errors for e in episodes)),
+        "multiturn/tool_timeouts": float(sum(e.tool_timeouts for e in episodes)),
+    }
