@@ -310,8 +310,9 @@ class RunInputs:
 def prepare_run(cfg: DictConfig) -> RunInputs:
     """The run directory (with the resolved config), tokenizer, training data, validation set, scorer.
     With rollout.multi_turn the prompts carry the tools' schemas (the chat template renders them)."""
+    # every input checked before anything is written: a config error leaves no run directory
+    preflight(cfg, Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / "checkpoints")
     run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
-    preflight(cfg, run.checkpoints)
     run.config.write_text(to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
     tools = tool_schemas(cfg)
