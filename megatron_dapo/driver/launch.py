@@ -139,6 +139,40 @@ def shutdown_local_ray() -> None:
     ray.shutdown()
 
 
+def layout_gpus(cfg: DictConfig) -> int:
+    """GPUs the run places: the actor's (colocated engines share them), disaggregated engines'
+    (trainer.rollout_gpus) and the reward servers' own. The planner's rule (`plan.sizing`), which
+    the driver may not import; a test holds the two equal."""
+    m = cfg.reward.model
+    reward = m.num_servers * m.gpus_per_server if m.kind and m.path and m.placement != "colocated" else 0
+    rollout = cfg.trainer.rollout_gpus if cfg.trainer.placement == "disaggregated" else 0
+    return int(cfg.parallel.actor_world_size + rollout + reward)
+
+
+def check_cluster_size(cfg: DictConfig, device: str, bundles: list[dict], resources: dict) -> None:
+    """Raise a one-line ConfigError when the Ray cluster has fewer GPUs (CPUs on a CPU run) than
+    the run places: on GPUs the layout's (the actor's, plus disaggregated engines' and reward
+    servers' own), on CPUs the bundles'. ``resources``: ``ray.cluster_resources()``."""
+    kind = "CPU" if device == "cpu" else "GPU"
+    need = layout_gpus(cfg) if kind == "GPU" else int(sum(b.get(kind, 0) for b in bundles))
+    have = int(resources.get(kind, 0))
+    if have >= need:
+        return
+    where = (
+        f"the Ray cluster at {cfg.trainer.ray_address}" if cfg.trainer.ray_address else "this machine's Ray"
+    )
+    fix = (
+        f"size the recipe to them with the overrides `megatron-dapo plan CONFIG --num-gpus {have}` prints, or add nodes"
+        if kind == "GPU"
+        else "lower parallel.actor_world_size or rollout.num_engines, or give the cluster more CPUs"
+    )
+    raise ConfigError(
+        f"the layout places {need} {kind}s (parallel.actor_world_size={cfg.parallel.actor_world_size}, "
+        f"rollout.num_engines={cfg.rollout.num_engines}, trainer.placement={cfg.trainer.placement}) but "
+        f"{where} has {have}: {fix}"
+    )
+
+
 class Placement:
     """The Ray resources of one run: actor rank group, engines, and the weight transport."""
 
@@ -158,6 +192,8 @@ class Placement:
             actor_bundles = [{"CPU": 2, "GPU": 1} for _ in range(world)]
         engine_bundles = [{"CPU": 1} for _ in range(n_engines)] if engine_kind == "hf" else []
         init_ray(cfg, device, num_cpus=len(actor_bundles) + len(engine_bundles) + 1)
+        # before the placement group: a cluster too small for it would leave ray.get waiting 300 s
+        check_cluster_size(cfg, device, actor_bundles + engine_bundles, ray.cluster_resources())
         self.pg = placement_group(actor_bundles + engine_bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=300)
         container = to_container(cfg)
