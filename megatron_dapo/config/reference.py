@@ -17,6 +17,7 @@ from omegaconf import MISSING
 
 from megatron_dapo.config import schema
 from megatron_dapo.config.schema import DAPOConfig
+from megatron_dapo.config.validate import CHOICES
 
 REGENERATE = "megatron-dapo config --reference > docs/config.md"
 
@@ -59,6 +60,23 @@ def _comments() -> dict[tuple[str, str], tuple[str, str]]:
     return out
 
 
+def _own_docstring(cls: type) -> str:
+    """The class's docstring's first paragraph; none for the signature dataclass writes in its place."""
+    doc = cls.__dict__.get("__doc__") or ""
+    if doc.startswith(f"{cls.__name__}("):
+        return ""
+    return " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+
+
+def _with_choices(key: str, comment: str) -> str:
+    """The comment, and the values validation accepts when the key has a fixed set."""
+    allowed = CHOICES.get(key)
+    if not allowed:
+        return comment
+    values = ", ".join(show_default(v) for v in allowed)
+    return f"{comment} One of: {values}." if comment else f"One of: {values}."
+
+
 def key_docs() -> list[KeyDoc]:
     """Every key of the schema, sections included, in the schema's order."""
     notes = _comments()
@@ -70,11 +88,11 @@ def key_docs() -> list[KeyDoc]:
             value = getattr(node, f.name)
             annotation, comment = notes.get((type(node).__name__, f.name), (str(f.type), ""))
             if dataclasses.is_dataclass(value):
-                doc = (inspect.getdoc(type(value)) or "").split("\n\n")[0].replace("\n", " ")
+                doc = _own_docstring(type(value))
                 docs.append(KeyDoc(key, "section", None, comment or doc, section=True))
                 walk(value, key + ".")
             else:
-                docs.append(KeyDoc(key, annotation, value, comment))
+                docs.append(KeyDoc(key, annotation, value, _with_choices(key, comment)))
 
     walk(DAPOConfig(), "")
     return docs
