@@ -519,9 +519,16 @@ class LoggingConfig:
     # run directory and reused on resume.
     wandb: bool = False
     wandb_mode: str = "offline"  # offline | online
+    # The W&B entity (team or user); null: the account's default. The project is trainer.project,
+    # the run's name trainer.run_name.
+    wandb_entity: Optional[str] = None
+    # A W&B group to file the run under (e.g. one per sweep or ablation); null: none.
+    wandb_group: Optional[str] = None
+    # W&B tags of the run.
+    wandb_tags: list[str] = field(default_factory=list)
     # Also write TensorBoard event files under the run's tensorboard/ (needs the tensorboard
-    # package; said once when absent).
-    tensorboard: bool = True
+    # package, which the project does not install: said once when it is absent).
+    tensorboard: bool = False
     # Print a progress line per step.
     progress: bool = True
     # Write the run's PNG curves under plots/ at the end.
