@@ -39,6 +39,7 @@ COMMANDS: dict[str, Command] = {
     "plan": Command(
         "plan", "estimate parameters, per-GPU memory, fit (with fixes) and step time of a recipe"
     ),
+    "data": Command("data", "prepare the recipes' data sets (DAPO-Math-17k, AIME 2024) as verl parquet"),
 }
 
 
