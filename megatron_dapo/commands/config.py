@@ -9,6 +9,7 @@ from pathlib import Path
 
 from megatron_dapo.config import ConfigError, load_config, to_yaml
 from megatron_dapo.config.reference import key_lines, reference_markdown
+from megatron_dapo.driver.hub import resolve_hub_paths
 from megatron_dapo.driver.preflight import preflight
 from megatron_dapo.plan.sizing import check_gpus
 
@@ -59,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
         if args.num_gpus is not None:
             check_gpus(cfg, args.num_gpus, args.gpu, config or "the config")
         if not args.no_files:
-            preflight(cfg, Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / "checkpoints")
+            # as train does: hub ids resolved (downloaded once into the shared cache), then checked
+            checked = resolve_hub_paths(cfg)
+            preflight(checked, Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / "checkpoints")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -14,8 +14,12 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
-    # HF checkpoint directory (config.json + safetensors + tokenizer files).
+    # HF checkpoint directory (config.json + safetensors + tokenizer files), or a hub id
+    # (owner/name[@revision]) resolved to its snapshot in the hub cache (HF_HOME; HF_HUB_OFFLINE=1:
+    # the cache only) before the run starts.
     path: str = "???"
+    # Hub revision (commit, tag or branch) of a hub id in model.path; null: main.
+    revision: Optional[str] = None
     # Optional Megatron dist checkpoint to start from instead of converting `path` on the fly.
     megatron_path: Optional[str] = None
     # Tokenizer directory when it is not model.path's; null: model.path.

@@ -26,6 +26,7 @@ from megatron_dapo.driver import cpu_warnings
 from megatron_dapo.driver.actor_worker import ActorWorker
 from megatron_dapo.driver.datasets import load_tokenizer, make_scorer, train_dataset, val_problems
 from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine
+from megatron_dapo.driver.hub import resolve_hub_paths
 from megatron_dapo.driver.plots import plot_run
 from megatron_dapo.driver.preflight import preflight
 from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
@@ -509,7 +510,8 @@ def load_for_cli(config: str | None, overrides: list[str]) -> DictConfig:
         overrides = [config, *overrides]
         config = None
     cfg = load_config(config, overrides)
-    return OmegaConf.create(to_container(cfg))
+    # hub ids to local snapshots once, here: the ranks and servers get directories
+    return OmegaConf.create(to_container(resolve_hub_paths(cfg)))
 
 
 __all__ = ["run_train", "prepare_run", "drive", "RunInputs", "load_for_cli"]
