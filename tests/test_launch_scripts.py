@@ -452,3 +452,31 @@ def test_the_32b_job_is_sized_to_its_allocation_before_ray_starts(tmp_path, reci
         )
     else:
         assert "the planner found no complete fix" in lines[0]
+
+
+@pytest.mark.parametrize("runtime", ["pyxis", "apptainer"])
+def test_with_a_container_the_driver_runs_in_it_too(tmp_path, runtime):
+    # before: config and train ran in the batch shell, outside the image the Ray nodes ran in
+    env = _env(tmp_path, FAKE_NODES="n1 n2", FAKE_GPUS="16", FAKE_ALIVE="10.0.0.1 10.0.0.2",
+               CONTAINER_IMAGE="/img/dapo.sqsh", CONTAINER_RUNTIME=runtime, CONTAINER_MOUNTS="/shared:/shared")  # fmt: skip
+    r = subprocess.run(["bash", str(LAUNCH / "slurm" / "dapo_qwen2.5_32b.sbatch"), "trainer.total_steps=3"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    steps = [line for line in _log(tmp_path).splitlines() if line.startswith("srun ")]
+    flags = (
+        f"--container-image=/img/dapo.sqsh --container-workdir={REPO} --container-mounts=/shared:/shared"
+        if runtime == "pyxis"
+        else f"apptainer exec --nv --pwd {REPO} /img/dapo.sqsh"
+    )
+    driver = f"srun --nodes=1 --ntasks=1 --overlap -w n1 {flags} megatron-dapo "
+    assert any(
+        s.startswith(driver + "config configs/dapo_qwen2.5_32b.yaml trainer.total_steps=3 --num-gpus 16")
+        for s in steps
+    )
+    assert any(
+        s.startswith(driver + "train configs/dapo_qwen2.5_32b.yaml trainer.ray_address=10.0.0.1:6379")
+        for s in steps
+    )
+    for node in ("n1", "n2"):
+        ray = next(s for s in steps if f"-w {node} " in s and "ray start" in s)
+        assert flags in ray
