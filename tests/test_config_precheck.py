@@ -78,6 +78,17 @@ def test_a_missing_tool_yaml_exits_2_naming_it(capsys, inputs, tmp_path):
     assert f"rollout.multi_turn.tool_config_path={missing}" in _one_error_line(err)
 
 
+def test_an_unknown_call_format_exits_2_naming_it(capsys, inputs):
+    tools = REPO / "configs" / "tools" / "calculator.yaml"
+    on = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}"]
+    code, _, err = _config(capsys, DEMO, *inputs, *on, "rollout.multi_turn.format=nosuch_module:fmt")
+    assert code == 2
+    assert (
+        "rollout.multi_turn.format='nosuch_module:fmt': importing 'nosuch_module' failed"
+        in _one_error_line(err)
+    )
+
+
 def test_a_missing_data_file_exits_2_naming_it_and_how_to_make_it(capsys, inputs, tmp_path):
     wanted = tmp_path / "data" / "dapo-math-17k.parquet"
     code, _, err = _config(capsys, DEMO, *inputs, f"data.train_files=[{wanted}]")

@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from megatron_dapo.actor.checkpoint import find_resume_checkpoint
-from megatron_dapo.agent.from_config import tool_specs
+from megatron_dapo.agent.from_config import call_format, tool_specs
 from megatron_dapo.arch import SUPPORTED_ARCHITECTURES
 from megatron_dapo.config import ConfigError
 from megatron_dapo.data.prepare import DATASETS
@@ -172,8 +172,11 @@ def _make_hint(path: Path) -> str:
 
 
 def check_tools(cfg: DictConfig) -> None:
-    """With rollout.multi_turn on, its tool YAML is there and describes valid tools."""
+    """With rollout.multi_turn on, its tool YAML is there and describes valid tools, and its call
+    format is registered (a MODULE:NAME or file.py:NAME format is imported, as the driver does)."""
     tool_specs(cfg)
+    if cfg.rollout.multi_turn.enable:
+        call_format(cfg.rollout.multi_turn.format)
 
 
 def check_reward_model(cfg: DictConfig) -> None:
