@@ -10,8 +10,14 @@
 # The supported range is megatron_dapo.sglang.version.SUPPORTED_SGLANG (sglang>=0.5.21,<0.6,
 # also the `gpu` extra); servers outside it are refused at launch and on connect.
 # Change SGLANG_VERSION, TORCH_VERSION and the base image together.
+# No apex (Transformer Engine provides the fused kernels) and no TensorBoard (pip install tensorboard
+# for logging.tensorboard=true). The hosts need an NVIDIA driver for CUDA 13.0: the R580 branch or
+# newer (MIN_DRIVER below; docs/launching.md says the same, a test holds the two together).
 ARG BASE_IMAGE=nvcr.io/nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
+ARG MIN_DRIVER=580.65.06
+LABEL org.opencontainers.image.title="megatron-dapo" \
+      com.nvidia.driver.min-version="${MIN_DRIVER}"
 
 ARG SGLANG_VERSION=0.5.23
 ARG TORCH_VERSION=2.14.1

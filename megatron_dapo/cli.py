@@ -42,6 +42,7 @@ COMMANDS: dict[str, Command] = {
     "plan": Command(
         "plan", "estimate parameters, per-GPU memory, fit (with fixes) and step time of a recipe"
     ),
+    "data": Command("data", "prepare the recipes' data sets (DAPO-Math-17k, AIME 2024) as verl parquet"),
 }
 
 
@@ -62,6 +63,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parse_args``, except that ``key=value`` overrides may also come after a flag
+    (``plan CFG --num-gpus 32 rollout.num_engines=8``): argparse ends a positional list at the first
+    flag and would refuse the words after it, so those go to the command's overrides."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [a for a in extra if a.startswith("-") or "=" not in a]
+        if stray or not isinstance(getattr(args, "overrides", None), list):
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.overrides.extend(extra)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # --debug is accepted anywhere on the line, also after the subcommand
@@ -70,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     # the top-level options take no value: the first word that is not an option names the command
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(chosen)
-    args = parser.parse_args(argv)
+    args = parse_with_overrides(parser, argv)
     args.debug = debug
     if not getattr(args, "func", None):
         parser.print_help()

@@ -24,6 +24,7 @@ EXPECTED = {
     "verify-model": "compare Megatron and HF transformers logits",
     "plot": "write PNG curves of a run",
     "plan": "estimate parameters, per-GPU memory",
+    "data": "prepare the recipes' data sets",
 }
 
 # runs `cli.main(argv)` and reports its exit status, output and the command modules it imported
@@ -81,8 +82,8 @@ def test_every_command_registers_its_arguments(name):
     parser = build_parser(name)
     sub = next(a for a in parser._actions if a.dest == "command")
     command = sub.choices[name]
-    if name == "convert":  # two directions, each with its own run function
-        directions = next(a for a in command._actions if a.dest == "direction")
+    if name in ("convert", "data"):  # sub-actions, each with its own run function
+        directions = next(a for a in command._actions if a.dest in ("direction", "action"))
         assert all(p.get_default("func") for p in directions.choices.values())
     else:
         assert command.get_default("func") is not None

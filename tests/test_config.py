@@ -171,7 +171,7 @@ def test_verl_knob_names_exist():
 
 
 def test_cli_config_prints_and_fails_cleanly(capsys):
-    assert main(["config", "model.path=/m", "rollout.n=5"]) == 0
+    assert main(["config", "--no-files", "model.path=/m", "rollout.n=5"]) == 0
     assert "'n': 5" in capsys.readouterr().out
     assert main(["config", "model.path=/m", "rollout.nn=5"]) == 2
     assert "did you mean 'rollout.n'" in capsys.readouterr().err

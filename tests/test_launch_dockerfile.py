@@ -99,3 +99,23 @@ def test_dockerignore_keeps_the_context_small():
 def test_hadolint():
     r = subprocess.run([find_tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_docs_describe_the_image_the_dockerfile_builds():
+    # a user reads launching.md to pick hosts: the base, the pinned versions and the driver the
+    # image needs must be the Dockerfile's, and nothing it does not install may be promised
+    args = _args()
+    docker = (REPO / "docs" / "launching.md").read_text().split("## Docker", 1)[1].split("\n## ", 1)[0]
+    text = " ".join(docker.split())
+    assert f"`{args['BASE_IMAGE']}`" in text
+    assert f"torch {args['TORCH_VERSION']}" in text and f"SGLang {args['SGLANG_VERSION']}" in text
+    assert f"Transformer Engine {args['TRANSFORMER_ENGINE_VERSION']}" in text
+    assert f"megatron-core {args['MEGATRON_CORE_VERSION']}" in text and f"Ray {args['RAY_VERSION']}" in text
+    cuda = re.search(r":(\d+\.\d+)\.\d+-", args["BASE_IMAGE"]).group(1)
+    assert f"CUDA {cuda} needs an NVIDIA driver of the R{args['MIN_DRIVER'].split('.')[0]} branch" in text
+    assert f"({args['MIN_DRIVER']}+)" in text
+    labels = " ".join(a for i, a in instructions() if i == "LABEL")
+    assert 'com.nvidia.driver.min-version="${MIN_DRIVER}"' in labels
+    runs = " ".join(a for i, a in instructions() if i == "RUN")
+    assert "apex" not in runs and "It has no apex" in text
+    assert "tensorboard" not in runs.lower() and "no TensorBoard" in text

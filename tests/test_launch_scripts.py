@@ -80,7 +80,7 @@ echo "srun $*" >>"$FAKE_LOG"
 node=""; prev=""
 for a in "$@"; do [[ $prev == -w ]] && node=$a; prev=$a; done
 case "$*" in
-  *hostname*) echo "10.0.0.${node#n}" ;;
+  *hostname*) echo "${FAKE_HOST_IPS:-10.0.0.${node#n}}" ;;
   *"ray start"*) exec sleep 30 ;;
 esac
 """,
@@ -93,6 +93,7 @@ esac
 """,
     "megatron-dapo": """
 echo "megatron-dapo $*" >>"$FAKE_LOG"
+if [[ -n ${FAKE_REAL_CLI:-} && ( $1 == config || $1 == plan ) ]]; then exec "$FAKE_REAL_CLI" -m megatron_dapo.cli "$@"; fi
 if [[ $1 == config && -n ${FAKE_CONFIG_YAML:-} ]]; then cat "$FAKE_CONFIG_YAML"; fi
 if [[ $1 == train && -n ${FAKE_TRAIN_SLEEP:-} ]]; then
   trap 'echo "trainer: checkpoint saved" >>"$FAKE_LOG"; exit 0' TERM
@@ -357,3 +358,125 @@ def test_ray_job_submit_uploads_the_repo_and_runs_train(tmp_path):
     assert log.startswith("ray job submit --address http://10.0.0.1:8265 --submission-id j1 --working-dir . ")
     assert "-- megatron-dapo train configs/dapo_qwen2.5_32b.yaml x=1 trainer.ray_address=auto" in log
     assert f"[cwd={REPO}]" in log
+
+
+def test_a_loopback_head_address_stops_the_job_naming_the_fix(tmp_path):
+    # Debian/Ubuntu: `hostname --ip-address` gives 127.0.1.1 first; a real address after it is used
+    env = _env(
+        tmp_path, FAKE_NODES="n1", FAKE_GPUS="8", FAKE_ALIVE="10.0.0.1", FAKE_HOST_IPS="127.0.1.1 10.0.0.9"
+    )
+    r = subprocess.run(["bash", str(LAUNCH / "slurm" / "single_node.sbatch")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "ray start --head --node-ip-address=10.0.0.9 " in _log(tmp_path)
+    # only loopback: one line with the fix, and no Ray
+    (tmp_path / "log").unlink()
+    env["FAKE_HOST_IPS"] = "127.0.1.1"
+    r = subprocess.run(["bash", str(LAUNCH / "slurm" / "single_node.sbatch")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "resolves its host name only to loopback (127.0.1.1)" in errors[0]
+    assert "RAY_NODE_IP_CMD" in errors[0]
+    assert "ray start" not in _log(tmp_path) and "megatron-dapo train" not in _log(tmp_path)
+
+
+QWEN25_32B = {  # Qwen/Qwen2.5-32B's config.json, the fields the checks read
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+    "intermediate_size": 27648, "num_attention_heads": 40, "num_key_value_heads": 8,
+    "num_hidden_layers": 64, "vocab_size": 152064, "max_position_embeddings": 131072,
+    "tie_word_embeddings": False, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def recipe_inputs(tmp_path_factory) -> list[str]:
+    """Overrides giving the 32B recipe inputs that pass the pre-check: a directory with the 32B
+    config.json, a one-tensor safetensors file and a tokenizer file; data files."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("recipe")
+    model = root / "Qwen2.5-32B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_32B))
+    save_file({"lm_head.weight": torch.zeros(1)}, str(model / "model.safetensors"))
+    (model / "tokenizer.json").write_text("{}")
+    data = root / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    return [f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+
+
+@pytest.mark.parametrize("nodes", [1, 4, 16])
+def test_the_32b_job_is_sized_to_its_allocation_before_ray_starts(tmp_path, recipe_inputs, nodes):
+    import sys
+
+    names = " ".join(f"n{i}" for i in range(1, nodes + 1))
+    ips = " ".join(f"10.0.0.{i}" for i in range(1, nodes + 1))
+    env = _env(tmp_path, FAKE_NODES=names, FAKE_GPUS=str(8 * nodes), FAKE_ALIVE=ips,
+               FAKE_REAL_CLI=sys.executable, PYTHONPATH=str(REPO))  # fmt: skip
+    script = str(LAUNCH / "slurm" / "dapo_qwen2.5_32b.sbatch")
+    r = subprocess.run(["bash", script, *recipe_inputs], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    log = _log(tmp_path)
+    if nodes == 16:  # the recipe's own allocation: trains as it is
+        assert r.returncode == 0, r.stderr
+        assert "Ray cluster ready: 128/128 GPUs" in r.stderr and "megatron-dapo train" in log
+        return
+    # another allocation: one line naming both numbers and the overrides, and nothing started
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip() and "Warning" not in line
+             and not line.startswith(("[launch", " "))]  # fmt: skip
+    assert len(lines) == 1, r.stderr
+    assert (
+        f"places 128 GPUs (parallel.actor_world_size=128, trainer.placement=colocated) but the allocation has {8 * nodes}"
+        in lines[0]
+    )
+    assert "ray start" not in log and "megatron-dapo train" not in log
+    if nodes == 4:
+        assert (
+            "add parallel.actor_world_size=32 rollout.sglang.mem_fraction_static=0.65 rollout.num_engines=8"
+            in lines[0]
+        )
+        # RESIZE=1: the job applies them, and trains the resized layout on the 32 GPUs
+        (tmp_path / "log").unlink()
+        r = subprocess.run(["bash", script, *recipe_inputs], cwd=tmp_path, env={**env, "RESIZE": "1"},
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "Ray cluster ready: 32/32 GPUs" in r.stderr
+        train = next(line for line in _log(tmp_path).splitlines() if line.startswith("megatron-dapo train"))
+        assert train.endswith(
+            "parallel.actor_world_size=32 rollout.sglang.mem_fraction_static=0.65 rollout.num_engines=8"
+        )
+    else:
+        assert "the planner found no complete fix" in lines[0]
+
+
+@pytest.mark.parametrize("runtime", ["pyxis", "apptainer"])
+def test_with_a_container_the_driver_runs_in_it_too(tmp_path, runtime):
+    # before: config and train ran in the batch shell, outside the image the Ray nodes ran in
+    env = _env(tmp_path, FAKE_NODES="n1 n2", FAKE_GPUS="16", FAKE_ALIVE="10.0.0.1 10.0.0.2",
+               CONTAINER_IMAGE="/img/dapo.sqsh", CONTAINER_RUNTIME=runtime, CONTAINER_MOUNTS="/shared:/shared")  # fmt: skip
+    r = subprocess.run(["bash", str(LAUNCH / "slurm" / "dapo_qwen2.5_32b.sbatch"), "trainer.total_steps=3"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    steps = [line for line in _log(tmp_path).splitlines() if line.startswith("srun ")]
+    flags = (
+        f"--container-image=/img/dapo.sqsh --container-workdir={REPO} --container-mounts=/shared:/shared"
+        if runtime == "pyxis"
+        else f"apptainer exec --nv --pwd {REPO} /img/dapo.sqsh"
+    )
+    driver = f"srun --nodes=1 --ntasks=1 --overlap -w n1 {flags} megatron-dapo "
+    assert any(
+        s.startswith(driver + "config configs/dapo_qwen2.5_32b.yaml trainer.total_steps=3 --num-gpus 16")
+        for s in steps
+    )
+    assert any(
+        s.startswith(driver + "train configs/dapo_qwen2.5_32b.yaml trainer.ray_address=10.0.0.1:6379")
+        for s in steps
+    )
+    for node in ("n1", "n2"):
+        ray = next(s for s in steps if f"-w {node} " in s and "ray start" in s)
+        assert flags in ray

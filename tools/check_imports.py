@@ -40,6 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "ports": set(),
     "http_errors": set(),
     "pyfile": set(),
+    # known library notices to a log file (stdlib only)
+    "notices": set(),
     "algo": set(),
     # http_errors: the reward-model clients' 4xx lines carry the server's own reason
     "rewards": {"errors", "http_errors", "pyfile"},
@@ -51,7 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     "plan": {"config"},
     "arch": set(),
     "weights": {"arch", "errors"},
-    "actor": {"algo", "arch", "config", "weights", "data", "errors", "ports"},
+    "actor": {"algo", "arch", "config", "weights", "data", "errors", "notices", "ports"},
     "rollout": {"algo", "arch", "config", "data", "rewards", "errors", "http_errors", "ports"},
     # multi-turn episodes: the runner the rollout manager is handed, the chat-template bridge,
     # tool-call parsers, tools in processes of their own
@@ -73,6 +75,7 @@ ALLOWED: dict[str, set[str]] = {
             "data",
             "errors",
             "eval",
+            "notices",
             "ports",
             "rewards",
             "rollout",

@@ -23,8 +23,19 @@ activate_env() {
 # The allocation's hostnames, one per line, head (first) node first.
 job_nodes() { scontrol show hostnames "$SLURM_JOB_NODELIST"; }
 
-# The IP of a node as the other nodes see it (first address of `hostname --ip-address`).
-node_ip() { srun --nodes=1 --ntasks=1 --overlap -w "$1" hostname --ip-address | awk '{print $1}'; }
+# The IP of a node as the other nodes see it: the first address of `hostname --ip-address` that is
+# not loopback. Debian/Ubuntu map the host name to 127.0.1.1 in /etc/hosts; a Ray head there would
+# listen where no other node reaches it, so a node with nothing else stops the job naming the fix.
+node_ip() {
+  local ips ip
+  # shellcheck disable=SC2086 # RAY_NODE_IP_CMD is a command line
+  ips="$(srun --nodes=1 --ntasks=1 --overlap -w "$1" ${RAY_NODE_IP_CMD:-hostname --ip-address})"
+  for ip in $ips; do
+    [[ "$ip" == 127.* || "$ip" == ::1 ]] || { echo "$ip"; return 0; }
+  done
+  die "node $1 resolves its host name only to loopback (${ips:-nothing}): other nodes cannot reach" \
+    "its Ray. Fix /etc/hosts there, or set RAY_NODE_IP_CMD='hostname -I' (its first address is used)"
+}
 
 # GPUs registered with the Ray cluster at $1 (HEAD_IP:PORT), 0 when it does not answer yet.
 ray_gpus() {
@@ -51,8 +62,8 @@ start_ray_cluster() {
   RAY_ADDRESS="$HEAD_IP:$RAY_PORT"
   export RAY_ADDRESS HEAD_IP
   log "Ray head on $head ($RAY_ADDRESS), dashboard :$RAY_DASHBOARD_PORT"
-  srun --nodes=1 --ntasks=1 --overlap --gres="gpu:$GPUS_PER_NODE" -w "$head" \
-    ray start --head --node-ip-address="$HEAD_IP" --port="$RAY_PORT" \
+  srun --nodes=1 --ntasks=1 --overlap --gres="gpu:$GPUS_PER_NODE" -w "$head" "${CONTAINER_SRUN[@]}" \
+    "${CONTAINER_EXEC[@]}" ray start --head --node-ip-address="$HEAD_IP" --port="$RAY_PORT" \
     --dashboard-host=0.0.0.0 --dashboard-port="$RAY_DASHBOARD_PORT" \
     --num-gpus="$GPUS_PER_NODE" --block &
   RAY_PIDS=("$!")
@@ -61,8 +72,8 @@ start_ray_cluster() {
   local node
   for node in "$@"; do
     log "Ray worker on $node"
-    srun --nodes=1 --ntasks=1 --overlap --gres="gpu:$GPUS_PER_NODE" -w "$node" \
-      ray start --address="$RAY_ADDRESS" --num-gpus="$GPUS_PER_NODE" --block &
+    srun --nodes=1 --ntasks=1 --overlap --gres="gpu:$GPUS_PER_NODE" -w "$node" "${CONTAINER_SRUN[@]}" \
+      "${CONTAINER_EXEC[@]}" ray start --address="$RAY_ADDRESS" --num-gpus="$GPUS_PER_NODE" --block &
     RAY_PIDS+=("$!")
   done
 }
@@ -176,21 +187,66 @@ check_tool_host() {
   fi
 }
 
+# Containers. CONTAINER_IMAGE set: every step of the job runs in it, the driver's too (config and
+# train run as srun steps on the head node, not in the batch shell). CONTAINER_RUNTIME=pyxis (the
+# default; Slurm's --container-* flags, enroot) or apptainer (`apptainer exec --nv IMAGE` inside each
+# step). CONTAINER_MOUNTS (pyxis, e.g. /shared:/shared) must include the checkout and the data.
+setup_container() {
+  CONTAINER_SRUN=()
+  CONTAINER_EXEC=()
+  [[ -n "${CONTAINER_IMAGE:-}" ]] || return 0
+  case "${CONTAINER_RUNTIME:-pyxis}" in
+    pyxis)
+      CONTAINER_SRUN=(--container-image="$CONTAINER_IMAGE" --container-workdir="$PWD")
+      [[ -n "${CONTAINER_MOUNTS:-}" ]] && CONTAINER_SRUN+=(--container-mounts="$CONTAINER_MOUNTS")
+      ;;
+    apptainer) CONTAINER_EXEC=(apptainer exec --nv --pwd "$PWD" "$CONTAINER_IMAGE") ;;
+    *) die "CONTAINER_RUNTIME=${CONTAINER_RUNTIME} is not one of: pyxis, apptainer" ;;
+  esac
+  log "container: ${CONTAINER_RUNTIME:-pyxis} $CONTAINER_IMAGE (driver and Ray nodes)"
+}
+
+# DRIVER: the prefix that runs a command where the trainer's driver runs: on the head node in the
+# container when there is one (an srun step; srun forwards SIGTERM to it), else nothing (this batch
+# shell, on the head node). A prefix, not a function: run_trainer signals the process it starts.
+set_driver() {
+  DRIVER=()
+  if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+    DRIVER=(srun --nodes=1 --ntasks=1 --overlap -w "$1" "${CONTAINER_SRUN[@]}" "${CONTAINER_EXEC[@]}")
+  fi
+}
+
 # launch_ray_job [key=value ...] : the whole job: Ray over all nodes, then the trainer on the head
-# (this batch step's node) with the overrides, requeue on SIGTERM.
+# (this batch step's node) with the overrides, requeue on SIGTERM. Before Ray starts, `megatron-dapo
+# config` checks every input `train` checks and that the recipe's layout uses the allocation's GPUs
+# (nodes x GPUS_PER_NODE): RESIZE=1 applies the overrides `megatron-dapo plan --num-gpus` gives
+# for them; otherwise a recipe sized for another allocation stops here, naming those overrides.
 launch_ray_job() {
-  activate_env "$PWD"
+  if [[ -z "${CONTAINER_IMAGE:-}" ]]; then
+    activate_env "$PWD"
+  fi
   [[ -f "$CONFIG" ]] || die "CONFIG=$CONFIG not found (relative to $PWD)"
   mapfile -t NODES < <(job_nodes)
   (( ${#NODES[@]} >= 1 )) || die "no nodes in SLURM_JOB_NODELIST"
   log "job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}) on ${#NODES[@]} node(s): ${NODES[*]}"
-  local resolved
-  resolved="$(megatron-dapo config "$CONFIG" "$@")" || die "config $CONFIG does not validate (see above)"
+  setup_container
+  set_driver "${NODES[0]}"
+  local gpus=$(( ${#NODES[@]} * GPUS_PER_NODE )) resolved sized=()
+  if [[ "${RESIZE:-0}" == 1 ]]; then
+    local line
+    line="$("${DRIVER[@]}" megatron-dapo plan "$CONFIG" "$@" --num-gpus "$gpus" --gpu "${PLAN_GPU:-h100}" --print-overrides)" \
+      || die "RESIZE=1: the planner found no layout of $CONFIG for $gpus GPUs${line:+ (closest: $line)}; see megatron-dapo plan $CONFIG --num-gpus $gpus"
+    read -r -a sized <<<"$line"
+    log "RESIZE=1: $CONFIG sized to $gpus GPUs: ${sized[*]:-no change}"
+  fi
+  set -- "$@" "${sized[@]}"
+  resolved="$("${DRIVER[@]}" megatron-dapo config "$CONFIG" "$@" --num-gpus "$gpus" --gpu "${PLAN_GPU:-h100}")" \
+    || exit 2  # its one line (stderr) says why and the fix; nothing has started yet
   check_tool_host "$resolved"
 
   start_ray_cluster "${NODES[@]}"
   trap stop_ray_cluster EXIT
-  wait_for_ray $(( ${#NODES[@]} * GPUS_PER_NODE )) "$RAY_WAIT_TIMEOUT_S" "${NODES[@]}"
+  wait_for_ray "$gpus" "$RAY_WAIT_TIMEOUT_S" "${NODES[@]}"
 
-  run_trainer megatron-dapo train "$CONFIG" trainer.ray_address="$RAY_ADDRESS" trainer.resume=auto "$@"
+  run_trainer "${DRIVER[@]}" megatron-dapo train "$CONFIG" trainer.ray_address="$RAY_ADDRESS" trainer.resume=auto "$@"
 }

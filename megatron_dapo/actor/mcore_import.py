@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import sys
 
+from megatron_dapo.notices import route_from_environment
+
 
 def _import_without_wandb() -> None:
     if "megatron.core.models.gpt" in sys.modules:
         return
+    # megatron's CPU notices go where the process's environment says (a run's or convert's log),
+    # also in processes nothing else routes in, such as the ranks' forkserver
+    route_from_environment()
     import torch
 
     hide = "wandb" not in sys.modules

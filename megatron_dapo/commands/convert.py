@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
+from megatron_dapo import notices
 from megatron_dapo.convert import hf_to_megatron, megatron_to_hf
 
 
@@ -47,17 +50,44 @@ def register(p: argparse.ArgumentParser) -> None:
     m2h.set_defaults(func=run_megatron_to_hf)
 
 
-def _report_errors(fn):
-    def run(args: argparse.Namespace) -> int:
-        # failures (also those of the spawned ranks) become one line in megatron_dapo.cli
-        out = fn(args)
-        print(f"wrote {out}")
-        return 0
+def _report_errors(out_key: str):
+    def wrap(fn):
+        def run(args: argparse.Namespace) -> int:
+            before = os.environ.get(notices.LOG_ENV)
+            log = _route_cpu_notices(Path(getattr(args, out_key)))
+            try:
+                # failures (also those of the spawned ranks) become one line in megatron_dapo.cli
+                out = fn(args)
+            finally:
+                if before is None:
+                    os.environ.pop(notices.LOG_ENV, None)
+                else:
+                    os.environ[notices.LOG_ENV] = before
+            print(f"wrote {out}")
+            if log is not None and log.is_file():
+                print(f"megatron-core's CPU notices (Transformer Engine and Apex absent, ...): {log}")
+            return 0
 
-    return run
+        return run
+
+    return wrap
 
 
-@_report_errors
+def _route_cpu_notices(out: Path) -> Path | None:
+    """On a machine without CUDA, megatron-core's known notices (its local fallbacks for Transformer
+    Engine and Apex, ...) go to ``OUT.warnings.log`` beside the output, in this process and in the
+    ranks it starts (they read ``LOG_ENV``), as a run's go to its warnings.log. On GPUs: nothing."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    log = out.parent / f"{out.name}.{notices.LOG_NAME}"
+    os.environ[notices.LOG_ENV] = str(log)
+    notices.route_warnings(log)
+    return log
+
+
+@_report_errors("megatron_dir")
 def _hf_to_megatron(args: argparse.Namespace):
     return hf_to_megatron(
         args.hf_dir,
@@ -72,7 +102,7 @@ def _hf_to_megatron(args: argparse.Namespace):
     )
 
 
-@_report_errors
+@_report_errors("hf_dir")
 def _megatron_to_hf(args: argparse.Namespace):
     return megatron_to_hf(
         args.megatron_dir,

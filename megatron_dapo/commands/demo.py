@@ -154,14 +154,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"config error: {e}", file=sys.stderr)  # one line: no console wrapping
         return 2
     key = f"val/avg@{cfg.rollout.val.n}"
-    before = (summary.get("val_before") or {}).get(key)
-    after = (summary.get("last") or {}).get(key)
+    before, after, last = held_out_accuracy(summary, key)
     minutes = (time.perf_counter() - t0) / 60
     protocol = f"avg@{cfg.rollout.val.n}, T={cfg.rollout.val.temperature}, top_p={cfg.rollout.val.top_p}"
     console.rule("[bold]result")
     if before is not None and after is not None:
         console.print(
-            f"held-out accuracy ({protocol}, {int(summary['last'].get('val/num_problems', 0))} problems): "
+            f"held-out accuracy ({protocol}, {int(last.get('val/num_problems', 0))} problems): "
             f"[bold]{before:.1%} -> {after:.1%}[/] ({(after - before) * 100:+.1f} points) "
             f"in {summary['step']} {args.algo.upper()} steps"
         )
@@ -182,6 +181,26 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]demo missed the bar:[/] {reason}")
         return 3
     return 0
+
+
+def held_out_accuracy(summary: dict, key: str) -> tuple[float | None, float | None, dict]:
+    """(before, after, the last evaluated step's record) of the run: from this invocation's summary,
+    else from the run's metrics.jsonl. A resumed run has no step-0 validation of its own, and one
+    resumed after it had finished trains no step: both are in the history it continues."""
+    before = (summary.get("val_before") or {}).get(key)
+    last = summary.get("last") or {}
+    after = last.get(key)
+    if before is not None and after is not None:
+        return before, after, last
+    history = [r for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl") if key in r]
+    if before is None:
+        before = next((r[key] for r in history if r["step"] == 0), None)
+    if after is None:
+        done = [r for r in history if r["step"] == summary.get("step")]
+        if done:
+            last = done[-1]
+            after = last[key]
+    return before, after, last
 
 
 def bar_miss(before: float | None, after: float, gain_points: float, final_percent: float) -> str | None:

@@ -8,6 +8,7 @@ import sys
 from megatron_dapo.config import ConfigError, load_config
 from megatron_dapo.plan import Assumptions, gpu_for, plan_from_config
 from megatron_dapo.plan.report import render
+from megatron_dapo.plan.sizing import resize
 
 
 def register(p: argparse.ArgumentParser) -> None:
@@ -23,7 +24,17 @@ def register(p: argparse.ArgumentParser) -> None:
         "--gpu", default="h100", help="h100 (default), h200 or a100: memory, peak FLOPS, bandwidth"
     )
     p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in GiB (default: the --gpu's)")
-    p.add_argument("--num-gpus", type=int, default=None, help="total GPUs (default: from the config)")
+    p.add_argument(
+        "--num-gpus",
+        type=int,
+        default=None,
+        help="total GPUs (default: from the config); also prints every override that sizes the recipe to them",
+    )
+    p.add_argument(
+        "--print-overrides",
+        action="store_true",
+        help="with --num-gpus: print only the overrides, on one line (exit 1 when they do not make it fit)",
+    )
     p.add_argument(
         "--mean-prompt-len", type=float, default=None, help="assumed mean prompt tokens (default 200)"
     )
@@ -110,10 +121,23 @@ def run(args: argparse.Namespace) -> int:
             score_tok_s_per_gpu=args.score_tok_s_per_gpu,
             verdict_tokens=args.verdict_tokens,
         )
-        plan = plan_from_config(cfg, gpu, assumptions, args.num_gpus)
+        if args.num_gpus is not None:
+            if args.num_gpus < 1:
+                raise ValueError(f"--num-gpus={args.num_gpus} must be >= 1")
+            # the whole set for that many GPUs: actor world, TP/PP, engines, memory
+            overrides, plan = resize(cfg, args.num_gpus, gpu, assumptions)
+        else:
+            overrides, plan = [], plan_from_config(cfg, gpu, assumptions)
     except ValueError as e:
         print(f"plan: {e}", file=sys.stderr)
         return 2
+    if args.print_overrides:
+        print(" ".join(overrides))
+        return 0 if plan.fits else 1
     render(plan, Console(width=160))
+    if args.num_gpus is not None:
+        verdict = "it fits" if plan.fits else "it still does not fit: see the checks above"
+        shown = " ".join(overrides) or "none (the config's layout already uses them)"
+        print(f"overrides for {args.num_gpus} GPUs ({verdict}): {shown}")
     # Non-zero when something does not fit, so a launch script can refuse a recipe that would OOM.
     return 0 if plan.fits else 1

@@ -15,10 +15,15 @@ from typing import Optional
 
 @dataclass
 class ModelConfig:
-    # HF checkpoint directory (config.json + safetensors + tokenizer files).
+    # HF checkpoint directory (config.json + safetensors + tokenizer files), or a hub id
+    # (owner/name[@revision]) resolved to its snapshot in the hub cache (HF_HOME; HF_HUB_OFFLINE=1:
+    # the cache only) before the run starts.
     path: str = "???"
+    # Hub revision (commit, tag or branch) of a hub id in model.path; null: main.
+    revision: Optional[str] = None
     # Optional Megatron dist checkpoint to start from instead of converting `path` on the fly.
     megatron_path: Optional[str] = None
+    # Tokenizer directory when it is not model.path's; null: model.path.
     tokenizer_path: Optional[str] = None
     # Parameter dtype of the actor: fp32 (CPU tests), bf16 (GPU; fp32 main params in the optimizer).
     dtype: str = "bf16"
@@ -27,21 +32,30 @@ class ModelConfig:
     # FP8 (Hopper+, needs Transformer Engine): null | e4m3 | hybrid.
     fp8: Optional[str] = None
     fp8_recipe: str = "delayed"  # delayed | tensorwise | blockwise | mxfp8
+    # Full activation recompute in the actor's layers: less memory, one extra forward.
     recompute: bool = False
+    # The embedding's rows are padded to a multiple of this (x TP), as Megatron does.
     make_vocab_size_divisible_by: int = 128
 
 
 @dataclass
 class ParallelConfig:
+    # Actor tensor parallel (TP): must divide the attention and KV heads.
     tensor_model_parallel_size: int = 1
+    # Actor pipeline parallel (PP): must divide the layers (x VPP).
     pipeline_model_parallel_size: int = 1
+    # Interleaved pipeline: model chunks per PP stage; null: none.
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    # Actor context parallel (CP): each sequence split over this many ranks.
     context_parallel_size: int = 1
     # MoE: experts split over this many of the data-parallel x context-parallel ranks.
     expert_model_parallel_size: int = 1
+    # Megatron sequence parallelism inside each TP group (needs TP > 1).
     sequence_parallel: bool = False
     # Actor world size; data parallel = world / (tp * pp * cp).
     actor_world_size: int = 1
+    # Shard the optimizer state over the data-parallel ranks (GPU; the CPU path uses the plain
+    # optimizer).
     use_distributed_optimizer: bool = True
     # How checkpoints write the distributed optimizer's state (actor/optimizer.py says more):
     # dp_reshardable (every rank writes its own shard; a resume may change only the DP size) or
@@ -51,34 +65,55 @@ class ParallelConfig:
     # DP communication overlap on GPU (ignored on CPU); null = the default: grad reduce on, param
     # gather on with the distributed optimizer (it needs both; see actor/gpu_settings.py).
     overlap_grad_reduce: Optional[bool] = None
+    # See overlap_grad_reduce.
     overlap_param_gather: Optional[bool] = None
 
 
 @dataclass
 class DataConfig:
+    # Training prompt files (verl parquet, jsonl) or HF dataset names; `megatron-dapo data prepare`
+    # writes the recipes' files.
     train_files: list[str] = field(default_factory=list)
+    # Held-out prompt files, evaluated every trainer.test_freq steps; empty: no validation.
     val_files: list[str] = field(default_factory=list)
     format: str = "auto"  # auto | parquet | jsonl | hf
+    # Column with the prompt: chat messages or a string (a missing `prompt` falls back to
+    # `problem`).
     prompt_key: str = "prompt"
+    # Column with the ground truth (dots reach into dicts); null: reward_model.ground_truth, answer,
+    # ground_truth.
     answer_key: Optional[str] = None
     # auto: apply the DAPO template to bare problems; dapo: always; none: never.
     template: str = "auto"
+    # Render prompts with the tokenizer's chat template.
     apply_chat_template: bool = True
+    # Prompt budget in tokens; a longer prompt is an error naming it.
     max_prompt_length: int = 2048
+    # Response budget in tokens (generation stops there; overlong shaping counts from it).
     max_response_length: int = 20480
+    # Shuffle the training prompts every epoch (seeded by data.seed).
     shuffle: bool = True
+    # Seed of the prompt order.
     seed: int = 1
+    # Skip malformed rows (counted and logged) instead of stopping at the first.
     skip_bad_rows: bool = False
+    # Use only the first this many held-out prompts; null: all.
     val_max_samples: Optional[int] = None
 
 
 @dataclass
 class SGLangConfig:
+    # SGLang's --mem-fraction-static: the share of GPU memory for weights and KV cache.
     mem_fraction_static: float = 0.7
+    # API key sent to the servers (rollout.sglang.urls); null: none.
     api_key: Optional[str] = None
+    # Colocated: the servers release their memory while the actor trains.
     enable_memory_saver: bool = True
+    # Address the servers the run starts listen on.
     host: str = "127.0.0.1"
+    # First port of the servers on each node (one port per engine from here).
     base_port: int = 30000
+    # A server that is not healthy this long after its start is a start-up failure.
     startup_timeout_s: float = 900.0
     # A running server that does not answer GET /health within this (a hung process: port open,
     # no answers) is taken as dead: marked down, its work re-queued, restarted by its node.
@@ -86,6 +121,7 @@ class SGLangConfig:
     health_timeout_s: float = 120.0
     # Existing servers to use instead of launching them (torchrun mode, external engines).
     urls: list[str] = field(default_factory=list)
+    # Extra command-line flags for `sglang.launch_server`.
     extra_args: list[str] = field(default_factory=list)
     # Interpreter that runs `python -m sglang.launch_server`. None: the repo's .venv-sglang
     # (built by `make setup-sglang`) when it exists, else the trainer's own interpreter.
@@ -104,10 +140,15 @@ class SGLangConfig:
 
 @dataclass
 class ValSamplingConfig:
+    # Samples per held-out prompt (avg@n).
     n: int = 32
+    # Validation sampling temperature.
     temperature: float = 1.0
+    # Validation nucleus sampling (0.7 in the DAPO AIME protocol).
     top_p: float = 0.7
+    # Validation top-k; -1: off.
     top_k: int = -1
+    # Validation response budget; null: data.max_response_length.
     max_response_length: Optional[int] = None
 
 
@@ -164,30 +205,41 @@ class MultiTurnConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "auto"  # auto (sglang on GPU, hf on CPU) | sglang | hf
+    # Responses per prompt (the group size G).
     n: int = 16
+    # Training sampling temperature.
     temperature: float = 1.0
+    # Training nucleus sampling.
     top_p: float = 1.0
+    # Training top-k; -1: off.
     top_k: int = -1
     # Prompts per generation round; verl's gen_batch_size (3x train batch in the 32B script).
     gen_batch_size: int = 1536
     # Adaptive over-sampling: ask for more prompts per round from the observed keep rate.
     over_sample: bool = True
+    # Adaptive over-sampling asks for at most this many times the prompts still needed.
     max_over_sample_factor: float = 3.0
+    # Rollout engines (SGLang servers or HF engines); with rollout.tensor_parallel_size GPUs each.
     num_engines: int = 1
+    # GPUs (SGLang TP) per rollout engine.
     tensor_parallel_size: int = 1
+    # Requests in flight per engine.
     max_concurrency_per_engine: int = 1024
     # Prompt groups per engine call: SGLang batches across calls itself (1 is right); the HF
     # engine batches only within a call, so give it several groups.
     groups_per_call: int = 1
+    # One engine call's time limit.
     request_timeout_s: float = 1800.0
     # An engine holding requests that returned nothing for this long is asked for its health
     # once (SGLang: GET /health, up to sglang.health_timeout_s); when that fails it is taken as
     # hung and its requests go to the other engines, without waiting for request_timeout_s.
     health_probe_interval_s: float = 60.0
+    # Retries of a failed engine call (on another engine when one is down).
     max_retries: int = 2
     # Partial rollouts: the responses dynamic sampling aborts once the batch is full are kept
     # (tokens, log-probs, per-token weight versions) and continued by the next rollout.
     partial: bool = False
+    # Write every step's rollouts (prompts, responses, rewards) under the run's rollouts/.
     dump_rollouts: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
@@ -196,6 +248,7 @@ class RolloutConfig:
 
 @dataclass
 class FilterGroupsConfig:
+    # Dynamic sampling: drop groups whose metric has no spread, generate until the batch is full.
     enable: bool = True
     metric: str = "acc"  # acc | score | seq_final_reward
     # Generation rounds per step before giving up; 0 = unlimited.
@@ -204,8 +257,11 @@ class FilterGroupsConfig:
 
 @dataclass
 class OverlongBufferConfig:
+    # Soft overlong punishment within `len` tokens of the response budget.
     enable: bool = True
+    # The buffer L_cache in tokens.
     len: int = 4096
+    # The penalty at the budget (linear from 0 at the buffer's start).
     penalty_factor: float = 1.0
 
 
@@ -233,8 +289,11 @@ class KLControlConfig:
     saved in checkpoints and restored on resume."""
 
     type: str = "fixed"  # fixed | adaptive
+    # The (initial) coefficient.
     kl_coef: float = 0.001
+    # adaptive: the KL the coefficient steers toward.
     target_kl: float = 0.1
+    # adaptive: the controller's horizon in responses.
     horizon: float = 10000.0
 
 
@@ -253,12 +312,15 @@ class AlgorithmConfig:
     tau_neg: float = 1.05
     # vanilla, gspo, cispo; cispo may set 1.0 (no lower bound on its weight, as MiniMax-M1).
     clip_ratio_low: float = 0.2
+    # Upper clip eps_high (DAPO's clip-higher: 0.28).
     clip_ratio_high: float = 0.28
     # Dual-clip bound for negative advantages (the 32B recipe: 10); null disables it.
     clip_ratio_c: Optional[float] = None
     loss_agg_mode: str = "token-mean"
     # Mask truncated responses out of the loss (DAPO's overlong filtering; off in the recipe).
     overlong_filter: bool = False
+    # Dynamic sampling out of rounds (filter_groups.max_num_gen_batches): train on the mixed groups
+    # found instead of stopping.
     allow_partial_batch: bool = False
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
@@ -339,13 +401,21 @@ class RewardConfig:
 
 @dataclass
 class OptimConfig:
+    # Peak learning rate (AdamW).
     lr: float = 1e-6
+    # cosine: the floor the rate decays to.
     min_lr: float = 0.0
+    # AdamW weight decay.
     weight_decay: float = 0.1
+    # AdamW beta1.
     adam_beta1: float = 0.9
+    # AdamW beta2.
     adam_beta2: float = 0.999
+    # AdamW epsilon.
     adam_eps: float = 1e-8
+    # Global gradient-norm clip; 0: off.
     clip_grad: float = 1.0
+    # Optimizer steps of linear warm-up.
     lr_warmup_steps: int = 10
     lr_scheduler: str = "constant"  # constant | cosine
 
@@ -354,6 +424,7 @@ class OptimConfig:
 class ActorConfig:
     # Prompts (groups) per optimizer step; the rollout step is split train_batch_size / this.
     ppo_mini_batch_size: int = 32
+    # Passes over each rollout step's batch.
     ppo_epochs: int = 1
     # Token budget of one micro-batch (dynamic batch size): sequences are packed up to it.
     micro_batch_max_tokens: int = 16384
@@ -365,7 +436,9 @@ class ActorConfig:
     # vocab] logits never exist, one chunk's do (~chunk x vocab/TP float32 values, a few at once).
     # Default measured on CPU only (tools/bench_logprobs.py --chunks); not measured on GPU.
     logprob_chunk_tokens: int = 512
+    # Shuffle the batch into mini-batches.
     shuffle: bool = True
+    # Optimizer steps skipped in a row for a non-finite loss or gradient before the run stops.
     max_consecutive_skips: int = 3
     # MoE: none | rollout. rollout replays the experts the engines chose (the engines record them)
     # in the actor's log-prob and training forwards (actor/routing_replay.py).
@@ -380,6 +453,7 @@ class ActorConfig:
     # kl_loss_type: kl/k1, abs, mse/k2, low_var_kl/k3, or any of them with "+" (that value, k2's
     # gradient). The GRPO paper's setting: low_var_kl at 0.001.
     use_kl_loss: bool = False
+    # The KL loss's coefficient (actor.use_kl_loss).
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     # algorithm.loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO) divides each response's token
@@ -391,7 +465,9 @@ class ActorConfig:
 
 @dataclass
 class WeightSyncConfig:
+    # Size of the weight buckets sent to the engines after every step.
     bucket_mb: int = 512
+    # One weight sync's time limit; the error names the engine and the bucket.
     timeout_s: float = 600.0
     transport: str = "auto"  # auto | object_store | nccl | cuda_ipc | disk
 
@@ -410,23 +486,33 @@ class CallTimeoutConfig:
 
 @dataclass
 class TrainerConfig:
+    # The W&B project.
     project: str = "megatron-dapo"
+    # The run's directory under runs_dir (and its W&B name).
     run_name: str = "dapo"
+    # Where run directories go.
     runs_dir: str = "runs"
     device: str = "auto"  # auto | cpu | cuda
     # Prompts (groups) per rollout step.
     train_batch_size: int = 512
+    # Rollout steps to train.
     total_steps: int = 100
+    # Seed of sampling and initialisation.
     seed: int = 1
+    # Checkpoint every this many steps (and at a stop).
     save_freq: int = 20
+    # Checkpoints kept; older ones are deleted.
     keep_last: int = 3
     resume: str = "auto"  # auto | never | PATH
     # SIGTERM/SIGINT: the longest the stop (abandon the rollout or finish the update, save, shut
     # down) may take before the process exits anyway; below Slurm's usual 120 s grace.
     stop_timeout_s: float = 90.0
     call_timeout: CallTimeoutConfig = field(default_factory=CallTimeoutConfig)
+    # Validate every this many steps; 0: never.
     test_freq: int = 10
+    # Validate before the first step.
     val_before_train: bool = True
+    # Write an HF checkpoint under the run's hf/ at the end.
     hf_export_at_end: bool = True
     placement: str = "colocated"  # colocated | disaggregated
     # sync: generate, then train, then sync weights. one_step_off (disaggregated only): the
@@ -440,16 +526,30 @@ class TrainerConfig:
     # carried.safetensors); true drops them and draws their prompts again with the resumed weights
     drop_carried_on_resume: bool = False
     rollout_gpus: int = 0  # disaggregated: GPUs for engines; actor gets the rest
+    # A Ray cluster to join (HEAD:PORT or auto); null: a local one for this run.
     ray_address: Optional[str] = None
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
 
 @dataclass
 class LoggingConfig:
+    # Log metrics to Weights & Biases (offline unless wandb_mode=online); the run id is kept in the
+    # run directory and reused on resume.
     wandb: bool = False
     wandb_mode: str = "offline"  # offline | online
-    tensorboard: bool = True
+    # The W&B entity (team or user); null: the account's default. The project is trainer.project,
+    # the run's name trainer.run_name.
+    wandb_entity: Optional[str] = None
+    # A W&B group to file the run under (e.g. one per sweep or ablation); null: none.
+    wandb_group: Optional[str] = None
+    # W&B tags of the run.
+    wandb_tags: list[str] = field(default_factory=list)
+    # Also write TensorBoard event files under the run's tensorboard/ (needs the tensorboard
+    # package, which the project does not install: said once when it is absent).
+    tensorboard: bool = False
+    # Print a progress line per step.
     progress: bool = True
+    # Write the run's PNG curves under plots/ at the end.
     plots_at_end: bool = True
 
 

@@ -175,6 +175,15 @@ def check_algorithm(cfg: DictConfig) -> None:
             f"algorithm.clip_ratio_low={alg.clip_ratio_low} must be in [0, 1) with algorithm.policy_loss="
             f"{alg.policy_loss} (DAPO: 0.2){hint}"
         )
+    # the ratio is clipped to [1 - low, 1 + high]: DAPO's clip-higher raises high above low, so
+    # a high below low is almost always the two values swapped (SAPO, GPG and CISPO's weight
+    # bound read them otherwise)
+    if alg.policy_loss in ("vanilla", "gspo") and alg.clip_ratio_high < alg.clip_ratio_low:
+        raise ConfigError(
+            f"algorithm.clip_ratio_high={alg.clip_ratio_high} is below algorithm.clip_ratio_low="
+            f"{alg.clip_ratio_low}: the upper clip must be at least the lower one (DAPO: low 0.2, high 0.28); "
+            "swap them"
+        )
     for name in ("tau_pos", "tau_neg"):
         if not alg[name] > 0:
             raise ConfigError(

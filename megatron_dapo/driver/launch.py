@@ -26,6 +26,7 @@ from megatron_dapo.driver import cpu_warnings
 from megatron_dapo.driver.actor_worker import ActorWorker
 from megatron_dapo.driver.datasets import load_tokenizer, make_scorer, train_dataset, val_problems
 from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine
+from megatron_dapo.driver.hub import resolve_hub_paths
 from megatron_dapo.driver.plots import plot_run
 from megatron_dapo.driver.preflight import preflight
 from megatron_dapo.driver.rank_failures import RankCallError, dead_peers, rank_died
@@ -139,6 +140,40 @@ def shutdown_local_ray() -> None:
     ray.shutdown()
 
 
+def layout_gpus(cfg: DictConfig) -> int:
+    """GPUs the run places: the actor's (colocated engines share them), disaggregated engines'
+    (trainer.rollout_gpus) and the reward servers' own. The planner's rule (`plan.sizing`), which
+    the driver may not import; a test holds the two equal."""
+    m = cfg.reward.model
+    reward = m.num_servers * m.gpus_per_server if m.kind and m.path and m.placement != "colocated" else 0
+    rollout = cfg.trainer.rollout_gpus if cfg.trainer.placement == "disaggregated" else 0
+    return int(cfg.parallel.actor_world_size + rollout + reward)
+
+
+def check_cluster_size(cfg: DictConfig, device: str, bundles: list[dict], resources: dict) -> None:
+    """Raise a one-line ConfigError when the Ray cluster has fewer GPUs (CPUs on a CPU run) than
+    the run places: on GPUs the layout's (the actor's, plus disaggregated engines' and reward
+    servers' own), on CPUs the bundles'. ``resources``: ``ray.cluster_resources()``."""
+    kind = "CPU" if device == "cpu" else "GPU"
+    need = layout_gpus(cfg) if kind == "GPU" else int(sum(b.get(kind, 0) for b in bundles))
+    have = int(resources.get(kind, 0))
+    if have >= need:
+        return
+    where = (
+        f"the Ray cluster at {cfg.trainer.ray_address}" if cfg.trainer.ray_address else "this machine's Ray"
+    )
+    fix = (
+        f"size the recipe to them with the overrides `megatron-dapo plan CONFIG --num-gpus {have}` prints, or add nodes"
+        if kind == "GPU"
+        else "lower parallel.actor_world_size or rollout.num_engines, or give the cluster more CPUs"
+    )
+    raise ConfigError(
+        f"the layout places {need} {kind}s (parallel.actor_world_size={cfg.parallel.actor_world_size}, "
+        f"rollout.num_engines={cfg.rollout.num_engines}, trainer.placement={cfg.trainer.placement}) but "
+        f"{where} has {have}: {fix}"
+    )
+
+
 class Placement:
     """The Ray resources of one run: actor rank group, engines, and the weight transport."""
 
@@ -158,6 +193,8 @@ class Placement:
             actor_bundles = [{"CPU": 2, "GPU": 1} for _ in range(world)]
         engine_bundles = [{"CPU": 1} for _ in range(n_engines)] if engine_kind == "hf" else []
         init_ray(cfg, device, num_cpus=len(actor_bundles) + len(engine_bundles) + 1)
+        # before the placement group: a cluster too small for it would leave ray.get waiting 300 s
+        check_cluster_size(cfg, device, actor_bundles + engine_bundles, ray.cluster_resources())
         self.pg = placement_group(actor_bundles + engine_bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=300)
         container = to_container(cfg)
@@ -310,8 +347,9 @@ class RunInputs:
 def prepare_run(cfg: DictConfig) -> RunInputs:
     """The run directory (with the resolved config), tokenizer, training data, validation set, scorer.
     With rollout.multi_turn the prompts carry the tools' schemas (the chat template renders them)."""
+    # every input checked before anything is written: a config error leaves no run directory
+    preflight(cfg, Path(cfg.trainer.runs_dir) / cfg.trainer.run_name / "checkpoints")
     run = RunDir.create(cfg.trainer.runs_dir, cfg.trainer.run_name)
-    preflight(cfg, run.checkpoints)
     run.config.write_text(to_yaml(cfg))
     tokenizer = load_tokenizer(cfg)
     tools = tool_schemas(cfg)
@@ -476,7 +514,8 @@ def load_for_cli(config: str | None, overrides: list[str]) -> DictConfig:
         overrides = [config, *overrides]
         config = None
     cfg = load_config(config, overrides)
-    return OmegaConf.create(to_container(cfg))
+    # hub ids to local snapshots once, here: the ranks and servers get directories
+    return OmegaConf.create(to_container(resolve_hub_paths(cfg)))
 
 
 __all__ = ["run_train", "prepare_run", "drive", "RunInputs", "load_for_cli"]

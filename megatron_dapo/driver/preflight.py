@@ -2,18 +2,25 @@
 
 Each failure is one line naming the key and the file and the fix; without these the same
 mistake surfaces minutes later from inside a Ray actor. They only read headers: the weights
-themselves are read by the ranks."""
+themselves are read by the ranks. `megatron-dapo config` runs the same :func:`preflight` that
+`train` runs, so a launch script's pre-check on the login or batch node catches everything `train`
+would, before an allocation's Ray cluster starts."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from megatron_dapo.actor.checkpoint import find_resume_checkpoint
+from megatron_dapo.agent.from_config import call_format, tool_specs
 from megatron_dapo.arch import SUPPORTED_ARCHITECTURES
 from megatron_dapo.config import ConfigError
+from megatron_dapo.data.prepare import DATASETS
+from megatron_dapo.data.readers import resolve_format
+from megatron_dapo.data.types import DataError
 from megatron_dapo.weights.dist_ckpt import is_dist_checkpoint
 from megatron_dapo.weights.hf_io import SafetensorsReader
 
@@ -102,6 +109,91 @@ def check_resume(cfg: DictConfig, checkpoints: Path) -> None:
     find_resume_checkpoint(checkpoints, cfg.trainer.resume, verify_checksums=False, strict=True)
 
 
+def check_custom_reward(cfg: DictConfig) -> None:
+    """reward.custom_fn's file exists, parses, and defines the function at its top level. The file is
+    read, not imported: its code runs only in the reward worker, as in training."""
+    spec = cfg.reward.custom_fn
+    if not spec:
+        return
+    where, sep, name = str(spec).rpartition(":")
+    if not sep or not where or not name:
+        raise ConfigError(f"reward.custom_fn={spec}: write it as path/to/file.py:function")
+    path = Path(where).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"reward.custom_fn={spec}: no file {path}; give the path of your reward's .py file")
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError) as e:
+        raise ConfigError(f"reward.custom_fn={spec}: {path} is not valid Python ({e})") from e
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+    if name not in defined:
+        found = ", ".join(sorted(n for n in defined if not n.startswith("_"))) or "none"
+        raise ConfigError(f"reward.custom_fn={spec}: {path} defines no {name!r} (top-level names: {found})")
+
+
+def check_data_files(cfg: DictConfig) -> None:
+    """Every data file the run reads is there and (parquet) has a readable footer; HF dataset names
+    are left to the loader. A missing file names `megatron-dapo data prepare` when it can make it."""
+    import pyarrow.parquet as pq
+
+    for key in ("train_files", "val_files"):
+        for item in cfg.data[key] or []:
+            try:
+                fmt = resolve_format(str(item), cfg.data.format)
+            except DataError as e:
+                raise ConfigError(f"data.{key}: {e}") from None
+            if fmt == "hf":
+                continue
+            path = Path(str(item)).expanduser()
+            if not path.is_file():
+                raise ConfigError(
+                    f"data.{key}: {item}: no such file (relative to {Path.cwd()}); {_make_hint(path)}"
+                )
+            if fmt == "parquet":
+                try:
+                    pq.read_schema(path)
+                except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a bad file
+                    raise ConfigError(f"data.{key}: {item}: not a readable parquet file ({e})") from e
+
+
+def _make_hint(path: Path) -> str:
+    for name, spec in DATASETS.items():
+        if path.name == spec.file_name:
+            return f"make it with `megatron-dapo data prepare {name} --out {path.parent}`"
+    return "give the path of a parquet/jsonl file (see docs/config.md, data.train_files)"
+
+
+def check_tools(cfg: DictConfig) -> None:
+    """With rollout.multi_turn on, its tool YAML is there and describes valid tools, and its call
+    format is registered (a MODULE:NAME or file.py:NAME format is imported, as the driver does)."""
+    tool_specs(cfg)
+    if cfg.rollout.multi_turn.enable:
+        call_format(cfg.rollout.multi_turn.format)
+
+
+def check_reward_model(cfg: DictConfig) -> None:
+    """reward.model.path (a served reward model the run starts) has a config.json."""
+    path = cfg.reward.model.path
+    if path and not (Path(path) / "config.json").is_file():
+        raise ConfigError(
+            f"reward.model.path={path}: no config.json there; point it at an HF checkpoint directory "
+            "(or a hub id, resolved into the hub cache)"
+        )
+
+
 def preflight(cfg: DictConfig, checkpoints: Path) -> None:
+    """Every check of the run's inputs `train` makes before it creates the run directory or Ray."""
     check_model_dir(cfg)
+    check_reward_model(cfg)
+    check_custom_reward(cfg)
+    check_tools(cfg)
+    check_data_files(cfg)
     check_resume(cfg, checkpoints)

@@ -1,7 +1,8 @@
 """The run directory `runs/NAME/` and the metrics sinks that write into it.
 
 Layout: config.yaml (resolved), metrics.jsonl (one line per step, verl-style namespaced keys),
-checkpoints/, hf/ (exports), rollouts/ (optional sample dumps), plots/, tensorboard/, wandb/.
+checkpoints/, hf/ (exports), rollouts/ (optional sample dumps), plots/, tensorboard/, wandb/ and
+wandb_id (the W&B run id, reused on resume).
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+WANDB_ID = "wandb_id"
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,20 @@ def read_metrics_report(path: str | Path) -> tuple[list[dict[str, Any]], list[st
     return records, skipped
 
 
+def wandb_run_id(run: RunDir, resumed: bool) -> str:
+    """The W&B run id of this training run, kept in ``RUN_DIR/wandb_id``: a resume (after a
+    SIGTERM, a requeue, a crash) logs to the run it continues; a fresh start, whose metrics history
+    starts over, gets a new one."""
+    path = run.root / WANDB_ID
+    if resumed and path.is_file():
+        kept = path.read_text().strip()
+        if kept:
+            return kept
+    new = secrets.token_hex(4)  # W&B ids: short, [a-z0-9]
+    path.write_text(new + "\n")
+    return new
+
+
 class MetricsLogger:
     """Writes each step's metrics to metrics.jsonl, and to wandb / TensorBoard when enabled.
 
@@ -127,26 +145,36 @@ class MetricsLogger:
             aside = _free_name(self.path)
             self.path.rename(aside)
             log.warning("starting over: the previous %s is kept as %s", self.path.name, aside.name)
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(run.root / "tensorboard"))
-            except ImportError:
-                self._tb = None
+        self._tb = self._tensorboard(run) if tensorboard else None
         self._wandb = None
         if wandb_cfg and wandb_cfg.get("enable"):
             import wandb
 
+            run_id = wandb_run_id(run, resumed=resume_step is not None)
             self._wandb = wandb.init(
                 project=wandb_cfg.get("project", "megatron-dapo"),
+                entity=wandb_cfg.get("entity"),
+                group=wandb_cfg.get("group"),
+                tags=list(wandb_cfg.get("tags") or []) or None,
                 name=wandb_cfg.get("name"),
+                id=run_id,
                 dir=str(run.root),
                 mode=wandb_cfg.get("mode", "offline"),
                 config=config,
                 resume="allow",
             )
+
+    @staticmethod
+    def _tensorboard(run: RunDir):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            log.warning(
+                "logging.tensorboard=true but the tensorboard package is not installed: metrics go to "
+                "metrics.jsonl (and W&B when on) only; pip install tensorboard, or set logging.tensorboard=false"
+            )
+            return None
+        return SummaryWriter(str(run.root / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **jsonable_record(metrics)}

@@ -135,6 +135,9 @@ class DAPOTrainer:
                 "mode": cfg.logging.wandb_mode,
                 "project": cfg.trainer.project,
                 "name": cfg.trainer.run_name,
+                "entity": cfg.logging.wandb_entity,
+                "group": cfg.logging.wandb_group,
+                "tags": list(cfg.logging.wandb_tags),
             },
             tensorboard=cfg.logging.tensorboard,
         )
