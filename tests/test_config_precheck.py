@@ -6,6 +6,10 @@ them before it writes anything, so a config error leaves no run directory behind
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +119,32 @@ def test_a_config_error_in_train_leaves_no_run_directory(inputs, tmp_path):
     with pytest.raises(ConfigError, match="model.path=/nonexistent"):
         prepare_run(cfg)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_machine_that_cannot_make_the_sandbox_is_refused_before_ray(inputs, tmp_path):
+    """The python tool on a machine without user namespaces (made real: a user namespace whose
+    max_user_namespaces is 0): `config`, which the launch scripts run before Ray, exits 2 in one
+    line naming the sandbox and the ways out."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - builtin: python\n")
+    argv = [*inputs, "rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}"]
+    cmd = " ".join(
+        [sys.executable, "-m", "megatron_dapo.cli", "config", DEMO, *(shlex.quote(a) for a in argv)]
+    )
+    res = subprocess.run(
+        [
+            "unshare",
+            "--user",
+            "--map-root-user",
+            "sh",
+            "-c",
+            f"echo 0 > /proc/sys/user/max_user_namespaces && exec {cmd}",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=180,
+    )
+    assert res.returncode == 2, res.stderr
+    line = _one_error_line(res.stderr)
+    assert "tool python: the tool sandbox cannot be made on this machine" in line and "sandbox: none" in line

@@ -92,14 +92,22 @@ def key_docs() -> list[KeyDoc]:
                 docs.append(KeyDoc(key, "section", None, comment or doc, section=True))
                 walk(value, key + ".")
             else:
+                if f.default_factory is schema.usable_cores:  # the machine's, not a fixed value
+                    value = MachineDefault("the cores this process may use")
                 docs.append(KeyDoc(key, annotation, value, _with_choices(key, comment)))
 
     walk(DAPOConfig(), "")
     return docs
 
 
+class MachineDefault(str):
+    """A default the machine decides when the config is loaded; shown as its rule."""
+
+
 def show_default(value: Any) -> str:
     """A default as a user writes it in YAML or an override."""
+    if isinstance(value, MachineDefault):
+        return f"({value})"
     if value == MISSING:
         return "required"
     if value is None:

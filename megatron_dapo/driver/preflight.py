@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from megatron_dapo.actor.checkpoint import find_resume_checkpoint
 from megatron_dapo.agent.from_config import call_format, tool_specs
+from megatron_dapo.agent.tools.boundary import require_boundaries
 from megatron_dapo.arch import SUPPORTED_ARCHITECTURES
 from megatron_dapo.config import ConfigError
 from megatron_dapo.data.prepare import DATASETS
@@ -172,9 +173,10 @@ def _make_hint(path: Path) -> str:
 
 
 def check_tools(cfg: DictConfig) -> None:
-    """With rollout.multi_turn on, its tool YAML is there and describes valid tools, and its call
+    """With rollout.multi_turn on, its tool YAML is there and describes valid tools, this machine
+    can make the sandbox its model-written code needs (fail closed, before Ray), and its call
     format is registered (a MODULE:NAME or file.py:NAME format is imported, as the driver does)."""
-    tool_specs(cfg)
+    require_boundaries(tool_specs(cfg))
     if cfg.rollout.multi_turn.enable:
         call_format(cfg.rollout.multi_turn.format)
 
