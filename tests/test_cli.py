@@ -23,6 +23,7 @@ EXPECTED = {
     "convert": "convert checkpoints between HF and Megatron",
     "verify-model": "compare Megatron and HF transformers logits",
     "plot": "write PNG curves of a run",
+    "tools": "try a tool YAML by hand",
     "plan": "estimate parameters, per-GPU memory",
     "data": "prepare the recipes' data sets",
 }
@@ -82,7 +83,7 @@ def test_every_command_registers_its_arguments(name):
     parser = build_parser(name)
     sub = next(a for a in parser._actions if a.dest == "command")
     command = sub.choices[name]
-    if name in ("convert", "data"):  # sub-actions, each with its own run function
+    if name in ("convert", "data", "tools"):  # sub-actions, each with its own run function
         directions = next(a for a in command._actions if a.dest in ("direction", "action"))
         assert all(p.get_default("func") for p in directions.choices.values())
     else:
