@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from megatron_dapo.agent.bridge import ChatBridge, Turn, check_append_only, truncation_marker
+from megatron_dapo.agent.bridge import ChatBridge, Turn, check_append_only
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE
 from megatron_dapo.demo.tokenizer import build_calculator_tokenizer
@@ -408,10 +409,13 @@ def test_truncate_cuts_to_a_token_budget(side):
         assert LONG.endswith(out) and len(bridge._encode(out)) <= cap
         assert out == decode(bridge, ids[-cap:])
     else:
-        marker = truncation_marker(len(ids) - cap)
-        head, tail = out.split(marker)
+        head, marker, tail = re.fullmatch(r"(.*)(\n\.\.\.\[\d+ tokens cut\]\.\.\.\n)(.*)", out, re.S).groups()
         assert LONG.startswith(head) and LONG.endswith(tail) and head and tail
-        assert len(bridge._encode(out)) <= cap + len(bridge._encode(marker))
+        assert len(bridge._encode(out)) <= cap  # the marker's tokens included
+    # A cap with no room for the marker and both ends keeps the start.
+    assert bridge.truncate(LONG, 3, side) == (
+        decode(bridge, ids[-3:]) if side == "right" else decode(bridge, ids[:3])
+    )
     # Whatever fits comes back unchanged, at the cap or above it.
     assert bridge.truncate(LONG, len(ids), side) == LONG
     assert bridge.truncate(LONG, len(ids) + 100, side) == LONG

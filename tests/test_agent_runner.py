@@ -202,6 +202,11 @@ def test_budget_counts_both_kinds_and_a_tool_answer_that_does_not_fit_ends_lengt
     # 8 sampled + 6 environment + 1 for a reply = 15: a budget of 14 cannot take the answer
     (res,) = runner().run(engine, [request(budget=14)], threading.Event())
     assert res.finish_reason == "length" and res.output_ids == toks("[up:ab]$") and len(engine.sent) == 1
+    # the call ran and is counted, its answer not appended: a tool turn of no tokens
+    assert [(t.role, t.start, t.end, t.calls) for t in res.episode.turns] == [
+        ("assistant", 0, 8, 1),
+        ("tool", 8, 8, 1),
+    ]
     (res,) = runner().run(engine, [request(budget=15)], threading.Event())
     assert res.finish_reason == "length" and res.output_ids == toks("[up:ab]$" + env + "A")
     assert engine.sent[-1][0].sampling.max_new_tokens == 1

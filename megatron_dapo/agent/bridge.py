@@ -153,8 +153,10 @@ class ChatBridge:
 
     def truncate(self, text: str, max_tokens: int, side: str) -> str:
         """``text`` cut to ``max_tokens`` tokens of this tokenizer (not characters): ``left`` keeps
-        its start, ``right`` its end, ``middle`` both ends with ``truncation_marker`` between (the
-        marker's tokens come on top of ``max_tokens``). Text that fits comes back unchanged."""
+        its start, ``right`` its end, ``middle`` both ends with ``truncation_marker`` between. The
+        result never takes more than ``max_tokens`` tokens, the marker's included (the cap is what
+        the episode's budget reserves for an answer); a cap too small for the marker and a token of
+        each end keeps the start alone. Text that fits comes back unchanged."""
         if side not in TRUNCATE_SIDES:
             raise ValueError(f"side must be one of {TRUNCATE_SIDES}, got {side!r}")
         if max_tokens < 0:
@@ -166,17 +168,19 @@ class ChatBridge:
             return self._head(ids, max_tokens)
         if side == "right":
             return self._tail(ids, max_tokens)
-        marker = truncation_marker(len(ids) - max_tokens)
-        budget = max_tokens + len(self._encode(marker))
-        keep = max_tokens
+        # The marker's own tokens come out of the cap; its count is largest when least is kept.
+        keep = max_tokens - len(self._encode(truncation_marker(len(ids))))
         # The two halves re-encode as one text, whose token boundaries at the seams can differ
         # from the halves' own; shrink until the whole fits.
-        while True:
+        while keep >= 2:
             head_n = (keep + 1) // 2
-            out = self._head(ids, head_n) + marker + self._tail(ids, keep - head_n)
-            if len(self._encode(out)) <= budget or keep == 0:
+            out = (
+                self._head(ids, head_n) + truncation_marker(len(ids) - keep) + self._tail(ids, keep - head_n)
+            )
+            if len(self._encode(out)) <= max_tokens:
                 return out
             keep -= 1
+        return self._head(ids, max_tokens)
 
     # -- internals --------------------------------------------------------------------------
 

@@ -234,7 +234,9 @@ class _Episode:
             self.pending = calls
 
     def take_answers(self, outcomes: list[ToolOutcome], bridge: TurnBridge, eot: set[int]) -> None:
-        """Append the environment's answer to the last turn's calls (loss mask 0)."""
+        """Append the environment's answer to the last turn's calls (loss mask 0). Every call is
+        counted in the tool turn whatever becomes of its answer: one that is not appended (it does
+        not fit the budget, or the episode broke) leaves a tool turn of no tokens."""
         s = self.settings
         messages = [
             {
@@ -243,31 +245,35 @@ class _Episode:
             }
             for o in outcomes
         ]
+        self.pending = []
         ended_with_eot = bool(self.sent) and self.sent[-1] in eot
         after = bridge.next_context(list(self.sent), messages, ended_with_eot)
         if after[: len(self.sent)] != self.sent:
             # the environment's rendering rewrote tokens the model already saw: never train on it
             self.info.prefix_breaks += 1
             self.info.end = "prefix_break"
-            self.pending = []
+            self._tool_turn(outcomes, 0)
             return
         env = after[len(self.sent) :]
-        self.pending = []
         if len(self.ids) + len(env) + 1 > self.budget or len(after) + 1 > s.max_context:
             self.info.end = "length"  # the answer does not fit with room for a reply
+            self._tool_turn(outcomes, 0)
             return
-        start = self.offset + len(self.ids)
         version = self.versions[-1] if self.versions else None
+        self._tool_turn(outcomes, len(env))
         self.ids += env
         self.mask += [0] * len(env)
         self.logprobs += [0.0] * len(env)
         self.versions += [version] * len(env)
         self.context = after
+
+    def _tool_turn(self, outcomes: list[ToolOutcome], tokens: int) -> None:
+        start = self.offset + len(self.ids)
         self.info.turns.append(
             EpisodeTurn(
                 "tool",
                 start,
-                start + len(env),
+                start + tokens,
                 calls=len(outcomes),
                 errors=sum(o.status == "error" for o in outcomes),
                 timeouts=sum(o.status == "timeout" for o in outcomes),

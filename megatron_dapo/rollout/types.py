@@ -59,7 +59,9 @@ class EpisodeTurn:
     ``role`` "assistant": tokens the model sampled (loss mask 1); ``finish_reason`` is how the turn
     ended ("stop", "length"), None while it is unfinished (aborted mid-turn, to be continued), and
     ``calls`` the tool calls it made. ``role`` "tool": the environment's answer to those calls
-    (loss mask 0), with how many of them were answered by an error or a time-out.
+    (loss mask 0), with how many of them were answered by an error or a time-out; every call is
+    counted there, and a tool turn of no tokens (``start == end``) holds the calls whose answers
+    were not appended (they did not fit the budget, or the episode broke).
     """
 
     role: str
