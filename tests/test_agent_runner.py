@@ -57,6 +57,8 @@ class Tools:
         self.calls, self.released = [], []
 
     def call(self, episode_id, call):
+        if call.error:  # as ToolHost answers a malformed call
+            return Answer(f"Error: {call.error}", "error")
         self.calls.append((episode_id, call.name, call.arguments["x"]))
         if call.name == "fail":
             return Answer("Error: ValueError: no", "error")
@@ -303,3 +305,22 @@ def test_turn_seed(seed):
     assert turn_seed(seed, 0) == seed
     if seed is not None:
         assert len({turn_seed(seed, k) for k in range(50)}) == 50
+
+
+def test_hermes_turns_calls_while_thinking_are_not_run_and_a_malformed_call_is_counted():
+    from megatron_dapo.agent.calls import HermesFormat
+
+    turn = (
+        '<think>maybe <tool_call>{"name": "up", "arguments": {"x": "no"}}</tool_call></think>\n'
+        '<tool_call>{"name": "up", "arguments": {"x": "yes"}}</tool_call>\n'
+        '<tool_call>{"name": "up", "arguments": {"x": </tool_call>$'
+    )
+    for in_think, ran in ((False, ["yes"]), (True, ["no", "yes"])):
+        tools = Tools()
+        settings = MultiTurnSettings(3, None, 500, "right", 3, calls_in_think=in_think)
+        loop = MultiTurn(settings, AppendOnly(CharChat()), tools, HermesFormat(), CharTokenizer())
+        (res,) = loop.run(Scripted({"e0": [turn, "ok$"]}), [request(budget=1000)], threading.Event())
+        assert [c[2] for c in tools.calls] == ran
+        tool = res.episode.turns[1]
+        assert (tool.calls, tool.errors) == (len(ran) + 1, 1) and res.episode.end == "stop"
+        assert "not valid JSON" in CharTokenizer().decode(res.output_ids[tool.start : tool.end])

@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from megatron_dapo.agent.calls import outside_think
 from megatron_dapo.config.knobs import from_config, knob
 from megatron_dapo.rollout.engine import EngineError, OnResult
 from megatron_dapo.rollout.types import (
@@ -118,6 +119,7 @@ class MultiTurnSettings:
     max_tool_response_tokens: int = knob("rollout.multi_turn.max_tool_response_tokens")
     tool_response_truncate_side: str = knob("rollout.multi_turn.tool_response_truncate_side")
     max_parallel_calls: int = knob("rollout.multi_turn.max_parallel_calls")
+    calls_in_think: bool = knob("rollout.multi_turn.calls_in_think")
     # prompt + response tokens the model takes (its max_position_embeddings); learnt at start-up
     max_context: int = 1 << 30
 
@@ -224,7 +226,8 @@ class _Episode:
             self.info.end = "length"
             return
         n = turn.end - turn.start
-        calls = parser.parse(decode(self.context[len(self.context) - n :]))
+        text = decode(self.context[len(self.context) - n :])
+        calls = parser.parse(text if self.settings.calls_in_think else outside_think(text))
         turn.calls = len(calls)
         if not calls:
             self.info.end = "stop"

@@ -141,6 +141,9 @@ class MultiTurnConfig:
     tool_timeout_s: float = 30.0
     # Tool calls of one model turn that run (in parallel); more get an error observation.
     max_parallel_calls: int = 1
+    # Run the calls a model writes inside <think>...</think> too (Qwen3's reasoning); false: the
+    # reasoning is thought, not action, and only calls after it run.
+    calls_in_think: bool = False
     # Processes that run tools (user code runs only there, each restarted after a kill).
     tool_workers: int = 4
     # Address-space limit of each tool process, MiB.
