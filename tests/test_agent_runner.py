@@ -56,7 +56,7 @@ class Tools:
     def __init__(self):
         self.calls, self.released = [], []
 
-    def call(self, episode_id, call):
+    def call(self, episode_id, call, *, tools_kwargs=None):
         if call.error:  # as ToolHost answers a malformed call
             return Answer(f"Error: {call.error}", "error")
         self.calls.append((episode_id, call.name, call.arguments["x"]))

@@ -63,7 +63,7 @@ class CallParser(Protocol):
 class ToolRunner(Protocol):
     """``agent/tools/host.py``'s ToolHost: a call returns within its time-out, whatever the tool."""
 
-    def call(self, episode_id: str, call: Any) -> Any: ...
+    def call(self, episode_id: str, call: Any, *, tools_kwargs: dict | None = None) -> Any: ...
 
     def release(self, episode_id: str) -> None: ...
 
@@ -403,15 +403,16 @@ class MultiTurn:
                     done.set_result(refusal)
                     jobs.append((e, done))
                 else:
-                    jobs.append((e, self._pool.submit(self._call, e.info.key, call)))
+                    jobs.append((e, self._pool.submit(self._call, e.info.key, call, e.request.tools_kwargs)))
         answers: dict[int, list[ToolOutcome]] = {}
         for e, fut in jobs:
             answers.setdefault(id(e), []).append(fut.result())
         for e in episodes:
             e.take_answers(answers[id(e)], self.bridge, self._eot)
 
-    def _call(self, key: str, call: Any) -> ToolOutcome:
-        result = self.tools.call(key, call)
+    def _call(self, key: str, call: Any, tools_kwargs: dict | None) -> ToolOutcome:
+        # verl's contract: each verl class tool's create() gets its create_kwargs from the sample
+        result = self.tools.call(key, call, tools_kwargs=tools_kwargs)
         return ToolOutcome(result.text, result.status)
 
 

@@ -137,13 +137,18 @@ def as_result(request_id: str, sample: PartialSample) -> GenerationResult:
 
 
 def continuation(
-    request_id: str, prompt_ids: list[int], sample: PartialSample, sampling: SamplingParams
+    request_id: str,
+    prompt_ids: list[int],
+    sample: PartialSample,
+    sampling: SamplingParams,
+    tools_kwargs: dict[str, Any] | None = None,
 ) -> GenerationRequest:
     """The request that continues ``sample``: prompt + its tokens as the input, the rest of the
     response budget as ``max_new_tokens`` (same stop tokens and sampling settings), and the
     seeded draws already spent skipped (``seed_offset``: with the same seed and weights, an engine
     that honours it continues exactly as the uninterrupted request). A multi-turn episode carries
-    its turns, so the runner resumes it mid-turn or after its last tool answer."""
+    its turns, so the runner resumes it mid-turn or after its last tool answer, and its
+    ``tools_kwargs`` (the sample's), so its tools get what they got before the abort."""
     done = len(sample.output_ids)
     if done >= sampling.max_new_tokens:  # cannot happen: such a response finished with "length"
         raise ValueError(
@@ -160,7 +165,13 @@ def continuation(
     params = SamplingParams(
         **{**asdict(sampling), "max_new_tokens": sampling.max_new_tokens - done, "seed_offset": drawn}
     )
-    return GenerationRequest(request_id, list(prompt_ids) + list(sample.output_ids), params, episode=episode)
+    return GenerationRequest(
+        request_id,
+        list(prompt_ids) + list(sample.output_ids),
+        params,
+        episode=episode,
+        tools_kwargs=tools_kwargs,
+    )
 
 
 # ---------------------------------------------------------------- checkpoint form

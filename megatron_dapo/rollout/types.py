@@ -116,12 +116,16 @@ class GenerationRequest:
     """One prompt to sample one response for. ``request_id`` must be unique among in-flight requests.
 
     ``episode``: a multi-turn episode continued after an abort (``prompt_ids`` then ends with its
-    response so far); engines ignore it, the episode runner resumes from it."""
+    response so far); engines ignore it, the episode runner resumes from it. ``tools_kwargs``:
+    verl's per-sample tool arguments (the dataset row's ``extra_info.tools_kwargs``: ``{tool name:
+    {"create_kwargs": {...}, "execute_kwargs": {...}}}``), which the episode runner hands to the
+    tools; engines ignore it."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     episode: EpisodeInfo | None = None
+    tools_kwargs: dict[str, Any] | None = None
 
 
 @dataclass

@@ -145,8 +145,8 @@ class _Borrowed:
     def __init__(self, tools: Any):
         self.tools = tools
 
-    def call(self, episode_id: str, call: Any) -> Any:
-        return self.tools.call(episode_id, call)
+    def call(self, episode_id: str, call: Any, *, tools_kwargs: dict | None = None) -> Any:
+        return self.tools.call(episode_id, call, tools_kwargs=tools_kwargs)
 
     def release(self, episode_id: str) -> None:
         self.tools.release(episode_id)
