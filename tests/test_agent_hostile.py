@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from helpers import function_tool_spec
-from test_agent_runner import EOT, CharTokenizer, Scripted, request, toks
+from test_agent_runner import EOT, CharTokenizer, Scripted, render_whole, request, toks
 
 from megatron_dapo.agent.bridge import ChatBridge
 from megatron_dapo.agent.calls import ToolCall
@@ -49,6 +49,9 @@ class CharChat:
 
     def truncate(self, text, max_tokens, side):
         return text[:max_tokens]
+
+    def rerender(self, turns):
+        return [], toks(render_whole(turns, lambda c: f"<{c}>"))
 
 
 def test_hostile_tools_cost_one_time_out_and_lose_nothing(tmp_path):

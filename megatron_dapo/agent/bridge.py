@@ -151,6 +151,40 @@ class ChatBridge:
         suffix = self._suffix_ids(messages)
         return suffix if ended_with_eot else list(self.end_of_turn_ids) + suffix
 
+    def rerender(self, turns: Sequence[tuple[str, Sequence]]) -> tuple[list[int], list[int]]:
+        """The template's rendering of an episode's whole conversation at once, for the runner's
+        token check: ``turns`` are ``("assistant", sampled ids)`` and ``("tool", [contents])``
+        from the response's start. The conversation starts with the fixed user message (the real
+        prompt is the dataset's, rendered once); each model turn is decoded (special tokens
+        kept) into an assistant message, its end-of-turn token left to the template. Returns
+        (the ids of the fixed user message's rendering with the generation prompt, the ids of
+        the whole conversation's rendering), the second encoded as one text; an episode that
+        ends with a model turn has no separator after it, and none after an unfinished turn's
+        text either (no end-of-turn token)."""
+        if not turns:
+            raise ValueError("rerender needs at least one turn")
+        user = {"role": "user", "content": _PROBE_USER}
+        messages: list[dict] = [user]
+        eot, closed = list(self.end_of_turn_ids), True
+        for role, value in turns:
+            if role == "assistant":
+                ids = list(value)
+                closed = ids[len(ids) - len(eot) :] == eot
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": self._decode(ids[: len(ids) - len(eot)] if closed else ids),
+                    }
+                )
+            else:
+                messages += [{"role": "tool", "content": c} for c in value]
+        ends_with_env = turns[-1][0] != "assistant"
+        text = self.render(messages, add_generation_prompt=ends_with_env)
+        tail = self._eot_text + self.turn_separator
+        if not ends_with_env and text.endswith(tail):
+            text = text[: len(text) - len(tail)] + (self._eot_text if closed else "")
+        return self._encode(self.render([user], add_generation_prompt=True)), self._encode(text)
+
     def truncate(self, text: str, max_tokens: int, side: str) -> str:
         """``text`` cut to ``max_tokens`` tokens of this tokenizer (not characters): ``left`` keeps
         its start, ``right`` its end, ``middle`` both ends with ``truncation_marker`` between. The

@@ -29,6 +29,9 @@ answer, and ``GenerationRequest.episode`` resumes it from exactly there.
 
 from __future__ import annotations
 
+import difflib
+import hashlib
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +48,9 @@ from megatron_dapo.rollout.types import (
     GenerationResult,
     SamplingParams,
 )
+
+logger = logging.getLogger(__name__)
+_MAX_LOGGED = 5  # broken episodes whose difference is logged; the metrics count them all
 
 
 # ---------------------------------------------------------------- what the loop is handed
@@ -84,6 +90,14 @@ class TurnBridge(Protocol):
 
     def truncate(self, text: str, max_tokens: int, side: str) -> str: ...
 
+    def rerender(self, turns: Sequence[tuple[str, Any]]) -> tuple[list[int], list[int]]:
+        """The template's rendering of a whole conversation at once, for the token check:
+        ``turns`` are ``("assistant", sampled ids)`` and ``("tool", [message contents])`` from
+        the response's start; returns (the ids of a prompt, the ids of that prompt followed by
+        the conversation), so that the prompt's ids plus the episode's response are compared
+        with the second."""
+        ...
+
 
 class ChatTemplateBridge(Protocol):
     """``agent/bridge.py``'s ChatBridge: the suffix the chat template puts after a model turn."""
@@ -93,6 +107,8 @@ class ChatTemplateBridge(Protocol):
     def env_ids(self, messages: list[dict[str, str]], *, ended_with_eot: bool = True) -> list[int]: ...
 
     def truncate(self, text: str, max_tokens: int, side: str) -> str: ...
+
+    def rerender(self, turns: Sequence[tuple[str, Any]]) -> tuple[list[int], list[int]]: ...
 
 
 class AppendOnly:
@@ -111,6 +127,9 @@ class AppendOnly:
     def truncate(self, text: str, max_tokens: int, side: str) -> str:
         return self.chat.truncate(text, max_tokens, side)
 
+    def rerender(self, turns: Sequence[tuple[str, Any]]) -> tuple[list[int], list[int]]:
+        return self.chat.rerender(turns)
+
 
 @dataclass
 class MultiTurnSettings:
@@ -120,6 +139,7 @@ class MultiTurnSettings:
     tool_response_truncate_side: str = knob("rollout.multi_turn.tool_response_truncate_side")
     max_parallel_calls: int = knob("rollout.multi_turn.max_parallel_calls")
     calls_in_think: bool = knob("rollout.multi_turn.calls_in_think")
+    tokenization_sanity_check_mode: str = knob("rollout.multi_turn.tokenization_sanity_check_mode")
     # prompt + response tokens the model takes (its max_position_embeddings); learnt at start-up
     max_context: int = 1 << 30
 
@@ -148,9 +168,13 @@ class _Episode:
     """An episode's state within one engine call: what it holds from before (a continuation), what
     this call added, and the request of its next turn."""
 
-    def __init__(self, request: GenerationRequest, settings: MultiTurnSettings):
+    def __init__(
+        self, request: GenerationRequest, settings: MultiTurnSettings, bridge: TurnBridge, decode: Any
+    ):
         self.request = request
         self.settings = settings
+        self.bridge = bridge
+        self.decode = decode
         info = request.episode
         self.info = EpisodeInfo() if info is None else EpisodeInfo.from_dict(info.as_dict())
         if not self.info.key:
@@ -166,7 +190,48 @@ class _Episode:
         self.pending: list[Any] = []  # the last turn's tool calls, to run
         self.aborted = False
         self.last: GenerationResult | None = None
+        self.last_request: GenerationRequest | None = None
         self.first_request = True
+        self.checked = False
+        self.difference: str | None = None  # what broke the episode, for the log
+        # a continuation: its request must end with the ids the episode had when it was handed over
+        carried = self.carried()
+        if self.info.digest is not None and (carried is None or _digest(carried) != self.info.digest):
+            self._break(
+                f"the continuation of {request.request_id} does not end with the {self.offset} response "
+                "tokens the episode had when it stopped"
+            )
+
+    def carried(self) -> list[int] | None:
+        """The response tokens from before this call (the request's ids end with them)."""
+        ids = self.request.prompt_ids
+        if self.offset > len(ids):
+            return None
+        return list(ids[len(ids) - self.offset :]) if self.offset else []
+
+    def _break(self, why: str) -> None:
+        """The episode's ids and what the engine was sent (or returned) differ: never train on it."""
+        self.info.prefix_breaks += 1
+        self.info.end = "prefix_break"
+        self.pending = []
+        self.difference = why
+
+    def _check_request(self) -> bool:
+        """The next request is exactly the episode's ids (what is trained on), and extends the
+        last request's ids plus the ids the engine returned for it (its reply's, not a copy)."""
+        stored = list(self.request.prompt_ids) + self.ids
+        if self.context != stored:
+            self._break(f"request {self.request.request_id}: the next turn's ids are not the episode's ids")
+            return False
+        if self.last_request is not None and self.last is not None:
+            before = list(self.last_request.prompt_ids) + list(self.last.output_ids)
+            if self.context[: len(before)] != before:
+                self._break(
+                    f"request {self.request.request_id}: the next turn's ids do not extend the last "
+                    "request's ids and the engine's reply"
+                )
+                return False
+        return True
 
     @property
     def live(self) -> bool:
@@ -178,6 +243,8 @@ class _Episode:
     def next_request(self, extra_stops: list[int]) -> GenerationRequest | None:
         """The request of the next model turn (or of the turn an abort interrupted), None when no
         budget or context is left (the episode then ends "length")."""
+        if not self._check_request():
+            return None
         s = self.settings
         left = min(self.budget - len(self.ids), s.max_context - len(self.context))
         if s.max_turn_tokens is not None:
@@ -203,7 +270,10 @@ class _Episode:
                 "stop_token_ids": list(dict.fromkeys([*base.stop_token_ids, *extra_stops])),
             }
         )
-        return GenerationRequest(f"{self.request.request_id}/t{index}", list(self.context), sampling)
+        self.last_request = GenerationRequest(
+            f"{self.request.request_id}/t{index}", list(self.context), sampling
+        )
+        return self.last_request
 
     def take_turn(self, result: GenerationResult, parser: CallParser, decode) -> None:
         """Append the turn's sampled tokens; decide whether the episode ends or calls tools."""
@@ -252,9 +322,10 @@ class _Episode:
         ended_with_eot = bool(self.sent) and self.sent[-1] in eot
         after = bridge.next_context(list(self.sent), messages, ended_with_eot)
         if after[: len(self.sent)] != self.sent:
-            # the environment's rendering rewrote tokens the model already saw: never train on it
-            self.info.prefix_breaks += 1
-            self.info.end = "prefix_break"
+            # the environment's rendering rewrote tokens the model already saw
+            self._break(
+                f"request {self.request.request_id}: the tool answer's rendering rewrote earlier tokens"
+            )
             self._tool_turn(outcomes, 0)
             return
         env = after[len(self.sent) :]
@@ -263,14 +334,14 @@ class _Episode:
             self._tool_turn(outcomes, 0)
             return
         version = self.versions[-1] if self.versions else None
-        self._tool_turn(outcomes, len(env))
+        self._tool_turn(outcomes, len(env), [m["content"] for m in messages])
         self.ids += env
         self.mask += [0] * len(env)
         self.logprobs += [0.0] * len(env)
         self.versions += [version] * len(env)
         self.context = after
 
-    def _tool_turn(self, outcomes: list[ToolOutcome], tokens: int) -> None:
+    def _tool_turn(self, outcomes: list[ToolOutcome], tokens: int, contents: list[str] | None = None) -> None:
         start = self.offset + len(self.ids)
         self.info.turns.append(
             EpisodeTurn(
@@ -280,17 +351,67 @@ class _Episode:
                 calls=len(outcomes),
                 errors=sum(o.status == "error" for o in outcomes),
                 timeouts=sum(o.status == "timeout" for o in outcomes),
+                contents=contents,
             )
         )
 
+    def check_rerender(self) -> None:
+        """The finished episode against the chat template's rendering of its whole conversation
+        (its model turns decoded, its tool messages as appended), in
+        ``rollout.multi_turn.tokenization_sanity_check_mode``: ``strict``, any difference breaks
+        the episode; ``ignore_strippable``, differences in whitespace alone do not; ``disable``,
+        no check."""
+        self.checked = True
+        mode = self.settings.tokenization_sanity_check_mode
+        response = self.carried()
+        if mode == "disable" or response is None or self.info.broken:
+            return
+        response += self.ids
+        turns: list[tuple[str, Any]] = []
+        for t in self.info.turns:
+            if t.role == "assistant":
+                turns.append(("assistant", response[t.start : t.end]))
+            elif t.end > t.start:
+                if t.contents is None:  # carried from before the contents were kept: nothing to render
+                    return
+                turns.append(("tool", list(t.contents)))
+        if not turns:
+            return
+        prompt, oneshot = self.bridge.rerender(turns)
+        episode = list(prompt) + response
+        if episode == oneshot:
+            return
+        differences = _differences(episode, oneshot, self.decode)
+        if mode == "ignore_strippable":
+            # whitespace-only: equal once whitespace is dropped (a BPE token can hold a newline
+            # and the text before it, so one side's piece is not always whitespace alone)
+            differences = [d for d in differences if "".join(d[0].split()) != "".join(d[1].split())]
+        if differences:
+            self.info.rerender_mismatches = 1
+            ours, theirs = differences[0]
+            self.difference = (
+                f"request {self.request.request_id}: the episode differs from the chat template's rendering "
+                f"of its conversation in {len(differences)} place(s), first {ours!r} where the rendering has "
+                f"{theirs!r}"
+            )
+
     def result(self) -> GenerationResult:
+        if self.info.end is not None and not self.checked:
+            self.check_rerender()
+            for t in self.info.turns:
+                # only a continuation's check needs the tool messages: a finished episode does not
+                # carry them into batches, checkpoints and dumps
+                t.contents = None
+        carried = self.carried()
+        if carried is not None:
+            self.info.digest = _digest(carried + self.ids)
         if self.info.end is None:
             finish = "abort"
         elif self.info.end == "prefix_break":
             finish = "stop"
         else:
             finish = self.info.end
-        mask = [0] * len(self.mask) if self.info.prefix_breaks else list(self.mask)
+        mask = [0] * len(self.mask) if self.info.broken else list(self.mask)
         known = all(v is not None for v in self.versions)
         last = self.last
         return GenerationResult(
@@ -332,6 +453,7 @@ class MultiTurn:
         self.parser = parser
         self.tokenizer = tokenizer
         self._eot = set(bridge.end_of_turn_ids)
+        self._logged = 0
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tool-call")
 
     def close(self) -> None:
@@ -342,6 +464,17 @@ class MultiTurn:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def _log_broken(self, episode: _Episode) -> None:
+        """The first few broken episodes' differences (the count is rollout/multiturn/prefix_breaks
+        and rerender_mismatches)."""
+        if episode.difference is not None and self._logged < _MAX_LOGGED:
+            self._logged += 1
+            logger.warning(
+                "%s; the episode is masked and leaves its group (counted in rollout/multiturn/%s)",
+                episode.difference,
+                "prefix_breaks" if episode.info.prefix_breaks else "rerender_mismatches",
+            )
+
     def run(
         self,
         engine: Any,
@@ -349,7 +482,7 @@ class MultiTurn:
         stop: threading.Event,
         on_result: OnResult | None = None,
     ) -> list[GenerationResult]:
-        episodes = [_Episode(r, self.settings) for r in requests]
+        episodes = [_Episode(r, self.settings, self.bridge, self._decode) for r in requests]
         ended: dict[int, GenerationResult] = {}
 
         def report_ended() -> None:
@@ -357,6 +490,7 @@ class MultiTurn:
             for i, e in enumerate(episodes):
                 if i not in ended and e.info.end is not None:
                     ended[i] = e.result()
+                    self._log_broken(e)
                     if on_result is not None:
                         on_result(ended[i])
 
@@ -414,6 +548,18 @@ class MultiTurn:
         # verl's contract: each verl class tool's create() gets its create_kwargs from the sample
         result = self.tools.call(key, call, tools_kwargs=tools_kwargs)
         return ToolOutcome(result.text, result.status)
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def _differences(a: list[int], b: list[int], decode: Any) -> list[tuple[str, str]]:
+    """Where token lists ``a`` and ``b`` differ, as (text of ``a``'s span, text of ``b``'s)."""
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return [
+        (decode(a[i1:i2]), decode(b[j1:j2])) for op, i1, i2, j1, j2 in matcher.get_opcodes() if op != "equal"
+    ]
 
 
 def _check_turn(engine: Any, sent: list[GenerationRequest], results: Any) -> None:

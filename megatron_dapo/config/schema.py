@@ -144,6 +144,12 @@ class MultiTurnConfig:
     # Run the calls a model writes inside <think>...</think> too (Qwen3's reasoning); false: the
     # reasoning is thought, not action, and only calls after it run.
     calls_in_think: bool = False
+    # The token check of a finished episode against the chat template's rendering of its whole
+    # conversation (verl's knob): strict, any difference masks the episode and it leaves its
+    # group; ignore_strippable, differences in whitespace alone are tolerated; disable. Counted
+    # in rollout/multiturn/rerender_mismatches. Qwen3 with thinking off needs disable (its
+    # template drops the empty think block of every assistant message but the last).
+    tokenization_sanity_check_mode: str = "strict"
     # Processes that run tools (user code runs only there, each restarted after a kill).
     tool_workers: int = 4
     # Address-space limit of each tool process, MiB.

@@ -86,6 +86,9 @@ def join(prefix: PartialSample | None, result: GenerationResult) -> GenerationRe
         mask = _mask(prefix.loss_mask, len(prefix.output_ids)) + _mask(
             result.loss_mask, len(result.output_ids)
         )
+    if result.episode is not None and result.episode.broken:
+        # a broken episode is trained on nowhere, the tokens carried from before the abort included
+        mask = [0] * (len(prefix.output_ids) + len(result.output_ids))
     return GenerationResult(
         result.request_id,
         prefix.output_ids + result.output_ids,

@@ -71,6 +71,10 @@ class EpisodeTurn:
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
+    # a tool turn's messages as appended (their contents, cut to the token cap): what the
+    # re-render of the conversation (rollout.multi_turn.tokenization_sanity_check_mode) renders;
+    # kept while the episode is unfinished (a continuation is checked whole), None once it ends
+    contents: list[str] | None = None
 
 
 @dataclass
@@ -79,8 +83,13 @@ class EpisodeInfo:
 
     ``end``: why the episode ended ("stop": a turn without a tool call; "length": the response
     budget or the context ran out; "turns": max_assistant_turns reached; "prefix_break": a turn's
-    request did not extend the previous one, the episode is not trained on), None while it runs.
-    ``prefix_breaks`` counts those breaks (0 or 1: an episode stops at its first).
+    request was not the episode's ids, or did not extend the previous request's ids plus what the
+    engine returned), None while it runs. ``prefix_breaks`` counts those breaks (0 or 1: an
+    episode stops at its first); ``rerender_mismatches`` is 1 when the finished episode's ids
+    differ from the chat template's rendering of its whole conversation (in a way
+    ``rollout.multi_turn.tokenization_sanity_check_mode`` does not tolerate). Either makes the
+    episode ``broken``: every token of it is masked, the carried ones included, and it leaves its
+    group unscored.
     """
 
     turns: list[EpisodeTurn] = field(default_factory=list)
@@ -89,6 +98,14 @@ class EpisodeInfo:
     # the tools' per-episode instance key (verl class tools keep state per episode), kept across
     # continuations of the episode
     key: str | None = None
+    rerender_mismatches: int = 0
+    # the response's ids when the runner handed it over (a digest): a continuation's request must
+    # end with exactly these
+    digest: str | None = None
+
+    @property
+    def broken(self) -> bool:
+        return bool(self.prefix_breaks or self.rerender_mismatches)
 
     @property
     def length(self) -> int:
@@ -108,6 +125,8 @@ class EpisodeInfo:
             end=d.get("end"),
             prefix_breaks=int(d.get("prefix_breaks", 0)),
             key=d.get("key"),
+            rerender_mismatches=int(d.get("rerender_mismatches", 0)),
+            digest=d.get("digest"),
         )
 
 
