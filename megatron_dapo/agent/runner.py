@@ -5,16 +5,24 @@ Each request of the call is an episode. Turns go in lockstep over the call's liv
 SGLang across calls; a call sticks to one engine, whose prefix cache then holds the episode), then
 the tool calls those turns made, all at once on the tool processes, then the next turn. A turn's
 request is the episode's context as token ids: the prompt, every earlier turn's sampled tokens and
-every tool answer's tokens, never re-rendered from text (``TurnBridge``). Before each request the
-runner checks that its ids extend the previous request's ids plus that request's output; a break is
-counted (``EpisodeInfo.prefix_breaks``) and the episode ends with its loss mask cleared, so it is
-never trained on.
+every tool answer's tokens, never re-rendered from text (``TurnBridge``).
+
+The token check, on what does not come from the code that built the ids: (a) each request must be
+the episode's ids (what is trained on) and extend the previous request's ids plus the ids the engine
+returned for it; a continuation after an abort must end with the response the episode held when it
+stopped (``EpisodeInfo.digest``); a break ends the episode (``EpisodeInfo.prefix_breaks``). (b) A
+finished episode must equal the chat template's rendering of its whole conversation
+(``TurnBridge.rerender``; ``rollout.multi_turn.tokenization_sanity_check_mode``), else
+``EpisodeInfo.rerender_mismatches``. A broken episode has its loss mask cleared (``partial.join``
+clears the carried part) and leaves its group unscored (``rollout.scoring``).
 
 Budgets: a turn's ``max_new_tokens`` is the least of ``max_turn_tokens``, the response budget left
 (the request's ``max_new_tokens``: model and environment tokens together never exceed
 ``data.max_response_length``) and the context left (the model's ``max_position_embeddings``). A
-tool answer is cut to ``max_tool_response_tokens`` tokens; one that does not fit the budget left
-(with room for one more model token) ends the episode "length" without it.
+tool answer is cut to ``max_tool_response_tokens`` tokens, a truncation marker included; one that
+does not fit the budget left (with room for one more model token) ends the episode "length" without
+it, its calls still counted (a tool turn of no tokens). Calls written inside ``<think>`` do not run
+unless ``calls_in_think``.
 
 Seeds: turn ``k`` of an episode samples with ``turn_seed(seed, k)``, so a turn's draws do not depend
 on how long the earlier turns were; a turn continued after an abort skips the draws it already
