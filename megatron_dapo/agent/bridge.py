@@ -219,8 +219,9 @@ class ChatBridge:
     # -- internals --------------------------------------------------------------------------
 
     def _encode(self, text: str) -> list[int]:
-        # The template writes the special tokens itself; the tokenizer must not add a BOS.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # The template writes the special tokens itself; the tokenizer must not add a BOS. A tool's
+        # answer is encoded whole before it is cut, often past the model's length: no warning.
+        return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -311,7 +312,9 @@ class ChatBridge:
         return ids + self._encode(rest)
 
     def _encode_plain(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+        return list(
+            self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True, verbose=False)
+        )
 
     def _probe_rendering(self, messages: Sequence[dict]) -> str:
         probe = [
