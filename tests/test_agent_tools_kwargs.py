@@ -73,14 +73,18 @@ def _config():
     )
 
 
-def test_a_rows_tools_kwargs_reach_the_verl_tools_create():
-    spec = ToolSpec(
+def _spec():
+    return ToolSpec(
         "answer_key",
         check_schema(SCHEMA, "test"),
         "verl_class",
         "tests.fixtures.agent_tools.verl_answer_key.AnswerKeyTool",
         {},
     )
+
+
+def test_a_rows_tools_kwargs_reach_the_verl_tools_create():
+    spec = _spec()
     settings = MultiTurnSettings(3, None, 100, "right", 1)
     script = {"v0-g0-s0": ["[answer_key:42]$", "ok$"], "v0-g1-s0": ["[answer_key:42]$", "ok$"]}
     with ToolHost([spec], timeout_s=30, workers=1, memory_mb=1024) as host:
@@ -92,6 +96,42 @@ def test_a_rows_tools_kwargs_reach_the_verl_tools_create():
         tool = next(t for t in s.episode["turns"] if t["role"] == "tool")
         answers[s.prompt.index] = CharTokenizer().decode(s.response_ids[tool["start"] : tool["end"]])
     assert answers == {0: "\n<42 vs key 42>\n", 1: "\n<42 vs key 7>\n"}
+
+
+def test_validation_hands_a_problems_tools_kwargs_to_the_tools():
+    from megatron_dapo.driver.validation import engine_generator
+    from megatron_dapo.eval.runner import EvalProblem
+
+    problems = [
+        EvalProblem(
+            f"q{i}",
+            "Q?",
+            toks("Q?"),
+            "none",
+            KEYS[i],
+            {"tools_kwargs": {"answer_key": {"create_kwargs": {"ground_truth": KEYS[i]}}}},
+        )
+        for i in range(2)
+    ]
+    script = {f"val-q{i}-0": ["[answer_key:7]$", "ok$"] for i in range(2)}
+    with ToolHost([_spec()], timeout_s=30, workers=1, memory_mb=1024) as host:
+        runner = MultiTurn(
+            MultiTurnSettings(3, None, 100, "right", 1),
+            AppendOnly(CharChat()),
+            host,
+            BracketCalls(),
+            CharTokenizer(),
+        )
+        generate = engine_generator(
+            [Scripted(script)],
+            CharTokenizer(),
+            SamplingParams(max_new_tokens=100, stop_token_ids=[EOT]),
+            seed=0,
+            episodes=runner,
+        )
+        rows = generate(problems, 1)
+    tools = [row[0].extra_info["turns"][1]["content"] for row in rows]
+    assert tools == ["\n<7 vs key 42>\n", "\n<7 vs key 7>\n"]
 
 
 def test_a_continued_episode_keeps_its_tools_kwargs():

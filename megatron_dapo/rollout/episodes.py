@@ -85,7 +85,8 @@ def tools_kwargs(prompt: Any) -> dict | None:
         return None
     if not isinstance(value, dict):
         raise ValueError(
-            f"extra_info.tools_kwargs of prompt {getattr(prompt, 'index', '?')} is a {type(value).__name__}; "
+            f"extra_info.tools_kwargs of prompt {getattr(prompt, 'problem_id', getattr(prompt, 'index', '?'))} "
+            f"is a {type(value).__name__}; "
             "it must be an object {tool name: {create_kwargs: {...}, execute_kwargs: {...}}} (verl's layout)"
         )
     return value
