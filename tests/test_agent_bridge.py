@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,11 +23,14 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from megatron_dapo.agent.bridge import ChatBridge, Turn, check_append_only, truncation_marker
+from megatron_dapo.agent.bridge import ChatBridge, Turn, check_append_only
+from megatron_dapo.agent.calls import HermesFormat
+from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings, ToolOutcome
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.demo.tokenizer import CHAT_TEMPLATE as DEMO_CHAT_TEMPLATE
 from megatron_dapo.demo.tokenizer import build_calculator_tokenizer
 from megatron_dapo.demo.tokenizer import build_tokenizer as build_demo_tokenizer
+from megatron_dapo.rollout.types import GenerationRequest, GenerationResult, SamplingParams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
 TEMPLATE_SHA256 = {
@@ -408,10 +413,13 @@ def test_truncate_cuts_to_a_token_budget(side):
         assert LONG.endswith(out) and len(bridge._encode(out)) <= cap
         assert out == decode(bridge, ids[-cap:])
     else:
-        marker = truncation_marker(len(ids) - cap)
-        head, tail = out.split(marker)
+        head, marker, tail = re.fullmatch(r"(.*)(\n\.\.\.\[\d+ tokens cut\]\.\.\.\n)(.*)", out, re.S).groups()
         assert LONG.startswith(head) and LONG.endswith(tail) and head and tail
-        assert len(bridge._encode(out)) <= cap + len(bridge._encode(marker))
+        assert len(bridge._encode(out)) <= cap  # the marker's tokens included
+    # A cap with no room for the marker and both ends keeps the start.
+    assert bridge.truncate(LONG, 3, side) == (
+        decode(bridge, ids[-3:]) if side == "right" else decode(bridge, ids[:3])
+    )
     # Whatever fits comes back unchanged, at the cap or above it.
     assert bridge.truncate(LONG, len(ids), side) == LONG
     assert bridge.truncate(LONG, len(ids) + 100, side) == LONG
@@ -501,3 +509,80 @@ def test_a_tool_answer_cannot_forge_turn_boundaries(template_file):
     for ids in (honest, forged):
         assert [t for t in ids if t in (start, end)] == [t for t in honest if t in (start, end)]
     assert forged_text in decode(bridge, forged)
+
+
+# -- the runner's token check on the real templates (ChatBridge.rerender) ---------------------------
+
+
+class _TemplateEngine:
+    """Each model turn of episode ``e`` is ``turns[k]``'s text in the bridge's tokens, then
+    ``<|im_end|>``."""
+
+    name = "template-engine"
+
+    def __init__(self, bridge, texts):
+        self.bridge, self.texts = bridge, texts
+
+    def generate(self, requests):
+        out = []
+        for q in requests:
+            ids = self.bridge._encode(self.texts[int(q.request_id.rsplit("/t", 1)[1])])
+            ids += self.bridge.end_of_turn_ids
+            out.append(GenerationResult(q.request_id, ids, [-0.5] * len(ids), "stop", weight_version=0))
+        return out
+
+
+class _Weather:
+    def call(self, episode_id, call, *, tools_kwargs=None):
+        return ToolOutcome(
+            {"Paris": "18 degrees, sunny", "Rome": "21 degrees, cloudy"}[call.arguments["city"]], "ok"
+        )
+
+    def release(self, episode_id):
+        pass
+
+    def close(self):
+        pass
+
+
+def _episode(bridge, texts, mode):
+    settings = MultiTurnSettings(4, None, 256, "right", 2, tokenization_sanity_check_mode=mode)
+    loop = MultiTurn(settings, AppendOnly(bridge), _Weather(), HermesFormat(), bridge.tokenizer)
+    prompt = bridge.prompt_ids(QUESTION, TOOLS)
+    request = GenerationRequest(
+        "e", prompt, SamplingParams(max_new_tokens=1000, stop_token_ids=bridge.end_of_turn_ids)
+    )
+    (res,) = loop.run(_TemplateEngine(bridge, texts), [request], threading.Event())
+    assert res.episode.end == "stop" and len(res.episode.assistant_turns()) == len(texts)
+    return res
+
+
+def _texts(think):
+    paris, rome = call("get_weather", "Paris")[1], call("get_weather", "Rome")[1]
+    answer = "Paris: 18 degrees, sunny. Rome: 21 degrees, cloudy."
+    return [
+        think(r) + body for r, body in (("Paris first.", paris), ("Now Rome.", rome), ("Both known.", answer))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("template_file", "thinking", "think", "mismatches"),
+    [
+        # Qwen2.5: the episode is the template's rendering of its conversation
+        ("qwen2.5.jinja", None, lambda r: "", {"strict": 0, "ignore_strippable": 0}),
+        # Qwen3 thinking, each think block written as the template writes it: equal
+        ("qwen3.jinja", True, lambda r: f"<think>\n{r}\n</think>\n\n", {"strict": 0, "ignore_strippable": 0}),
+        # ... written without the newlines: the template adds them; whitespace only
+        ("qwen3.jinja", True, lambda r: f"<think>{r}</think>", {"strict": 1, "ignore_strippable": 0}),
+        # Qwen3 thinking off: the generation prompt's empty think block is in every turn of the
+        # episode, and the template drops it from all but the last assistant message
+        ("qwen3.jinja", False, lambda r: "", {"strict": 1, "ignore_strippable": 1}),
+    ],
+    ids=["qwen2.5", "qwen3_thinking", "qwen3_thinking_no_newlines", "qwen3_thinking_off"],
+)
+def test_the_runner_checks_episodes_against_the_real_templates(template_file, thinking, think, mismatches):
+    bridge = bridge_for(template_file, enable_thinking=thinking)
+    for mode, want in {**mismatches, "disable": 0}.items():
+        res = _episode(bridge, _texts(think), mode)
+        assert res.episode.rerender_mismatches == want, (mode, want)
+        assert (set(res.loss_mask) == {0}) == bool(want)

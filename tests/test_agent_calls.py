@@ -9,6 +9,7 @@ from megatron_dapo.agent.calls import (
     HermesFormat,
     ToolCall,
     get_call_format,
+    outside_think,
     register_call_format,
 )
 
@@ -109,3 +110,73 @@ def test_a_format_without_a_name_or_parse_is_refused():
 def test_unknown_format_lists_the_registered_names():
     with pytest.raises(ValueError, match=r"unknown tool-call format 'qwen_xml'.*registered: .*hermes"):
         get_call_format("qwen_xml")
+
+
+# -- as Qwen2.5 and Qwen3 write calls -----------------------------------------------------------------
+# Turns in the shape these models produce with their own chat templates (hermes tags on their own
+# lines, two calls of one turn one after the other; Qwen3 reasoning first).
+
+QWEN25_TWO_CALLS = (
+    "<tool_call>\n"
+    '{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}\n'
+    "</tool_call>\n"
+    "<tool_call>\n"
+    '{"name": "get_temperature_date", "arguments": {"location": "San Francisco, CA, USA", "date": "2024-10-01"}}\n'
+    "</tool_call><|im_end|>"
+)
+
+# ReTool-style code whose string holds the closing tag (a model writing a parser of its own calls)
+QWEN25_CODE_WITH_THE_TAG = (
+    "Let me check the length.\n<tool_call>\n"
+    '{"name": "code_interpreter", "arguments": {"code": "s = \'<tool_call>x</tool_call>\'\\nprint(len(s))"}}\n'
+    "</tool_call><|im_end|>"
+)
+
+QWEN3_THINKING = (
+    "<think>\nThe user wants the weather in Paris. I could write\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+    "but Rome is wrong; Paris it is.\n</think>\n\n"
+    "<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call><|im_end|>"
+)
+
+
+def test_two_calls_of_a_qwen25_turn():
+    assert hermes.parse(QWEN25_TWO_CALLS) == [
+        ToolCall("get_current_temperature", {"location": "San Francisco, CA, USA"}),
+        ToolCall("get_temperature_date", {"location": "San Francisco, CA, USA", "date": "2024-10-01"}),
+    ]
+
+
+def test_a_closing_tag_inside_a_json_string_does_not_end_the_call():
+    assert hermes.parse(QWEN25_CODE_WITH_THE_TAG) == [
+        ToolCall("code_interpreter", {"code": "s = '<tool_call>x</tool_call>'\nprint(len(s))"})
+    ]
+    # and the call after it is still found
+    (first, second) = hermes.parse(QWEN25_CODE_WITH_THE_TAG + QWEN25_TWO_CALLS)[:2]
+    assert first.name == "code_interpreter" and second.name == "get_current_temperature"
+
+
+@pytest.mark.parametrize("arguments", ['"arguments": null', '"arguments":null', ""])
+def test_null_or_missing_arguments_are_an_empty_object(arguments):
+    body = '{"name": "get_time"' + (", " + arguments if arguments else "") + "}"
+    assert hermes.parse(f"<tool_call>\n{body}\n</tool_call>") == [ToolCall("get_time", {})]
+
+
+def test_a_call_written_while_thinking_is_not_a_call():
+    assert hermes.parse(outside_think(QWEN3_THINKING)) == [ToolCall("get_weather", {"city": "Paris"})]
+    assert [c.arguments["city"] for c in hermes.parse(QWEN3_THINKING)] == ["Rome", "Paris"]
+    # the think block opened by the generation prompt (Qwen3 thinking templates): only "</think>"
+    opened = QWEN3_THINKING.removeprefix("<think>")
+    assert hermes.parse(outside_think(opened)) == [ToolCall("get_weather", {"city": "Paris"})]
+    # a turn cut while thinking holds no call
+    assert hermes.parse(outside_think(QWEN3_THINKING[:90])) == []
+    assert outside_think("no reasoning here") == "no reasoning here"
+
+
+def test_malformed_json_of_a_qwen_turn_is_an_error_call_and_the_good_one_stands():
+    text = QWEN25_TWO_CALLS.replace('"date": "2024-10-01"}}', '"date": 2024-10-01}}')
+    good, bad = hermes.parse(text)
+    assert good == ToolCall("get_current_temperature", {"location": "San Francisco, CA, USA"})
+    assert bad.error is not None and "not valid JSON" in bad.error

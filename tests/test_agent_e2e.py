@@ -118,4 +118,7 @@ def test_episodes_ahead_killed_and_resumed_equal_the_uninterrupted_run(
         "train/prompts_consumed",
     ):
         assert [r[key] for r in got] == [r[key] for r in ref], key
+    # the token check (requests against the episode's ids, the episode against the template's
+    # rendering of its conversation) ran on every episode and found nothing
     assert all(r["rollout/multiturn/prefix_breaks"] == 0 for r in got)
+    assert all(r["rollout/multiturn/rerender_mismatches"] == 0 for r in got)

@@ -46,6 +46,13 @@ class DigitChat:
     def truncate(self, text, max_tokens, side):
         return text[:max_tokens]
 
+    def rerender(self, turns):
+        """Every turn as the episode holds it: this template renders nothing around them."""
+        ids = []
+        for role, value in turns:
+            ids += list(value) if role == "assistant" else self.env_ids([{"content": c} for c in value])
+        return [], ids
+
 
 class IdTokenizer:
     def decode(self, ids, skip_special_tokens=False):

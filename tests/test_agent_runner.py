@@ -58,7 +58,9 @@ class Tools:
     def __init__(self):
         self.calls, self.released = [], []
 
-    def call(self, episode_id, call):
+    def call(self, episode_id, call, *, tools_kwargs=None):
+        if call.error:  # as ToolHost answers a malformed call
+            return Answer(f"Error: {call.error}", "error")
         self.calls.append((episode_id, call.name, call.arguments["x"]))
         if call.name == "fail":
             return Answer("Error: ValueError: no", "error")
@@ -85,10 +87,28 @@ class CharChat:
     def truncate(self, text, max_tokens, side):
         return text[:max_tokens]
 
+    def rerender(self, turns):
+        """The same template on the whole conversation: a model turn's text, then the "$" the
+        template writes after every assistant message (none after an unfinished last one), each
+        tool message as ``\n<content>\n``."""
+        return [], toks(render_whole(turns, lambda c: f"\n<{c}>\n"))
+
+
+def render_whole(turns, tool):
+    text = ""
+    for i, (role, value) in enumerate(turns):
+        if role == "assistant":
+            body = CharTokenizer().decode(value)
+            closed = body.endswith("$")
+            text += (body[:-1] if closed else body) + ("$" if closed or i < len(turns) - 1 else "")
+        else:
+            text += "".join(tool(c) for c in value)
+    return text
+
 
 class Scripted:
     """An engine that answers turn ``k`` of an episode with ``script[k]`` (cut at max_new_tokens,
-    "stop" when it ends with the end-of-turn token) and records what it was sent."""
+    "stop" when it ends with a stop token) and records what it was sent."""
 
     name = "scripted"
 
@@ -102,7 +122,7 @@ class Scripted:
             turn = int(q.request_id.rsplit("/t", 1)[1])
             text = self.script[q.request_id.split("/")[0]][turn]
             ids = toks(text)[q.sampling.seed_offset :][: q.sampling.max_new_tokens]
-            finish = "stop" if ids and ids[-1] == EOT else "length"
+            finish = "stop" if ids and ids[-1] in [EOT, *q.sampling.stop_token_ids] else "length"
             if self.abort_turn == turn:
                 ids, finish = ids[:2], "abort"
             out.append(GenerationResult(q.request_id, ids, [-0.5] * len(ids), finish, weight_version=7))
@@ -204,6 +224,11 @@ def test_budget_counts_both_kinds_and_a_tool_answer_that_does_not_fit_ends_lengt
     # 8 sampled + 6 environment + 1 for a reply = 15: a budget of 14 cannot take the answer
     (res,) = runner().run(engine, [request(budget=14)], threading.Event())
     assert res.finish_reason == "length" and res.output_ids == toks("[up:ab]$") and len(engine.sent) == 1
+    # the call ran and is counted, its answer not appended: a tool turn of no tokens
+    assert [(t.role, t.start, t.end, t.calls) for t in res.episode.turns] == [
+        ("assistant", 0, 8, 1),
+        ("tool", 8, 8, 1),
+    ]
     (res,) = runner().run(engine, [request(budget=15)], threading.Event())
     assert res.finish_reason == "length" and res.output_ids == toks("[up:ab]$" + env + "A")
     assert engine.sent[-1][0].sampling.max_new_tokens == 1
@@ -300,3 +325,117 @@ def test_turn_seed(seed):
     assert turn_seed(seed, 0) == seed
     if seed is not None:
         assert len({turn_seed(seed, k) for k in range(50)}) == 50
+
+
+def test_hermes_turns_calls_while_thinking_are_not_run_and_a_malformed_call_is_counted():
+    from megatron_dapo.agent.calls import HermesFormat
+
+    turn = (
+        '<think>maybe <tool_call>{"name": "up", "arguments": {"x": "no"}}</tool_call></think>\n'
+        '<tool_call>{"name": "up", "arguments": {"x": "yes"}}</tool_call>\n'
+        '<tool_call>{"name": "up", "arguments": {"x": </tool_call>$'
+    )
+    for in_think, ran in ((False, ["yes"]), (True, ["no", "yes"])):
+        tools = Tools()
+        settings = MultiTurnSettings(3, None, 500, "right", 3, calls_in_think=in_think)
+        loop = MultiTurn(settings, AppendOnly(CharChat()), tools, HermesFormat(), CharTokenizer())
+        (res,) = loop.run(Scripted({"e0": [turn, "ok$"]}), [request(budget=1000)], threading.Event())
+        assert [c[2] for c in tools.calls] == ran
+        tool = res.episode.turns[1]
+        assert (tool.calls, tool.errors) == (len(ran) + 1, 1) and res.episode.end == "stop"
+        assert "not valid JSON" in CharTokenizer().decode(res.output_ids[tool.start : tool.end])
+
+
+# -- the token check: (a) requests against the episode's ids, (b) the template's whole rendering --
+
+
+class EnvRewrite(CharChat):
+    """The environment's tokens as a faulty bridge renders them (``render``), beside the
+    template's own rendering of the whole conversation (CharChat's ``rerender``)."""
+
+    def __init__(self, render):
+        self.render = render
+
+    def env_ids(self, messages, *, ended_with_eot=True):
+        return ([] if ended_with_eot else [EOT]) + toks("".join(self.render(m["content"]) for m in messages))
+
+
+def _checked(bridge, mode):
+    settings = MultiTurnSettings(3, None, 50, "right", 2, tokenization_sanity_check_mode=mode)
+    loop = MultiTurn(settings, AppendOnly(bridge), Tools(), BracketCalls(), CharTokenizer())
+    (res,) = loop.run(Scripted({"e0": ["[up:ab]$", "AB$"]}), [request()], threading.Event())
+    return res
+
+
+@pytest.mark.parametrize(
+    ("render", "mode", "broken"),
+    [
+        (lambda c: f"\n<{c}>\n", "strict", False),  # the template's own rendering
+        (lambda c: f"\n[{c}]\n", "strict", True),  # one token rewritten on each side of the answer
+        (lambda c: f"\n[{c}]\n", "ignore_strippable", True),
+        (lambda c: f"\n[{c}]\n", "disable", False),
+        (lambda c: f"\n<{c}>\n\n", "strict", True),  # whitespace only
+        (lambda c: f"\n<{c}>\n\n", "ignore_strippable", False),
+    ],
+)
+def test_the_rerender_check_masks_an_episode_the_template_would_render_otherwise(render, mode, broken):
+    res = _checked(EnvRewrite(render), mode)
+    assert res.episode.end == "stop" and res.finish_reason == "stop"
+    assert res.episode.rerender_mismatches == int(broken) and res.episode.broken == broken
+    assert res.episode.prefix_breaks == 0
+    sampled = [1] * 8 + [0] * (len(res.output_ids) - 11) + [1] * 3
+    assert res.loss_mask == ([0] * len(res.output_ids) if broken else sampled)
+
+
+def test_a_turn_stopped_on_another_stop_token_gets_the_end_of_turn_token_before_the_answer():
+    """The model's turn ends on ``#`` (a stop token, not the end-of-turn ``$``): the template
+    writes ``$`` after the assistant message, so the environment's tokens start with it. A runner
+    that took the turn as ended by ``$`` (``ended_with_eot=True``) gives an episode the template
+    renders otherwise: the rerender check masks it."""
+    engine = Scripted({"e0": ["[up:ab]#", "AB$"]})
+    req = request()
+    req.sampling.stop_token_ids = [ord("#")]
+    (res,) = runner().run(engine, [req], threading.Event())
+    env = "$\n<AB>\n"
+    assert res.output_ids == toks("[up:ab]#" + env + "AB$")
+    assert res.episode.rerender_mismatches == 0 and res.loss_mask == [1] * 8 + [0] * len(env) + [1] * 3
+
+
+def test_a_continuation_whose_carried_tokens_changed_is_broken_and_masked_whole():
+    """Check (a) on a continuation after an abort: its request must end with the response the
+    episode had when it stopped. A carried token rewritten on the way (here by hand) breaks the
+    episode at once: nothing is generated, every token is masked, the carried ones included, and
+    the episode is scored by no one."""
+    from megatron_dapo.rollout.partial import continuation, from_result, join
+    from megatron_dapo.rollout.scoring import BROKEN_EPISODE
+
+    script = {"e0": ["[up:ab]$", "ABCD$"]}
+    (cut,) = runner().run(Scripted(script, abort_turn=1), [request()], threading.Event())
+    carried = from_result(cut, None)
+    assert cut.episode.digest is not None
+    sampling = SamplingParams(max_new_tokens=100, seed=11)
+    # untouched, the continuation goes on
+    (rest,) = runner().run(
+        Scripted(script), [continuation("e0", toks("Q?"), carried, sampling)], threading.Event()
+    )
+    assert not rest.episode.broken and join(carried, rest).loss_mask.count(1) == 8 + 5
+    carried.output_ids[3] = ord("U")  # "[up:" -> "[uU:"
+    engine = Scripted(script)
+    (rest,) = runner().run(engine, [continuation("e0", toks("Q?"), carried, sampling)], threading.Event())
+    assert engine.sent == [] and rest.episode.prefix_breaks == 1 and rest.episode.end == "prefix_break"
+    joined = join(carried, rest)
+    assert joined.output_ids == carried.output_ids and joined.loss_mask == [0] * len(carried.output_ids)
+    assert _scored(joined).unscored == BROKEN_EPISODE
+
+
+def _scored(result):
+    from types import SimpleNamespace
+
+    from megatron_dapo.data.types import PromptSample
+    from megatron_dapo.rollout.scoring import GroupScoring
+    from megatron_dapo.rollout.units import Group, Unit
+
+    prompt = PromptSample(0, "none", [], "p0", toks("Q?"), "1", {})
+    unit = Unit([Group(0, prompt)], [GenerationRequest(result.request_id, toks("Q?"), SamplingParams())])
+    scoring = GroupScoring(SimpleNamespace(n=1), scorer=None, tokenizer=CharTokenizer())
+    return scoring.reward(unit, result.request_id, result, [])

@@ -45,6 +45,10 @@ def test_overrides_are_typed():
         ("rollout.n", "not of the form key=value"),
         ("actor.logprob_chunk_tokens=0", "actor.logprob_chunk_tokens=0 must be >= 1"),
         ("actor.loss_scale_factor=0", "actor.loss_scale_factor=0 must be >= 1"),
+        (
+            "rollout.multi_turn.tokenization_sanity_check_mode=lenient",
+            "rollout.multi_turn.tokenization_sanity_check_mode='lenient' is not one of strict, ignore_strippable",
+        ),
     ],
 )
 def test_bad_values_name_the_key_and_fix(override, expected):

@@ -220,7 +220,8 @@ def test_the_teacher_episode_is_the_one_the_episode_loop_builds():
         for p, result in zip(train, results):
             prompt, response, mask = teacher.encode(p, lazy=False)
             assert (result.output_ids, result.loss_mask) == (response, mask)
-            assert result.episode.end == "stop" and result.episode.prefix_breaks == 0
+            assert result.episode.end == "stop" and not result.episode.broken
+            assert result.episode.rerender_mismatches == 0 and result.episode.prefix_breaks == 0
 
 
 # -- the warm start ------------------------------------------------------------------------------
@@ -287,6 +288,7 @@ def test_two_steps_of_tool_episodes_through_ray(calculator_assets, tmp_path):
     for r in records[1:]:
         assert r["rollout/multiturn/tool_calls_mean"] > 0, r["step"]
         assert r["rollout/multiturn/prefix_breaks"] == 0, r["step"]
+        assert r["rollout/multiturn/rerender_mismatches"] == 0, r["step"]
         assert r["rollout/multiturn/tool_errors"] == 0, r["step"]
         # the trainer's log-probs of the sampled tokens are the engine's (environment tokens are
         # masked out of the comparison)

@@ -51,7 +51,10 @@ def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["rollout/multiturn/tool_calls_mean"] > 0, r["step"]
+        # each turn's request is the episode's ids and SGLang's reply; the episode is the template's
+        # rendering of its conversation
         assert r["rollout/multiturn/prefix_breaks"] == 0, r["step"]
+        assert r["rollout/multiturn/rerender_mismatches"] == 0, r["step"]
         assert r["rollout/multiturn/tool_errors"] == 0, r["step"]
         assert r["actor/rollout_logprob_abs_diff"] < 1e-4, r["step"]
         assert r["rollout/engines_down"] == 0 and r["rollout/groups_in_batch"] == 4

@@ -151,10 +151,46 @@ class ChatBridge:
         suffix = self._suffix_ids(messages)
         return suffix if ended_with_eot else list(self.end_of_turn_ids) + suffix
 
+    def rerender(self, turns: Sequence[tuple[str, Sequence]]) -> tuple[list[int], list[int]]:
+        """The template's rendering of an episode's whole conversation at once, for the runner's
+        token check: ``turns`` are ``("assistant", sampled ids)`` and ``("tool", [contents])``
+        from the response's start. The conversation starts with the fixed user message (the real
+        prompt is the dataset's, rendered once); each model turn is decoded (special tokens
+        kept) into an assistant message, its end-of-turn token left to the template. Returns
+        (the ids of the fixed user message's rendering with the generation prompt, the ids of
+        the whole conversation's rendering), the second encoded as one text; an episode that
+        ends with a model turn has no separator after it, and none after an unfinished turn's
+        text either (no end-of-turn token)."""
+        if not turns:
+            raise ValueError("rerender needs at least one turn")
+        user = {"role": "user", "content": _PROBE_USER}
+        messages: list[dict] = [user]
+        eot, closed = list(self.end_of_turn_ids), True
+        for role, value in turns:
+            if role == "assistant":
+                ids = list(value)
+                closed = ids[len(ids) - len(eot) :] == eot
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": self._decode(ids[: len(ids) - len(eot)] if closed else ids),
+                    }
+                )
+            else:
+                messages += [{"role": "tool", "content": c} for c in value]
+        ends_with_env = turns[-1][0] != "assistant"
+        text = self.render(messages, add_generation_prompt=ends_with_env)
+        tail = self._eot_text + self.turn_separator
+        if not ends_with_env and text.endswith(tail):
+            text = text[: len(text) - len(tail)] + (self._eot_text if closed else "")
+        return self._encode(self.render([user], add_generation_prompt=True)), self._encode(text)
+
     def truncate(self, text: str, max_tokens: int, side: str) -> str:
         """``text`` cut to ``max_tokens`` tokens of this tokenizer (not characters): ``left`` keeps
-        its start, ``right`` its end, ``middle`` both ends with ``truncation_marker`` between (the
-        marker's tokens come on top of ``max_tokens``). Text that fits comes back unchanged."""
+        its start, ``right`` its end, ``middle`` both ends with ``truncation_marker`` between. The
+        result never takes more than ``max_tokens`` tokens, the marker's included (the cap is what
+        the episode's budget reserves for an answer); a cap too small for the marker and a token of
+        each end keeps the start alone. Text that fits comes back unchanged."""
         if side not in TRUNCATE_SIDES:
             raise ValueError(f"side must be one of {TRUNCATE_SIDES}, got {side!r}")
         if max_tokens < 0:
@@ -166,23 +202,26 @@ class ChatBridge:
             return self._head(ids, max_tokens)
         if side == "right":
             return self._tail(ids, max_tokens)
-        marker = truncation_marker(len(ids) - max_tokens)
-        budget = max_tokens + len(self._encode(marker))
-        keep = max_tokens
+        # The marker's own tokens come out of the cap; its count is largest when least is kept.
+        keep = max_tokens - len(self._encode(truncation_marker(len(ids))))
         # The two halves re-encode as one text, whose token boundaries at the seams can differ
         # from the halves' own; shrink until the whole fits.
-        while True:
+        while keep >= 2:
             head_n = (keep + 1) // 2
-            out = self._head(ids, head_n) + marker + self._tail(ids, keep - head_n)
-            if len(self._encode(out)) <= budget or keep == 0:
+            out = (
+                self._head(ids, head_n) + truncation_marker(len(ids) - keep) + self._tail(ids, keep - head_n)
+            )
+            if len(self._encode(out)) <= max_tokens:
                 return out
             keep -= 1
+        return self._head(ids, max_tokens)
 
     # -- internals --------------------------------------------------------------------------
 
     def _encode(self, text: str) -> list[int]:
-        # The template writes the special tokens itself; the tokenizer must not add a BOS.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # The template writes the special tokens itself; the tokenizer must not add a BOS. A tool's
+        # answer is encoded whole before it is cut, often past the model's length: no warning.
+        return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -273,7 +312,9 @@ class ChatBridge:
         return ids + self._encode(rest)
 
     def _encode_plain(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+        return list(
+            self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True, verbose=False)
+        )
 
     def _probe_rendering(self, messages: Sequence[dict]) -> str:
         probe = [

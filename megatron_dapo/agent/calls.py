@@ -23,7 +23,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CallFormat", "HermesFormat", "ToolCall", "get_call_format", "register_call_format"]
+__all__ = [
+    "CallFormat",
+    "HermesFormat",
+    "ToolCall",
+    "get_call_format",
+    "outside_think",
+    "register_call_format",
+]
 
 
 @dataclass
@@ -55,10 +62,13 @@ _QUOTE_CHARS = 80
 class HermesFormat:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number per turn.
 
-    Whitespace around the JSON may vary; text outside the tags is ignored. ``arguments`` may be
-    missing (a call without arguments: ``{}``), and a JSON string holding an object is decoded once
-    (some models double-encode it). Malformed JSON, a missing or non-string name, arguments that are
-    not an object, and a ``<tool_call>`` without its ``</tool_call>`` give calls with ``error`` set.
+    Whitespace around the JSON may vary; text outside the tags is ignored. The JSON object is read
+    first, so a ``</tool_call>`` inside one of its strings (code that prints the tag) does not end
+    the call. ``arguments`` missing or ``null`` is a call without arguments (``{}``), and a JSON
+    string holding an object is decoded once (some models double-encode it). Malformed JSON, a
+    missing or non-string name, arguments that are not an object, and a ``<tool_call>`` without
+    its ``</tool_call>`` give calls with ``error`` set. Calls written inside ``<think>`` are the
+    runner's to drop (``outside_think``), not the format's.
     """
 
     name = "hermes"
@@ -73,18 +83,33 @@ class HermesFormat:
             if start < 0:
                 return calls
             body_start = start + len(self.open_tag)
-            end = text.find(self.close_tag, body_start)
-            reopened = text.find(self.open_tag, body_start)
-            # a second <tool_call> before this one's close means this one was never closed
-            if end < 0 or 0 <= reopened < end:
-                body = text[body_start : reopened if reopened >= 0 else len(text)]
-                calls.append(self._unclosed(body))
-                if reopened < 0:
-                    return calls
-                pos = reopened
-                continue
+            end = self._object_end(text, body_start)
+            if end < 0:  # not a whole object then the tag: the first close tag ends the body
+                end = text.find(self.close_tag, body_start)
+                reopened = text.find(self.open_tag, body_start)
+                # a second <tool_call> before this one's close means this one was never closed
+                if end < 0 or 0 <= reopened < end:
+                    body = text[body_start : reopened if reopened >= 0 else len(text)]
+                    calls.append(self._unclosed(body))
+                    if reopened < 0:
+                        return calls
+                    pos = reopened
+                    continue
             calls.append(self._call(text[body_start:end]))
             pos = end + len(self.close_tag)
+
+    def _object_end(self, text: str, at: int) -> int:
+        """Where ``</tool_call>`` starts when a JSON object and only whitespace come before it
+        from ``at``; -1 otherwise (the caller falls back to the first ``</tool_call>``)."""
+        i = _skip_space(text, at)
+        if not text.startswith("{", i):
+            return -1
+        try:
+            _, j = _DECODER.raw_decode(text, i)
+        except ValueError:
+            return -1
+        j = _skip_space(text, j)
+        return j if text.startswith(self.close_tag, j) else -1
 
     def _unclosed(self, body: str) -> ToolCall:
         name = ""
@@ -114,7 +139,9 @@ class HermesFormat:
         name = obj.get("name")
         if not isinstance(name, str) or not name:
             return ToolCall("", {}, f'tool call has no "name" string; expected {expected}')
-        arguments = obj.get("arguments", {})
+        arguments = obj.get("arguments")
+        if arguments is None:  # missing or null: a call without arguments
+            arguments = {}
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
@@ -125,6 +152,38 @@ class HermesFormat:
         if not isinstance(arguments, dict):
             return ToolCall(name, {}, f'"arguments" is a JSON {_json_type(arguments)}, not an object')
         return ToolCall(name, arguments)
+
+
+_DECODER = json.JSONDecoder()
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def outside_think(text: str) -> str:
+    """``text`` without its reasoning: every ``<think>...</think>`` span, the text before a
+    ``</think>`` that no ``<think>`` opened (the generation prompt opened it, as Qwen3 thinking
+    templates do), and an unclosed ``<think>``'s rest (a turn cut while thinking). What a model
+    writes while thinking about a call is not the call (``rollout.multi_turn.calls_in_think``)."""
+    first_close = text.find(THINK_CLOSE)
+    first_open = text.find(THINK_OPEN)
+    if first_close >= 0 and (first_open < 0 or first_close < first_open):
+        text = text[first_close + len(THINK_CLOSE) :]
+    out, pos = [], 0
+    while True:
+        start = text.find(THINK_OPEN, pos)
+        if start < 0:
+            out.append(text[pos:])
+            return "".join(out)
+        out.append(text[pos:start])
+        end = text.find(THINK_CLOSE, start + len(THINK_OPEN))
+        if end < 0:
+            return "".join(out)
+        pos = end + len(THINK_CLOSE)
 
 
 def _quote(text: str) -> str:

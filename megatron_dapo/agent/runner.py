@@ -5,16 +5,24 @@ Each request of the call is an episode. Turns go in lockstep over the call's liv
 SGLang across calls; a call sticks to one engine, whose prefix cache then holds the episode), then
 the tool calls those turns made, all at once on the tool processes, then the next turn. A turn's
 request is the episode's context as token ids: the prompt, every earlier turn's sampled tokens and
-every tool answer's tokens, never re-rendered from text (``TurnBridge``). Before each request the
-runner checks that its ids extend the previous request's ids plus that request's output; a break is
-counted (``EpisodeInfo.prefix_breaks``) and the episode ends with its loss mask cleared, so it is
-never trained on.
+every tool answer's tokens, never re-rendered from text (``TurnBridge``).
+
+The token check, on what does not come from the code that built the ids: (a) each request must be
+the episode's ids (what is trained on) and extend the previous request's ids plus the ids the engine
+returned for it; a continuation after an abort must end with the response the episode held when it
+stopped (``EpisodeInfo.digest``); a break ends the episode (``EpisodeInfo.prefix_breaks``). (b) A
+finished episode must equal the chat template's rendering of its whole conversation
+(``TurnBridge.rerender``; ``rollout.multi_turn.tokenization_sanity_check_mode``), else
+``EpisodeInfo.rerender_mismatches``. A broken episode has its loss mask cleared (``partial.join``
+clears the carried part) and leaves its group unscored (``rollout.scoring``).
 
 Budgets: a turn's ``max_new_tokens`` is the least of ``max_turn_tokens``, the response budget left
 (the request's ``max_new_tokens``: model and environment tokens together never exceed
 ``data.max_response_length``) and the context left (the model's ``max_position_embeddings``). A
-tool answer is cut to ``max_tool_response_tokens`` tokens; one that does not fit the budget left
-(with room for one more model token) ends the episode "length" without it.
+tool answer is cut to ``max_tool_response_tokens`` tokens, a truncation marker included; one that
+does not fit the budget left (with room for one more model token) ends the episode "length" without
+it, its calls still counted (a tool turn of no tokens). Calls written inside ``<think>`` do not run
+unless ``calls_in_think``.
 
 Seeds: turn ``k`` of an episode samples with ``turn_seed(seed, k)``, so a turn's draws do not depend
 on how long the earlier turns were; a turn continued after an abort skips the draws it already
@@ -29,12 +37,16 @@ answer, and ``GenerationRequest.episode`` resumes it from exactly there.
 
 from __future__ import annotations
 
+import difflib
+import hashlib
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from megatron_dapo.agent.calls import outside_think
 from megatron_dapo.config.knobs import from_config, knob
 from megatron_dapo.rollout.engine import EngineError, OnResult
 from megatron_dapo.rollout.types import (
@@ -44,6 +56,9 @@ from megatron_dapo.rollout.types import (
     GenerationResult,
     SamplingParams,
 )
+
+logger = logging.getLogger(__name__)
+_MAX_LOGGED = 5  # broken episodes whose difference is logged; the metrics count them all
 
 
 # ---------------------------------------------------------------- what the loop is handed
@@ -64,7 +79,7 @@ class ToolRunner(Protocol):
 
     workers: int  # calls it runs at once (rollout.multi_turn.tool_workers): the loop runs as many
 
-    def call(self, episode_id: str, call: Any) -> Any: ...
+    def call(self, episode_id: str, call: Any, *, tools_kwargs: dict | None = None) -> Any: ...
 
     def release(self, episode_id: str) -> None: ...
 
@@ -85,6 +100,14 @@ class TurnBridge(Protocol):
 
     def truncate(self, text: str, max_tokens: int, side: str) -> str: ...
 
+    def rerender(self, turns: Sequence[tuple[str, Any]]) -> tuple[list[int], list[int]]:
+        """The template's rendering of a whole conversation at once, for the token check:
+        ``turns`` are ``("assistant", sampled ids)`` and ``("tool", [message contents])`` from
+        the response's start; returns (the ids of a prompt, the ids of that prompt followed by
+        the conversation), so that the prompt's ids plus the episode's response are compared
+        with the second."""
+        ...
+
 
 class ChatTemplateBridge(Protocol):
     """``agent/bridge.py``'s ChatBridge: the suffix the chat template puts after a model turn."""
@@ -94,6 +117,8 @@ class ChatTemplateBridge(Protocol):
     def env_ids(self, messages: list[dict[str, str]], *, ended_with_eot: bool = True) -> list[int]: ...
 
     def truncate(self, text: str, max_tokens: int, side: str) -> str: ...
+
+    def rerender(self, turns: Sequence[tuple[str, Any]]) -> tuple[list[int], list[int]]: ...
 
 
 class AppendOnly:
@@ -112,6 +137,9 @@ class AppendOnly:
     def truncate(self, text: str, max_tokens: int, side: str) -> str:
         return self.chat.truncate(text, max_tokens, side)
 
+    def rerender(self, turns: Sequence[tuple[str, Any]]) -> tuple[list[int], list[int]]:
+        return self.chat.rerender(turns)
+
 
 @dataclass
 class MultiTurnSettings:
@@ -120,6 +148,8 @@ class MultiTurnSettings:
     max_tool_response_tokens: int = knob("rollout.multi_turn.max_tool_response_tokens")
     tool_response_truncate_side: str = knob("rollout.multi_turn.tool_response_truncate_side")
     max_parallel_calls: int = knob("rollout.multi_turn.max_parallel_calls")
+    calls_in_think: bool = knob("rollout.multi_turn.calls_in_think")
+    tokenization_sanity_check_mode: str = knob("rollout.multi_turn.tokenization_sanity_check_mode")
     # prompt + response tokens the model takes (its max_position_embeddings); learnt at start-up
     max_context: int = 1 << 30
 
@@ -148,9 +178,13 @@ class _Episode:
     """An episode's state within one engine call: what it holds from before (a continuation), what
     this call added, and the request of its next turn."""
 
-    def __init__(self, request: GenerationRequest, settings: MultiTurnSettings):
+    def __init__(
+        self, request: GenerationRequest, settings: MultiTurnSettings, bridge: TurnBridge, decode: Any
+    ):
         self.request = request
         self.settings = settings
+        self.bridge = bridge
+        self.decode = decode
         info = request.episode
         self.info = EpisodeInfo() if info is None else EpisodeInfo.from_dict(info.as_dict())
         if not self.info.key:
@@ -166,7 +200,48 @@ class _Episode:
         self.pending: list[Any] = []  # the last turn's tool calls, to run
         self.aborted = False
         self.last: GenerationResult | None = None
+        self.last_request: GenerationRequest | None = None
         self.first_request = True
+        self.checked = False
+        self.difference: str | None = None  # what broke the episode, for the log
+        # a continuation: its request must end with the ids the episode had when it was handed over
+        carried = self.carried()
+        if self.info.digest is not None and (carried is None or _digest(carried) != self.info.digest):
+            self._break(
+                f"the continuation of {request.request_id} does not end with the {self.offset} response "
+                "tokens the episode had when it stopped"
+            )
+
+    def carried(self) -> list[int] | None:
+        """The response tokens from before this call (the request's ids end with them)."""
+        ids = self.request.prompt_ids
+        if self.offset > len(ids):
+            return None
+        return list(ids[len(ids) - self.offset :]) if self.offset else []
+
+    def _break(self, why: str) -> None:
+        """The episode's ids and what the engine was sent (or returned) differ: never train on it."""
+        self.info.prefix_breaks += 1
+        self.info.end = "prefix_break"
+        self.pending = []
+        self.difference = why
+
+    def _check_request(self) -> bool:
+        """The next request is exactly the episode's ids (what is trained on), and extends the
+        last request's ids plus the ids the engine returned for it (its reply's, not a copy)."""
+        stored = list(self.request.prompt_ids) + self.ids
+        if self.context != stored:
+            self._break(f"request {self.request.request_id}: the next turn's ids are not the episode's ids")
+            return False
+        if self.last_request is not None and self.last is not None:
+            before = list(self.last_request.prompt_ids) + list(self.last.output_ids)
+            if self.context[: len(before)] != before:
+                self._break(
+                    f"request {self.request.request_id}: the next turn's ids do not extend the last "
+                    "request's ids and the engine's reply"
+                )
+                return False
+        return True
 
     @property
     def live(self) -> bool:
@@ -178,6 +253,8 @@ class _Episode:
     def next_request(self, extra_stops: list[int]) -> GenerationRequest | None:
         """The request of the next model turn (or of the turn an abort interrupted), None when no
         budget or context is left (the episode then ends "length")."""
+        if not self._check_request():
+            return None
         s = self.settings
         left = min(self.budget - len(self.ids), s.max_context - len(self.context))
         if s.max_turn_tokens is not None:
@@ -203,7 +280,10 @@ class _Episode:
                 "stop_token_ids": list(dict.fromkeys([*base.stop_token_ids, *extra_stops])),
             }
         )
-        return GenerationRequest(f"{self.request.request_id}/t{index}", list(self.context), sampling)
+        self.last_request = GenerationRequest(
+            f"{self.request.request_id}/t{index}", list(self.context), sampling
+        )
+        return self.last_request
 
     def take_turn(self, result: GenerationResult, parser: CallParser, decode) -> None:
         """Append the turn's sampled tokens; decide whether the episode ends or calls tools."""
@@ -226,7 +306,8 @@ class _Episode:
             self.info.end = "length"
             return
         n = turn.end - turn.start
-        calls = parser.parse(decode(self.context[len(self.context) - n :]))
+        text = decode(self.context[len(self.context) - n :])
+        calls = parser.parse(text if self.settings.calls_in_think else outside_think(text))
         turn.calls = len(calls)
         if not calls:
             self.info.end = "stop"
@@ -236,7 +317,9 @@ class _Episode:
             self.pending = calls
 
     def take_answers(self, outcomes: list[ToolOutcome], bridge: TurnBridge, eot: set[int]) -> None:
-        """Append the environment's answer to the last turn's calls (loss mask 0)."""
+        """Append the environment's answer to the last turn's calls (loss mask 0). Every call is
+        counted in the tool turn whatever becomes of its answer: one that is not appended (it does
+        not fit the budget, or the episode broke) leaves a tool turn of no tokens."""
         s = self.settings
         messages = [
             {
@@ -245,45 +328,100 @@ class _Episode:
             }
             for o in outcomes
         ]
+        self.pending = []
         ended_with_eot = bool(self.sent) and self.sent[-1] in eot
         after = bridge.next_context(list(self.sent), messages, ended_with_eot)
         if after[: len(self.sent)] != self.sent:
-            # the environment's rendering rewrote tokens the model already saw: never train on it
-            self.info.prefix_breaks += 1
-            self.info.end = "prefix_break"
-            self.pending = []
+            # the environment's rendering rewrote tokens the model already saw
+            self._break(
+                f"request {self.request.request_id}: the tool answer's rendering rewrote earlier tokens"
+            )
+            self._tool_turn(outcomes, 0)
             return
         env = after[len(self.sent) :]
-        self.pending = []
         if len(self.ids) + len(env) + 1 > self.budget or len(after) + 1 > s.max_context:
             self.info.end = "length"  # the answer does not fit with room for a reply
+            self._tool_turn(outcomes, 0)
             return
-        start = self.offset + len(self.ids)
         version = self.versions[-1] if self.versions else None
+        self._tool_turn(outcomes, len(env), [m["content"] for m in messages])
         self.ids += env
         self.mask += [0] * len(env)
         self.logprobs += [0.0] * len(env)
         self.versions += [version] * len(env)
         self.context = after
+
+    def _tool_turn(self, outcomes: list[ToolOutcome], tokens: int, contents: list[str] | None = None) -> None:
+        start = self.offset + len(self.ids)
         self.info.turns.append(
             EpisodeTurn(
                 "tool",
                 start,
-                start + len(env),
+                start + tokens,
                 calls=len(outcomes),
                 errors=sum(o.status == "error" for o in outcomes),
                 timeouts=sum(o.status == "timeout" for o in outcomes),
+                contents=contents,
             )
         )
 
+    def check_rerender(self) -> None:
+        """The finished episode against the chat template's rendering of its whole conversation
+        (its model turns decoded, its tool messages as appended), in
+        ``rollout.multi_turn.tokenization_sanity_check_mode``: ``strict``, any difference breaks
+        the episode; ``ignore_strippable``, differences in whitespace alone do not; ``disable``,
+        no check."""
+        self.checked = True
+        mode = self.settings.tokenization_sanity_check_mode
+        response = self.carried()
+        if mode == "disable" or response is None or self.info.broken:
+            return
+        response += self.ids
+        turns: list[tuple[str, Any]] = []
+        for t in self.info.turns:
+            if t.role == "assistant":
+                turns.append(("assistant", response[t.start : t.end]))
+            elif t.end > t.start:
+                if t.contents is None:  # carried from before the contents were kept: nothing to render
+                    return
+                turns.append(("tool", list(t.contents)))
+        if not turns:
+            return
+        prompt, oneshot = self.bridge.rerender(turns)
+        episode = list(prompt) + response
+        if episode == oneshot:
+            return
+        differences = _differences(episode, oneshot, self.decode)
+        if mode == "ignore_strippable":
+            # whitespace-only: equal once whitespace is dropped (a BPE token can hold a newline
+            # and the text before it, so one side's piece is not always whitespace alone)
+            differences = [d for d in differences if "".join(d[0].split()) != "".join(d[1].split())]
+        if differences:
+            self.info.rerender_mismatches = 1
+            ours, theirs = differences[0]
+            self.difference = (
+                f"request {self.request.request_id}: the episode differs from the chat template's rendering "
+                f"of its conversation in {len(differences)} place(s), first {ours!r} where the rendering has "
+                f"{theirs!r}"
+            )
+
     def result(self) -> GenerationResult:
+        if self.info.end is not None and not self.checked:
+            self.check_rerender()
+            for t in self.info.turns:
+                # only a continuation's check needs the tool messages: a finished episode does not
+                # carry them into batches, checkpoints and dumps
+                t.contents = None
+        carried = self.carried()
+        if carried is not None:
+            self.info.digest = _digest(carried + self.ids)
         if self.info.end is None:
             finish = "abort"
         elif self.info.end == "prefix_break":
             finish = "stop"
         else:
             finish = self.info.end
-        mask = [0] * len(self.mask) if self.info.prefix_breaks else list(self.mask)
+        mask = [0] * len(self.mask) if self.info.broken else list(self.mask)
         known = all(v is not None for v in self.versions)
         last = self.last
         return GenerationResult(
@@ -325,6 +463,7 @@ class MultiTurn:
         self.parser = parser
         self.tokenizer = tokenizer
         self._eot = set(bridge.end_of_turn_ids)
+        self._logged = 0
         self._pool = ThreadPoolExecutor(max_workers=tools.workers, thread_name_prefix="tool-call")
 
     def close(self) -> None:
@@ -335,6 +474,17 @@ class MultiTurn:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def _log_broken(self, episode: _Episode) -> None:
+        """The first few broken episodes' differences (the count is rollout/multiturn/prefix_breaks
+        and rerender_mismatches)."""
+        if episode.difference is not None and self._logged < _MAX_LOGGED:
+            self._logged += 1
+            logger.warning(
+                "%s; the episode is masked and leaves its group (counted in rollout/multiturn/%s)",
+                episode.difference,
+                "prefix_breaks" if episode.info.prefix_breaks else "rerender_mismatches",
+            )
+
     def run(
         self,
         engine: Any,
@@ -342,7 +492,7 @@ class MultiTurn:
         stop: threading.Event,
         on_result: OnResult | None = None,
     ) -> list[GenerationResult]:
-        episodes = [_Episode(r, self.settings) for r in requests]
+        episodes = [_Episode(r, self.settings, self.bridge, self._decode) for r in requests]
         ended: dict[int, GenerationResult] = {}
 
         def report_ended() -> None:
@@ -350,6 +500,7 @@ class MultiTurn:
             for i, e in enumerate(episodes):
                 if i not in ended and e.info.end is not None:
                     ended[i] = e.result()
+                    self._log_broken(e)
                     if on_result is not None:
                         on_result(ended[i])
 
@@ -396,16 +547,29 @@ class MultiTurn:
                     done.set_result(refusal)
                     jobs.append((e, done))
                 else:
-                    jobs.append((e, self._pool.submit(self._call, e.info.key, call)))
+                    jobs.append((e, self._pool.submit(self._call, e.info.key, call, e.request.tools_kwargs)))
         answers: dict[int, list[ToolOutcome]] = {}
         for e, fut in jobs:
             answers.setdefault(id(e), []).append(fut.result())
         for e in episodes:
             e.take_answers(answers[id(e)], self.bridge, self._eot)
 
-    def _call(self, key: str, call: Any) -> ToolOutcome:
-        result = self.tools.call(key, call)
+    def _call(self, key: str, call: Any, tools_kwargs: dict | None) -> ToolOutcome:
+        # verl's contract: each verl class tool's create() gets its create_kwargs from the sample
+        result = self.tools.call(key, call, tools_kwargs=tools_kwargs)
         return ToolOutcome(result.text, result.status)
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def _differences(a: list[int], b: list[int], decode: Any) -> list[tuple[str, str]]:
+    """Where token lists ``a`` and ``b`` differ, as (text of ``a``'s span, text of ``b``'s)."""
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return [
+        (decode(a[i1:i2]), decode(b[j1:j2])) for op, i1, i2, j1, j2 in matcher.get_opcodes() if op != "equal"
+    ]
 
 
 def _check_turn(engine: Any, sent: list[GenerationRequest], results: Any) -> None:

@@ -192,6 +192,15 @@ class MultiTurnConfig:
     tool_timeout_s: float = 30.0
     # Tool calls of one model turn that run (in parallel); more get an error observation.
     max_parallel_calls: int = 1
+    # Run the calls a model writes inside <think>...</think> too (Qwen3's reasoning); false: the
+    # reasoning is thought, not action, and only calls after it run.
+    calls_in_think: bool = False
+    # The token check of a finished episode against the chat template's rendering of its whole
+    # conversation (verl's knob): strict, any difference masks the episode and it leaves its
+    # group; ignore_strippable, differences in whitespace alone are tolerated; disable. Counted
+    # in rollout/multiturn/rerender_mismatches. Qwen3 with thinking off needs disable (its
+    # template drops the empty think block of every assistant message but the last).
+    tokenization_sanity_check_mode: str = "strict"
     # Processes that run tools at most (user code runs only there, each restarted after a kill),
     # started as calls need them; as many tool calls run at once. Default: the cores this process
     # may use where the config is loaded (the trainer's node, where the tools run). Tools that

@@ -38,6 +38,7 @@ CHOICES: dict[str, tuple] = {
     "data.template": ("auto", "dapo", "none"),
     "rollout.engine": ("auto", "sglang", "hf"),
     "rollout.multi_turn.tool_response_truncate_side": ("left", "right", "middle"),
+    "rollout.multi_turn.tokenization_sanity_check_mode": ("strict", "ignore_strippable", "disable"),
     # algo/'s ADV_ESTIMATORS and POLICY_LOSS_TYPES (not imported: algo/ imports torch)
     "algorithm.adv_estimator": ("grpo", "rloo", "reinforce_plus_plus_baseline"),
     "algorithm.policy_loss": ("vanilla", "gspo", "cispo", "sapo", "gpg"),

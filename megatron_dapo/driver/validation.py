@@ -13,7 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from megatron_dapo.eval.runner import Completion, EpisodeCounts, EvalProblem, evaluate
-from megatron_dapo.rollout.episodes import EpisodeRunner, SingleTurn, reward_input, sampled_length
+from megatron_dapo.rollout.episodes import (
+    EpisodeRunner,
+    SingleTurn,
+    reward_input,
+    sampled_length,
+    tools_kwargs,
+)
 from megatron_dapo.rollout.types import EpisodeInfo, GenerationRequest, SamplingParams
 
 
@@ -48,7 +54,11 @@ def engine_generator(
                     stop_token_ids=list(sampling.stop_token_ids),
                     seed=(base * 1_000_003 + j) % (2**63),
                 )
-                requests.append(GenerationRequest(f"val-{p.problem_id}-{j}", list(p.prompt_ids), s))
+                requests.append(
+                    GenerationRequest(
+                        f"val-{p.problem_id}-{j}", list(p.prompt_ids), s, tools_kwargs=tools_kwargs(p)
+                    )
+                )
         chunks = [requests[i : i + requests_per_call] for i in range(0, len(requests), requests_per_call)]
         with ThreadPoolExecutor(max(1, len(engines))) as pool:
             parts = list(

@@ -75,6 +75,23 @@ def reward_input(
     return final, {**(extra_info or {}), "turns": turns, "tool_calls": calls}
 
 
+def tools_kwargs(prompt: Any) -> dict | None:
+    """verl's per-sample tool arguments of a prompt row: its ``extra_info["tools_kwargs"]``
+    (``{tool name: {"create_kwargs": {...}, "execute_kwargs": {...}}}``), None when it has none.
+    The episode runner hands them to the tools, and each verl class tool's ``create`` gets its
+    ``create_kwargs`` (the ground truth a gsm8k-style tool checks answers against)."""
+    value = (getattr(prompt, "extra_info", None) or {}).get("tools_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"extra_info.tools_kwargs of prompt {getattr(prompt, 'problem_id', getattr(prompt, 'index', '?'))} "
+            f"is a {type(value).__name__}; "
+            "it must be an object {tool name: {create_kwargs: {...}, execute_kwargs: {...}}} (verl's layout)"
+        )
+    return value
+
+
 def sampled_length(result: GenerationResult) -> int:
     """The response tokens the model sampled (what overlong shaping and length metrics count)."""
     return len(result.output_ids) if result.loss_mask is None else sum(result.loss_mask)

@@ -56,7 +56,7 @@ from megatron_dapo.rewards.served import Combiner
 from megatron_dapo.rollout.engine import EngineError, launched_by_this_run
 from megatron_dapo.rollout.engine_pool import EnginePool, healthy
 from megatron_dapo.rollout.engine_probe import InFlightProbe
-from megatron_dapo.rollout.episodes import EpisodeRunner, SingleTurn
+from megatron_dapo.rollout.episodes import EpisodeRunner, SingleTurn, tools_kwargs
 from megatron_dapo.rollout.ledger import Ledger
 from megatron_dapo.rollout.partial import (
     CarriedGroup,
@@ -369,6 +369,7 @@ class RolloutManager:
                         stop_token_ids=list(cfg.stop_token_ids),
                         seed=request_seed(cfg.seed, version, g.serial, j),
                     ),
+                    tools_kwargs=tools_kwargs(g.prompt),
                 )
                 for g in chunk
                 for j in range(cfg.n)

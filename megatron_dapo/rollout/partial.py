@@ -86,6 +86,9 @@ def join(prefix: PartialSample | None, result: GenerationResult) -> GenerationRe
         mask = _mask(prefix.loss_mask, len(prefix.output_ids)) + _mask(
             result.loss_mask, len(result.output_ids)
         )
+    if result.episode is not None and result.episode.broken:
+        # a broken episode is trained on nowhere, the tokens carried from before the abort included
+        mask = [0] * (len(prefix.output_ids) + len(result.output_ids))
     return GenerationResult(
         result.request_id,
         prefix.output_ids + result.output_ids,
@@ -137,13 +140,18 @@ def as_result(request_id: str, sample: PartialSample) -> GenerationResult:
 
 
 def continuation(
-    request_id: str, prompt_ids: list[int], sample: PartialSample, sampling: SamplingParams
+    request_id: str,
+    prompt_ids: list[int],
+    sample: PartialSample,
+    sampling: SamplingParams,
+    tools_kwargs: dict[str, Any] | None = None,
 ) -> GenerationRequest:
     """The request that continues ``sample``: prompt + its tokens as the input, the rest of the
     response budget as ``max_new_tokens`` (same stop tokens and sampling settings), and the
     seeded draws already spent skipped (``seed_offset``: with the same seed and weights, an engine
     that honours it continues exactly as the uninterrupted request). A multi-turn episode carries
-    its turns, so the runner resumes it mid-turn or after its last tool answer."""
+    its turns, so the runner resumes it mid-turn or after its last tool answer, and its
+    ``tools_kwargs`` (the sample's), so its tools get what they got before the abort."""
     done = len(sample.output_ids)
     if done >= sampling.max_new_tokens:  # cannot happen: such a response finished with "length"
         raise ValueError(
@@ -160,7 +168,13 @@ def continuation(
     params = SamplingParams(
         **{**asdict(sampling), "max_new_tokens": sampling.max_new_tokens - done, "seed_offset": drawn}
     )
-    return GenerationRequest(request_id, list(prompt_ids) + list(sample.output_ids), params, episode=episode)
+    return GenerationRequest(
+        request_id,
+        list(prompt_ids) + list(sample.output_ids),
+        params,
+        episode=episode,
+        tools_kwargs=tools_kwargs,
+    )
 
 
 # ---------------------------------------------------------------- checkpoint form

@@ -161,8 +161,9 @@ def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
 
 def multiturn_metrics(samples: list[RolloutSample]) -> dict[str, float]:
     """``rollout/multiturn/*`` over the batch's episodes: model turns and tool calls per episode,
-    the calls answered by an error or a time-out, environment tokens per episode, and the
-    episodes a prefix break kept out of the loss, or that ended at the turn limit."""
+    the calls answered by an error or a time-out, environment tokens per episode, the episodes
+    the token check kept out of the loss (a prefix break; a difference from the template's
+    re-rendering), and those that ended at the turn limit."""
     episodes = [EpisodeInfo.from_dict(s.episode) for s in samples if s.episode is not None]
     n = max(len(episodes), 1)
     turns = [t for e in episodes for t in e.turns]
@@ -173,6 +174,7 @@ def multiturn_metrics(samples: list[RolloutSample]) -> dict[str, float]:
         "rollout/multiturn/tool_timeouts": float(sum(t.timeouts for t in turns if t.role == "tool")),
         "rollout/multiturn/env_tokens_mean": sum(t.end - t.start for t in turns if t.role == "tool") / n,
         "rollout/multiturn/prefix_breaks": float(sum(e.prefix_breaks for e in episodes)),
+        "rollout/multiturn/rerender_mismatches": float(sum(e.rerender_mismatches for e in episodes)),
         "rollout/multiturn/ended_turns": float(sum(e.end == "turns" for e in episodes)),
     }
 

@@ -28,6 +28,8 @@ from megatron_dapo.rollout.types import GenerationResult, RolloutSample
 from megatron_dapo.rollout.units import Unit
 
 logger = logging.getLogger(__name__)
+# the unscored reason of an episode the multi-turn token check broke (reward/unscored_broken_episode)
+BROKEN_EPISODE = "broken_episode"
 
 
 @dataclass
@@ -97,6 +99,11 @@ class GroupScoring:
         turn) and ``extra_info["tool_calls"]``: verl's reward signature, so existing reward
         functions see what they always saw."""
         prompt = unit.groups[unit.position(request_id) // self.cfg.n].prompt
+        if result.episode is not None and result.episode.broken:
+            # the token check failed: its tokens are not what was sampled or rendered, so it is
+            # scored by no one and leaves its group (every token of it is masked)
+            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            return SampleReward(float("nan"), False, "", None, BROKEN_EPISODE, text=text)
         text, extra = reward_input(result, self.tokenizer, prompt.extra_info)
         whole = (
             text

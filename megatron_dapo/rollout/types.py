@@ -59,7 +59,9 @@ class EpisodeTurn:
     ``role`` "assistant": tokens the model sampled (loss mask 1); ``finish_reason`` is how the turn
     ended ("stop", "length"), None while it is unfinished (aborted mid-turn, to be continued), and
     ``calls`` the tool calls it made. ``role`` "tool": the environment's answer to those calls
-    (loss mask 0), with how many of them were answered by an error or a time-out.
+    (loss mask 0), with how many of them were answered by an error or a time-out; every call is
+    counted there, and a tool turn of no tokens (``start == end``) holds the calls whose answers
+    were not appended (they did not fit the budget, or the episode broke).
     """
 
     role: str
@@ -69,6 +71,10 @@ class EpisodeTurn:
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
+    # a tool turn's messages as appended (their contents, cut to the token cap): what the
+    # re-render of the conversation (rollout.multi_turn.tokenization_sanity_check_mode) renders;
+    # kept while the episode is unfinished (a continuation is checked whole), None once it ends
+    contents: list[str] | None = None
 
 
 @dataclass
@@ -77,8 +83,13 @@ class EpisodeInfo:
 
     ``end``: why the episode ended ("stop": a turn without a tool call; "length": the response
     budget or the context ran out; "turns": max_assistant_turns reached; "prefix_break": a turn's
-    request did not extend the previous one, the episode is not trained on), None while it runs.
-    ``prefix_breaks`` counts those breaks (0 or 1: an episode stops at its first).
+    request was not the episode's ids, or did not extend the previous request's ids plus what the
+    engine returned), None while it runs. ``prefix_breaks`` counts those breaks (0 or 1: an
+    episode stops at its first); ``rerender_mismatches`` is 1 when the finished episode's ids
+    differ from the chat template's rendering of its whole conversation (in a way
+    ``rollout.multi_turn.tokenization_sanity_check_mode`` does not tolerate). Either makes the
+    episode ``broken``: every token of it is masked, the carried ones included, and it leaves its
+    group unscored.
     """
 
     turns: list[EpisodeTurn] = field(default_factory=list)
@@ -87,6 +98,14 @@ class EpisodeInfo:
     # the tools' per-episode instance key (verl class tools keep state per episode), kept across
     # continuations of the episode
     key: str | None = None
+    rerender_mismatches: int = 0
+    # the response's ids when the runner handed it over (a digest): a continuation's request must
+    # end with exactly these
+    digest: str | None = None
+
+    @property
+    def broken(self) -> bool:
+        return bool(self.prefix_breaks or self.rerender_mismatches)
 
     @property
     def length(self) -> int:
@@ -106,6 +125,8 @@ class EpisodeInfo:
             end=d.get("end"),
             prefix_breaks=int(d.get("prefix_breaks", 0)),
             key=d.get("key"),
+            rerender_mismatches=int(d.get("rerender_mismatches", 0)),
+            digest=d.get("digest"),
         )
 
 
@@ -114,12 +135,16 @@ class GenerationRequest:
     """One prompt to sample one response for. ``request_id`` must be unique among in-flight requests.
 
     ``episode``: a multi-turn episode continued after an abort (``prompt_ids`` then ends with its
-    response so far); engines ignore it, the episode runner resumes from it."""
+    response so far); engines ignore it, the episode runner resumes from it. ``tools_kwargs``:
+    verl's per-sample tool arguments (the dataset row's ``extra_info.tools_kwargs``: ``{tool name:
+    {"create_kwargs": {...}, "execute_kwargs": {...}}}``), which the episode runner hands to the
+    tools; engines ignore it."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     episode: EpisodeInfo | None = None
+    tools_kwargs: dict[str, Any] | None = None
 
 
 @dataclass

@@ -59,7 +59,9 @@ class Unit:
     def replan(self) -> None:
         """``send`` from what is held and what is partly generated."""
         self.send = [
-            continuation(r.request_id, r.prompt_ids, self.prefix[r.request_id], r.sampling)
+            continuation(
+                r.request_id, r.prompt_ids, self.prefix[r.request_id], r.sampling, tools_kwargs=r.tools_kwargs
+            )
             if r.request_id in self.prefix
             else r
             for r in self.requests

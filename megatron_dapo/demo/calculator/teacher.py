@@ -146,8 +146,8 @@ class _Borrowed:
         self.tools = tools
         self.workers = tools.workers
 
-    def call(self, episode_id: str, call: Any) -> Any:
-        return self.tools.call(episode_id, call)
+    def call(self, episode_id: str, call: Any, *, tools_kwargs: dict | None = None) -> Any:
+        return self.tools.call(episode_id, call, tools_kwargs=tools_kwargs)
 
     def release(self, episode_id: str) -> None:
         self.tools.release(episode_id)
