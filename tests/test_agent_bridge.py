@@ -533,6 +533,8 @@ class _TemplateEngine:
 
 
 class _Weather:
+    workers = 2
+
     def call(self, episode_id, call, *, tools_kwargs=None):
         return ToolOutcome(
             {"Paris": "18 degrees, sunny", "Rome": "21 degrees, cloudy"}[call.arguments["city"]], "ok"

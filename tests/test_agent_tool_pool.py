@@ -79,6 +79,8 @@ def _loop(tools) -> MultiTurn:
         max_tool_response_tokens=50,
         tool_response_truncate_side="right",
         max_parallel_calls=1,
+        # the tool pool's tests: no re-render of the whole conversation (test_agent_runner's)
+        tokenization_sanity_check_mode="disable",
     )
     return MultiTurn(settings, AppendOnly(_CharChat()), tools, _OneCall(), _CharTokenizer())
 
@@ -103,7 +105,7 @@ class _Gathering:
         self.lock = threading.Lock()
         self.inside = self.most = 0
 
-    def call(self, episode_id, call):
+    def call(self, episode_id, call, *, tools_kwargs=None):
         with self.lock:
             self.inside += 1
             self.most = max(self.most, self.inside)
@@ -323,6 +325,7 @@ def _episodes_of(host: ToolHost, keep_aborted: bool = False) -> ToolInstances:
         max_tool_response_tokens=50,
         tool_response_truncate_side="right",
         max_parallel_calls=1,
+        tokenization_sanity_check_mode="disable",
     )
     loop = MultiTurn(settings, AppendOnly(_CharChat()), host, _CountCalls(), _CharTokenizer())
     return ToolInstances(loop, keep_aborted=keep_aborted)
