@@ -55,7 +55,7 @@ from megatron_dapo.agent.calls import get_call_format  # noqa: E402
 from megatron_dapo.agent.runner import AppendOnly, MultiTurn, MultiTurnSettings  # noqa: E402
 from megatron_dapo.config import load_config  # noqa: E402
 from megatron_dapo.data.types import PromptSample  # noqa: E402
-from megatron_dapo.demo.tokenizer import ASSISTANT, build_calculator_tokenizer  # noqa: E402
+from megatron_dapo.demo.tokenizer import ASSISTANT, CHARACTERS, build_calculator_tokenizer  # noqa: E402
 from megatron_dapo.rollout.manager import RolloutManager, RolloutManagerConfig  # noqa: E402
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult, SamplingParams  # noqa: E402
 
@@ -103,6 +103,9 @@ class Plans:
         self.args, self.tok = args, tokenizer
         self.assistant = tokenizer.convert_tokens_to_ids(ASSISTANT)
         self.eot = tokenizer.eos_token_id
+        # one id per character: a turn's ids are built here, not encoded (its 700 characters
+        # would cost the stand-in more time than the loop it measures)
+        self.char_ids = {c: tokenizer.convert_tokens_to_ids(c) for c in CHARACTERS}
         self.by_tag: dict[str, Plan] = {}
         self._lock = threading.Lock()
 
@@ -127,8 +130,8 @@ class Plans:
             + "</tool_call>"
         )
         head = f"{tag} " if k == 0 else ""
-        text = head + "x" * (n - 1 - len(head) - len(call)) + call
-        ids = self.tok.encode(text, add_special_tokens=False) + [self.eot]
+        filler = [self.char_ids["x"]] * (n - 1 - len(head) - len(call))
+        ids = [self.char_ids[c] for c in head] + filler + [self.char_ids[c] for c in call] + [self.eot]
         assert len(ids) == n, (len(ids), n)
         return plan, k, ids
 
@@ -145,11 +148,11 @@ class SlotEngine:
         self._slots = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot")
         self._abort = threading.Event()
 
-    def _decode(self, q: GenerationRequest, on_result) -> GenerationResult:
+    def _decode(self, q: GenerationRequest, on_result, aborted: threading.Event) -> GenerationResult:
         _, _, ids = self.plans.turn(q)
         ids = ids[: q.sampling.max_new_tokens]
         start = time.monotonic()
-        if self._abort.wait(len(ids) * self.token_s):
+        if aborted.wait(len(ids) * self.token_s):
             done = min(len(ids), int((time.monotonic() - start) / self.token_s))
             return GenerationResult(q.request_id, ids[:done], [-0.5] * done, "abort", 0)
         finish = "stop" if ids[-1] == self.plans.eot else "length"
@@ -159,12 +162,13 @@ class SlotEngine:
         return res
 
     def generate(self, requests, on_result=None):
-        self._abort.clear()
-        futures = [self._slots.submit(self._decode, q, on_result) for q in requests]
+        aborted = self._abort  # an abort reaches the calls in flight when it comes, not later ones
+        futures = [self._slots.submit(self._decode, q, on_result, aborted) for q in requests]
         return [f.result() for f in futures]
 
     def abort(self):
         self._abort.set()
+        self._abort = threading.Event()
 
     def health(self, check_process=True):
         return True
@@ -197,25 +201,30 @@ class TimedHF:
             )
             for q, p in zip(requests, planned)
         ]
-        out = []
-        for q, p, r in zip(requests, planned, self.engine.generate(sent)):
+        by_id = {q.request_id: p for q, p in zip(requests, planned)}
+
+        def as_planned(r: GenerationResult) -> GenerationResult:
             if r.finish_reason == "abort":
-                out.append(r)
-                continue
-            ids = p[: len(r.output_ids)]
-            res = GenerationResult(
-                q.request_id, ids, [-0.5] * len(ids), "stop" if ids[-1] == self.plans.eot else "length", 0
-            )
+                return r
+            ids = by_id[r.request_id][: len(r.output_ids)]
+            finish = "stop" if ids[-1] == self.plans.eot else "length"
+            return GenerationResult(r.request_id, ids, [-0.5] * len(ids), finish, 0)
+
+        def forward(r: GenerationResult) -> None:
             if on_result is not None:
-                on_result(res)
-            out.append(res)
-        return out
+                on_result(as_planned(r))
+
+        return [as_planned(r) for r in self.engine.generate(sent, on_result=forward)]
 
     def abort(self):
         self.engine.abort()
 
     def health(self, check_process=True):
         return True
+
+    def busy_s(self) -> float:
+        """The seconds the HF engine spent in calls (it runs one at a time)."""
+        return self.engine.stats["busy_s"]
 
     def close(self):
         pass
@@ -296,6 +305,8 @@ def settings(args):
     }
     if args.groups_per_call is not None:
         overrides["rollout.groups_per_call"] = args.groups_per_call
+    if args.seed is not None:  # every episode's plan is drawn from its request's seed
+        overrides["trainer.seed"] = args.seed
     return load_config(str(RECIPE), [f"{k}={v}" for k, v in overrides.items()])
 
 
@@ -321,6 +332,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     batch = manager.collect(Prompts(bridge), weight_version=0)
     wall = time.perf_counter() - t0
+    measured_busy = engine.busy_s() if hasattr(engine, "busy_s") else None
     engine.close()
     runner.close()
 
@@ -339,6 +351,7 @@ def run(args) -> dict:
         "rollout_s": batch.metrics.get("rollout/time_s", wall),
         "chain_s": chain,
         "busy_s": busy,
+        "measured_busy_s": measured_busy,
         "tokens": tokens,
         "tool_calls": sum(len(p.tool_s) for p in plans.by_tag.values()),
         "tool_s": tool_total,
@@ -376,6 +389,7 @@ def hf_engine(args, tok, plans):
         return (time.perf_counter() - t) / n
 
     alone, full = timed(1), timed(args.hf_batch) / args.hf_batch
+    engine.stats["busy_s"] = 0.0  # the rollout's own, from here
     print(
         f"hf engine: {alone * 1e3:.2f} ms a token alone, {full * 1e3:.2f} ms a token per row at batch {args.hf_batch}"
     )
@@ -399,7 +413,7 @@ def main(argv=None) -> None:
     ap.add_argument("--groups-per-call", type=int, default=None, help="default: the recipe's")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--hf-threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None, help="trainer.seed; default: the recipe's")
     args = ap.parse_args(argv)
     if not 1 <= args.turns <= 16:
         ap.error(f"--turns must be 1..16, got {args.turns}")
@@ -422,6 +436,8 @@ def main(argv=None) -> None:
         f"{r['tool_s']:.1f} s in all); {r['groups_per_call']} group(s) per engine call"
     )
     print(f"ideal: longest episode's chain {r['chain_s']:.2f} s, engine busy {r['busy_s']:.2f} s")
+    if r["measured_busy_s"] is not None:
+        print(f"the engine was in calls {r['measured_busy_s']:.2f} s of the rollout")
     print(
         f"agent loop: rollout {r['rollout_s']:.2f} s, ideal {ideal:.2f} s, ratio {r['rollout_s'] / ideal:.2f}"
     )
