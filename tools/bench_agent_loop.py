@@ -238,10 +238,10 @@ class Answer:
 
 class SleepTool:
     """A ``ToolRunner`` whose call runs for the seconds it names; at the time-out it stops and
-    answers "timeout", as the tool host does."""
+    answers "timeout", as the tool host does. ``workers``: calls at once (the loop runs as many)."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, workers: int):
+        self.timeout_s, self.workers = timeout_s, workers
 
     def call(self, episode_id, call):
         s = float(call.arguments["s"])
@@ -316,7 +316,7 @@ def run(args) -> dict:
     tok.model_max_length = 1 << 30  # episodes here are longer than the demo's
     plans = Plans(args, tok)
     mt = MultiTurnSettings.from_config(cfg, max_context=1 << 30)
-    tools = SleepTool(cfg.rollout.multi_turn.tool_timeout_s)
+    tools = SleepTool(cfg.rollout.multi_turn.tool_timeout_s, cfg.rollout.multi_turn.tool_workers)
     bridge = ChatBridge(tok)
     runner = MultiTurn(mt, AppendOnly(bridge), tools, get_call_format(cfg.rollout.multi_turn.format), tok)
     token_s = args.token_ms / 1000 * args.time_scale
@@ -359,6 +359,7 @@ def run(args) -> dict:
             s >= cfg.rollout.multi_turn.tool_timeout_s for p in plans.by_tag.values() for s in p.tool_s
         ),
         "groups_per_call": cfg.rollout.groups_per_call,
+        "tool_workers": tools.workers,
     }
 
 
@@ -433,7 +434,8 @@ def main(argv=None) -> None:
     ideal = max(r["chain_s"], r["busy_s"])
     print(
         f"draws: {r['tokens']} tokens, {r['tool_calls']} tool calls ({r['timeouts']} at the time-out, "
-        f"{r['tool_s']:.1f} s in all); {r['groups_per_call']} group(s) per engine call"
+        f"{r['tool_s']:.1f} s in all, {r['tool_s'] / r['tool_workers']:.1f} s over {r['tool_workers']} tool workers); "
+        f"{r['groups_per_call']} group(s) per engine call"
     )
     print(f"ideal: longest episode's chain {r['chain_s']:.2f} s, engine busy {r['busy_s']:.2f} s")
     if r["measured_busy_s"] is not None:
