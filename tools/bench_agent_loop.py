@@ -8,12 +8,14 @@ the ReTool recipe's ``rollout.multi_turn`` settings) drive stand-ins for what co
   free slot, waits for one when all are taken) at ``--token-ms`` per token per slot;
 - a tool that sleeps the latency its call names, drawn from a log-normal (median
   ``--tool-median-s``, ``--tool-sigma``) cut at ``--tool-timeout-s`` (ReTool's sandbox time-out);
-  the drawn latency travels in the call's arguments (``{"s": ...}``), as code that runs that long.
+  the drawn latency travels in the call's arguments (``{"s": ...}``), as code that runs that long;
+  as many calls at once as the recipe's ``tool_workers``.
 Each episode's plan is drawn from its first request's seed alone: K model turns whose lengths are
 log-normal around ``--turn-tokens``, each but the last ending in one tool call. So the draws do not
 depend on the scheduling, and the ideal is computed from them alone: the longer of the longest
 episode's own chain (its turns' tokens at one slot's speed plus its tools' latencies) and the
-engine's total busy time (all tokens over all slots).
+engine's total busy time (all tokens over all slots). One round keeps every group (dynamic
+sampling off), so nothing is aborted; the stand-ins do not model a turn continued after an abort.
 
 Times are the recipe's scaled by ``--time-scale`` (0.1: a second of the bench stands for ten):
 before scaling, 20 ms a token per slot and 128 slots (an SGLang TP=4 engine of the 32B recipe
@@ -28,7 +30,7 @@ planned text replaces the sampled one so the episode goes as planned. Its per-to
 measured first (one request alone for the chain; a full batch of ``--hf-batch`` for the busy time).
 
     python tools/bench_agent_loop.py [--episodes 512] [--turns 8] [--time-scale 0.1] [--slots 128]
-    python tools/bench_agent_loop.py --engine hf --episodes 32 --turns 4 --turn-tokens 100
+    python tools/bench_agent_loop.py --engine hf --episodes 64 --turns 4 --turn-tokens 100
 
 The last line is ``agent loop: rollout X s, ideal Y s, ratio R``. Wall times move with the
 machine's load; the ratio less so.
