@@ -340,11 +340,13 @@ def run(args) -> dict:
     runner.close()
 
     # every episode must have gone as planned, or the ideal is not this rollout's
-    off_plan = [s for s in batch.samples if s.finish_reason != "stop"]
+    off_plan = [s for s in batch.samples if not _as_planned(s, args.turns)]
     if len(plans.by_tag) != args.episodes or off_plan:
+        ends = sorted({str((s.episode or {}).get("end")) for s in off_plan})
         raise SystemExit(
-            f"episodes off their plan: {len(plans.by_tag)} planned of {args.episodes}, "
-            f"{len(off_plan)} ended otherwise than 'stop' (budgets too small for --turns x --turn-tokens?)"
+            f"episodes off their plan: {len(plans.by_tag)} planned of {args.episodes}, {len(off_plan)} "
+            f"not {args.turns} turns ending 'stop' (ended {', '.join(ends)}; budgets too small for "
+            "--turns x --turn-tokens?)"
         )
     chain = max(p.chain_s(chain_token_s) for p in plans.by_tag.values())
     tokens = sum(sum(p.turn_tokens) for p in plans.by_tag.values())
@@ -364,6 +366,13 @@ def run(args) -> dict:
         "groups_per_call": cfg.rollout.groups_per_call,
         "tool_workers": tools.workers,
     }
+
+
+def _as_planned(sample, turns: int) -> bool:
+    """The episode took its K turns, ended on the last one's answer, and its tokens count."""
+    episode = sample.episode or {}
+    assistant = sum(t.get("role") == "assistant" for t in episode.get("turns", []))
+    return episode.get("end") == "stop" and assistant == turns and any(sample.loss_mask or [1])
 
 
 def hf_engine(args, tok, plans):
