@@ -246,7 +246,7 @@ class SleepTool:
     def __init__(self, timeout_s: float, workers: int):
         self.timeout_s, self.workers = timeout_s, workers
 
-    def call(self, episode_id, call):
+    def call(self, episode_id, call, **_):  # the rest: per-sample tool arguments, unused here
         s = float(call.arguments["s"])
         if s >= self.timeout_s:
             time.sleep(self.timeout_s)
