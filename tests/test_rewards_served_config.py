@@ -54,6 +54,7 @@ CLASSIFIER = ("reward.model.kind=classifier", "reward.model.path=/ckpt/rm")
         ([*JUDGE, "reward.model.max_in_flight=0"], "reward.model.max_in_flight=0 must be >= 1"),
         ([*CLASSIFIER, "reward.model.gpus_per_server=0"], "reward.model.gpus_per_server=0 must be >= 1"),
         ([*JUDGE, "reward.model.down_grace_s=0"], "reward.model.down_grace_s=0(\\.0)? must be > 0"),
+        ([*JUDGE, "reward.model.max_restarts=-1"], "reward.model.max_restarts=-1 must be >= 0"),
         ([*CLASSIFIER, "reward.model.transform=scale"], "reward.model.transform='scale' must look like"),
         ([*CLASSIFIER, "reward.combine=mix.py"], "reward.combine='mix.py' must look like"),
         (

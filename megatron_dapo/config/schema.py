@@ -296,6 +296,11 @@ class RewardModelConfig:
     max_in_flight: int = 32
     # How long a server may stay unreachable before the run stops.
     down_grace_s: float = 300.0
+    # Restarts of each server the run started (after it died, or failed its start-up probe
+    # after a restart) before the run stops with one line naming the server, its log and its
+    # restarts: a server that dies again and again (out of memory under load) stops the run
+    # instead of leaving most samples unscored. Counted as reward/server_restarts.
+    max_restarts: int = 3
     # classifier: "path.py:fn" mapping the model's logit (a list with several labels) to the reward.
     transform: Optional[str] = None
     # judge: the question to the judge; {question} (the prompt's last user message), {response}

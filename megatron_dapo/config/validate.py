@@ -435,6 +435,11 @@ def check_reward(cfg: DictConfig) -> None:
             f"reward.model.down_grace_s={m.down_grace_s} must be > 0 (seconds a reward server may stay "
             "unreachable before the run stops)"
         )
+    if m.max_restarts < 0:
+        raise ConfigError(
+            f"reward.model.max_restarts={m.max_restarts} must be >= 0 (restarts of a reward server before "
+            "the run stops; 0 stops it at the first death)"
+        )
     for key, value in (("reward.model.transform", m.transform), ("reward.combine", rw.combine)):
         if value is not None and not _fn_spec(value):
             raise ConfigError(f"{key}={value!r} must look like 'path/to/file.py:function'")

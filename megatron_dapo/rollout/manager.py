@@ -326,7 +326,9 @@ class RolloutManager:
         ledger.check(len(batch_groups))
         if cfg.partial:
             self._carry = ledger.carry_out
-        return RolloutBatch(samples, rollout_metrics(cfg, self.pool, samples, ledger, wall, weight_version))
+        metrics = rollout_metrics(cfg, self.pool, samples, ledger, wall, weight_version)
+        metrics.update(self.scoring.metrics())
+        return RolloutBatch(samples, metrics)
 
     def _resumable(self, version: int, ledger: Ledger) -> list[CarriedGroup]:
         """The carried groups, each response older than ``partial_max_lag`` started over."""

@@ -53,7 +53,7 @@ class ModelScorer(Protocol):
 
     def score(self, sample: RewardSample) -> ScoreOutcome: ...
 
-    def check_down(self) -> None: ...
+    def check_down(self) -> None: ...  # raises when a server is down past its grace, or lost
 
 
 class GroupScoring:
@@ -193,6 +193,12 @@ class GroupScoring:
                 lengths, cfg.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
             )[0]
         )
+
+    def metrics(self) -> dict[str, float]:
+        """``reward/server_restarts``: restarts of the run's reward servers so far (the run stops
+        past ``reward.model.max_restarts`` of one server)."""
+        restarts = getattr(self.model, "restarts", None)
+        return {} if restarts is None else {"reward/server_restarts": float(restarts)}
 
     def _log_unscored(self, outcome: ScoreOutcome) -> None:
         """Each reason once per run at warning level (the count is the reward/unscored metric)."""

@@ -20,17 +20,22 @@ SGLang's Qwen2/Qwen3 classification head has a bias the checkpoint lacks) and ch
 against transformers (``rewards.served.startup_check``), after every restart too.
 
 Supervision: a thread polls each server's process (on another node, through its host); a dead
-one is restarted there (``SGLangServer.restart``, health-waited) and the client is told
-(``mark_restarted``), so the samples scored while it was down come back unscored, never 0, and
-the ones after score again. A server that cannot be brought back keeps failing its requests
-until ``reward.model.down_grace_s``, when the client stops the run with one line.
+one is restarted there (``SGLangServer.restart``, health-waited) and probed again. While it is
+down the client sends it nothing (``server_down``); once it answers and passes the probe the
+client is told (``server_back``), so the samples scored while it was down come back unscored,
+never 0, and the ones after score again. A server that fails its probe after a restart is
+stopped (it must not serve a wrong score) and restarted at the next poll. Each server gets
+``reward.model.max_restarts`` restarts; when it dies once more the client is told
+(``server_lost``) and the run stops with one line naming the server, its log and its restarts
+(``reward/server_restarts`` counts them step by step). A server that never comes back within
+the cap stops the run at ``reward.model.down_grace_s`` at the latest.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,13 +71,25 @@ class Supervised(Protocol):
     def stop(self) -> None: ...
 
 
+class ServerEvents(Protocol):
+    """What supervision tells the reward model's client (``BlockingRewardModel``)."""
+
+    def server_down(self, url: str) -> None: ...  # being restarted: send it nothing
+
+    def server_back(self, url: str) -> None: ...  # restarted and probed: send it work again
+
+    def server_lost(self, message: str) -> None: ...  # past reward.model.max_restarts: stop the run
+
+
 @dataclass
 class RewardServer:
-    """One reward server: where the client reaches it, its log, and its process."""
+    """One reward server: where the client reaches it, its log, its process, and how often it
+    was restarted."""
 
     url: str
     log_file: str
     process: Supervised
+    restarts: int = 0
 
 
 class RewardServers:
@@ -91,7 +108,8 @@ class RewardServers:
         self.hosts = list(hosts)  # the Ray node hosts that run them (launched on planned nodes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.restarts = 0
+        self.restarts = 0  # over every server, the run so far
+        self.poll_s = _POLL_S
 
     @property
     def urls(self) -> list[str]:
@@ -192,27 +210,58 @@ class RewardServers:
         if self.probe_model is not None:
             check_classifier_server(server.url, self.probe_model, timeout_s=self.settings.timeout_s)
 
-    def watch(self, on_restart: Callable[[str], None]) -> None:
-        """Restart any server that dies, from a daemon thread, and tell ``on_restart(url)``."""
+    def watch(self, client: ServerEvents) -> None:
+        """Restart any server that dies, from a daemon thread, telling ``client`` (see the module)."""
         self._thread = threading.Thread(
-            target=self._watch, args=(on_restart,), name="reward-servers", daemon=True
+            target=self._watch, args=(client,), name="reward-servers", daemon=True
         )
         self._thread.start()
 
-    def _watch(self, on_restart: Callable[[str], None]) -> None:
-        while not self._stop.wait(_POLL_S):
-            for srv in self.servers:
-                if self._stop.is_set() or srv.process.alive():
-                    continue
-                log.error("reward server %s died (log %s); restarting it", srv.url, srv.log_file)
-                try:
-                    srv.process.restart()  # waits until it is healthy again
-                    self.check(srv)
-                except Exception as e:  # noqa: BLE001 - the client's down grace decides when the run stops
-                    log.error("reward server %s did not come back: %s", srv.url, e)
-                    continue
-                self.restarts += 1
-                on_restart(srv.url)
+    def _watch(self, client: ServerEvents) -> None:
+        while not self._stop.wait(self.poll_s):
+            if not self.poll(client):
+                return
+
+    def poll(self, client: ServerEvents) -> bool:
+        """One look at every server: restart the dead ones. False once one is past its cap (the
+        client was told to stop the run; watching ends)."""
+        for srv in self.servers:
+            if self._stop.is_set():
+                return True
+            if srv.process.alive():
+                continue
+            if srv.restarts >= self.settings.max_restarts:
+                message = (
+                    f"reward server {srv.url} died again after {srv.restarts} restarts "
+                    f"(reward.model.max_restarts={self.settings.max_restarts}; its log: {srv.log_file}); "
+                    "the run stops rather than train on a reward that is mostly missing: read the log (a "
+                    "server that dies under load is often out of memory: lower reward.model.max_in_flight), "
+                    "or raise reward.model.max_restarts"
+                )
+                log.error(message)
+                client.server_lost(message)
+                return False
+            srv.restarts += 1
+            self.restarts += 1
+            client.server_down(srv.url)
+            log.error(
+                "reward server %s died (log %s); restarting it (restart %d of reward.model.max_restarts=%d)",
+                srv.url,
+                srv.log_file,
+                srv.restarts,
+                self.settings.max_restarts,
+            )
+            try:
+                srv.process.restart()  # waits until it is healthy again
+                self.check(srv)
+            except Exception as e:  # noqa: BLE001 - it is stopped and counts as dead: the cap decides
+                log.error(
+                    "reward server %s did not come back (%s); it is stopped and restarted again", srv.url, e
+                )
+                srv.process.stop()  # a server that fails its probe must not serve wrong scores
+                continue
+            client.server_back(srv.url)
+        return True
 
     def stop(self) -> None:
         self._stop.set()

@@ -56,9 +56,6 @@ class RewardModel:
         """Raise :class:`RewardServerDown` when a server has been down past ``down_grace_s``."""
         self.pool.check_down()
 
-    def mark_restarted(self, url: str) -> None:
-        self.pool.mark_restarted(url)
-
     async def aclose(self) -> None:
         await self.pool.aclose()
 
@@ -145,6 +142,7 @@ class BlockingRewardModel:
 
     def __init__(self, settings: ServedRewardSettings, urls: Sequence[str] | None = None, *, api_key=None):
         self.kind = settings.kind
+        self.restarts = 0  # server restarts supervision began, the run so far (reward/server_restarts)
         # requests the servers take at once: a caller scoring one sample per thread needs this many
         self.concurrency = settings.max_in_flight * (1 if urls is None else len(urls))
         self._loop = asyncio.new_event_loop()
@@ -168,8 +166,17 @@ class BlockingRewardModel:
     def check_down(self) -> None:
         self.model.check_down()
 
-    def mark_restarted(self, url: str) -> None:
-        self._loop.call_soon_threadsafe(self.model.mark_restarted, url)
+    # supervision's events (sglang/reward_servers.py ServerEvents), from its thread
+
+    def server_down(self, url: str) -> None:
+        self.restarts += 1
+        self._loop.call_soon_threadsafe(self.model.pool.mark_down, url, "restarting after it died")
+
+    def server_back(self, url: str) -> None:
+        self._loop.call_soon_threadsafe(self.model.pool.mark_restarted, url)
+
+    def server_lost(self, message: str) -> None:
+        self._loop.call_soon_threadsafe(self.model.pool.mark_lost, message)
 
     def peak_in_flight(self) -> dict[str, int]:
         return self.model.pool.peak_in_flight()

@@ -110,6 +110,7 @@ class ServerPool:
         self.down_grace_s = float(down_grace_s)
         self.backoff_s = float(backoff_s)
         self.what = what
+        self.lost: str | None = None  # why the run must stop (mark_lost)
         self.servers = [_Server(u.rstrip("/"), asyncio.Semaphore(int(max_in_flight))) for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # connections are bounded by the semaphores, not by httpx's pool (its wait would count
@@ -137,8 +138,24 @@ class ServerPool:
             if s.url == url.rstrip("/"):
                 s.down_since, s.down_failures, s.retry_at = None, 0, 0.0
 
+    def mark_down(self, url: str, why: str) -> None:
+        """The caller is restarting the server at ``url``: route nothing to it (while another
+        server is up) until :meth:`mark_restarted`; its down grace runs from now."""
+        for s in self.servers:
+            if s.url == url.rstrip("/"):
+                if s.down_since is None:
+                    s.down_since = time.monotonic()
+                s.retry_at, s.last_error = float("inf"), why
+
+    def mark_lost(self, message: str) -> None:
+        """A server is gone for good (restarted too often): :meth:`check_down` raises ``message``."""
+        self.lost = message
+
     def check_down(self) -> None:
-        """Raise :class:`RewardServerDown` when some server has been down past the grace."""
+        """Raise :class:`RewardServerDown` when some server has been down past the grace, or
+        was lost for good."""
+        if self.lost is not None:
+            raise RewardServerDown(self.lost)
         now = time.monotonic()
         for s in self.servers:
             self._check_grace(s, now)
@@ -226,6 +243,8 @@ class ServerPool:
         server.down_since, server.down_failures, server.retry_at = None, 0, 0.0
 
     def _check_grace(self, server: _Server, now: float) -> None:
+        if self.lost is not None:
+            raise RewardServerDown(self.lost)
         if server.down_since is not None and now - server.down_since > self.down_grace_s:
             raise RewardServerDown(
                 f"{self.what} {server.url} has been unreachable for {now - server.down_since:.0f}s, past "
