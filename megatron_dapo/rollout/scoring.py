@@ -117,10 +117,11 @@ class GroupScoring:
         if self.model is None:
             r = self.scorer.score_many([item])[0]
             return SampleReward(r.score, r.acc, r.pred, r.error, rule_score=float(r.score))
-        rule_score = None
+        rule_score, rule = None, None
         if self.combiner.fn is not None and self.scorer.knows(prompt.data_source):
             # the rule's score, where it has a reward for the data_source, for the combine function
-            rule_score = float(self.scorer.score_many([item])[0].score)
+            rule = self.scorer.score_many([item])[0]
+            rule_score = None if rule.error is not None else float(rule.score)
         sample = RewardSample(
             request_id,
             list(prompt.messages),
@@ -135,6 +136,10 @@ class GroupScoring:
         if not outcome.scored:
             self._log_unscored(outcome)
             return SampleReward(float("nan"), False, "", None, outcome.unscored, rule_score, None)
+        if rule is not None and rule.error is not None:
+            # the rule failed: its failure value stands, as without a model (a reward error,
+            # counted), never mixed into a combined score as if the rule had scored
+            return SampleReward(rule.score, rule.acc, rule.pred, rule.error, None, None, outcome.score)
         mixed = self.combiner(sample, rule_score, outcome.score)
         return SampleReward(mixed.score, mixed.acc, mixed.pred, None, None, rule_score, outcome.score)
 
