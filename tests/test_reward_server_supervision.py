@@ -148,3 +148,59 @@ def stand_in():
     yield make
     for s in made:
         s.close()
+
+
+CLOSE_WHILE_WAITING = """
+import json, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from megatron_dapo.rewards.served import BlockingRewardModel, RewardSample, ServedRewardSettings
+
+class Silent(BaseHTTPRequestHandler):  # lists its model, and never answers a verdict
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "judge"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        time.sleep(3600)
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+server.daemon_threads = True
+threading.Thread(target=server.serve_forever, daemon=True).start()
+url = "http://127.0.0.1:%d" % server.server_address[1]
+model = BlockingRewardModel(ServedRewardSettings(kind="judge", url=url, timeout_s=600.0))
+outcomes = []
+sample = RewardSample(0, [{"role": "user", "content": "q"}], "a")
+# a scoring thread that is not a daemon, as a prefetching rollout's is
+waiter = threading.Thread(target=lambda: outcomes.append(model.score(sample)))
+waiter.start()
+many = threading.Thread(target=lambda: outcomes.append(model.score_many([sample, sample])))
+many.start()
+time.sleep(1.0)
+model.close()
+waiter.join(30)
+many.join(30)
+print("ALIVE" if waiter.is_alive() or many.is_alive() else "DONE", outcomes)
+print([o.unscored for o in model.score_many([sample])])
+"""
+
+
+def test_closing_wakes_every_score_in_flight_unscored_and_the_process_exits(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(
+        [sys.executable, "-c", CLOSE_WHILE_WAITING], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, after = out.stdout.splitlines()[-2:]
+    assert first.startswith("DONE") and first.count("unscored='closed'") == 3, first
+    assert after == "['closed']"  # a score asked for after close does not wait either
+    assert "Task was destroyed" not in out.stderr and "never retrieved" not in out.stderr

@@ -11,6 +11,7 @@ the ``tokenizer_path`` the server reports (``GET /model_info``), which must be r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -132,6 +133,12 @@ async def open_reward_model(
     return RewardModel(settings, scorer)
 
 
+def _closed(sample: RewardSample) -> ScoreOutcome:
+    return ScoreOutcome(
+        sample.sample_id, None, "closed", "the reward model was closed before the answer came"
+    )
+
+
 class BlockingRewardModel:
     """:class:`RewardModel` for plain threads: its own event loop in a daemon thread.
 
@@ -145,6 +152,9 @@ class BlockingRewardModel:
         self.restarts = 0  # server restarts supervision began, the run so far (reward/server_restarts)
         # requests the servers take at once: a caller scoring one sample per thread needs this many
         self.concurrency = settings.max_in_flight * (1 if urls is None else len(urls))
+        self._lock = threading.Lock()
+        self._closed = False
+        self._waiting: set[concurrent.futures.Future] = set()  # scoring calls being waited on
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-model-loop", daemon=True)
         self._thread.start()
@@ -157,11 +167,31 @@ class BlockingRewardModel:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _scoring(self, coro, samples: Sequence[RewardSample]):
+        """Run ``coro`` on the loop and wait; after :meth:`close` (or when it closes while this
+        waits) every sample comes back unscored ``closed`` instead of a wait that never ends."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                return [_closed(s) for s in samples]
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._waiting.add(fut)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            if not self._closed:
+                raise
+            return [_closed(s) for s in samples]
+        finally:
+            with self._lock:
+                self._waiting.discard(fut)
+
     def score_many(self, samples: Sequence[RewardSample]) -> list[ScoreOutcome]:
-        return self._run(self.model.score_many(list(samples)))
+        samples = list(samples)
+        return self._scoring(self.model.score_many(samples), samples)
 
     def score(self, sample: RewardSample) -> ScoreOutcome:
-        return self._run(self.model.score(sample))
+        return self._scoring(self.model.score(sample), [sample])[0]
 
     def check_down(self) -> None:
         self.model.check_down()
@@ -182,9 +212,25 @@ class BlockingRewardModel:
         return self.model.pool.peak_in_flight()
 
     def close(self) -> None:
+        """Wake every caller waiting on a score (each sample unscored ``closed``), then close the
+        connections and the loop: a scoring thread still waiting (one-step-off prefetch) must
+        not keep the process from exiting."""
+        with self._lock:
+            self._closed = True
+            waiting = list(self._waiting)
+        for fut in waiting:
+            fut.cancel()  # wakes its waiter now
         if self._thread.is_alive():
-            self._run(self.model.aclose())
+            self._run(self._shutdown())
         self._stop()
+
+    async def _shutdown(self) -> None:
+        """Cancel every request still on the loop and let it unwind, then close the connections."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.model.aclose()
 
     def _stop(self) -> None:
         if self._thread.is_alive():

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 # unparseable: an answer with no score in it (a judge's verdict without one, a body that is not
 #   the endpoint's JSON); not retried, since a greedy judge gives the same verdict again
 # down: the connection was refused or dropped (the server is dead or restarting)
-UNSCORED_REASONS = ("timeout", "server_error", "unparseable", "down")
+# closed: the client was closed while the sample waited (the run is stopping)
+UNSCORED_REASONS = ("timeout", "server_error", "unparseable", "down", "closed")
 
 
 @dataclass(frozen=True)
