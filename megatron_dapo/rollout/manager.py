@@ -66,7 +66,7 @@ from megatron_dapo.rollout.partial import (
     carry_to_state,
     join,
 )
-from megatron_dapo.rollout.rollout_metrics import rollout_metrics
+from megatron_dapo.rollout.rollout_metrics import generated_samples, rollout_metrics
 from megatron_dapo.rollout.scoring import GroupScoring, ModelScorer, SampleReward
 from megatron_dapo.rollout.types import (
     GenerationRequest,
@@ -294,6 +294,8 @@ class RolloutManager:
                     break
                 ledger.settle()
                 ledger.check(len(ledger.kept))
+                # a reward that fails, not the data, when most responses failed in it
+                self.scoring.check_step(generated_samples(ledger), ledger.filtered, ledger.unscored)
                 raise ValueError(
                     f"num_gen_batches={ledger.rounds} >= max_num_gen_batches={cfg.max_num_gen_batches} with only "
                     f"{len(ledger.kept)}/{cfg.train_batch_size} mixed groups (filtered: {ledger.filtered}). Generated "
@@ -315,6 +317,7 @@ class RolloutManager:
         if cfg.partial and ledger.cut is not None:
             self._carry_tail(ledger)
         ledger.settle()
+        self.scoring.check_step(generated_samples(ledger), {}, ledger.unscored)
         if ledger.scored_groups:
             self._keep_rate = max(len(ledger.kept), 1) / ledger.scored_groups
         batch_groups = ledger.kept

@@ -29,6 +29,13 @@ from megatron_dapo.rollout.units import Unit
 
 logger = logging.getLogger(__name__)
 
+# more than this share of a step's responses failing in the reward stops the run (check_step)
+REWARD_ERROR_SHARE = 0.5
+
+
+class RewardFunctionError(RuntimeError):
+    """Most of a step's responses failed in the reward itself; the message names the first failure."""
+
 
 @dataclass
 class SampleReward:
@@ -198,6 +205,31 @@ class GroupScoring:
                 lengths, cfg.max_response_length, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
             )[0]
         )
+
+    def check_step(
+        self, generated: list[RolloutSample], filtered: dict[str, int], unscored: dict[str, int]
+    ) -> None:
+        """Stop the run when the step's responses failed mostly in the reward itself, naming that
+        failure, rather than train on it or blame the data: more than half of them with a reward
+        error (raised, timed out), or (``filtered``/``unscored``: the ledger's) more than half of
+        the dropped groups dropped because the reward model left them unscored."""
+        errors = [s.reward_error for s in generated if s.reward_error is not None]
+        if generated and len(errors) > REWARD_ERROR_SHARE * len(generated):
+            spec = getattr(self.scorer, "custom_fn", None)
+            which = f"reward.custom_fn={spec}" if spec else "the built-in reward"
+            raise RewardFunctionError(
+                f"rollout: {len(errors)} of the step's {len(generated)} responses failed in the reward function "
+                f"({which}), the first with: {errors[0]}; they would train as wrong answers (a group whose every "
+                "response failed is dropped as all-wrong): fix the reward function"
+            )
+        dropped = sum(filtered.values())
+        if dropped and filtered.get("unscored", 0) > REWARD_ERROR_SHARE * dropped:
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(unscored.items()))
+            raise RewardFunctionError(
+                f"rollout: {filtered['unscored']} of the step's {dropped} dropped groups were dropped because the "
+                f"reward model left them unscored (responses by reason: {reasons}); the reward model, not the "
+                "data, is the cause: read its server's log and the reward/unscored_* metrics"
+            )
 
     def metrics(self) -> dict[str, float]:
         """``reward/server_restarts``: restarts of the run's reward servers so far (the run stops
