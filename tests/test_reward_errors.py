@@ -153,7 +153,7 @@ def test_tool_errors_and_timeouts_count_in_the_filtered_groups_too():
         return EpisodeInfo(turns, "stop").as_dict()
 
     ledger = Ledger(["e0"], target=1)
-    kept, dropped = Group(0, None), Group(1, None)
+    dropped, kept = Group(0, None), Group(1, None)
     kept.samples = [_sample(0, 1.0), _sample(0, -1.0)]
     dropped.samples = [_sample(1, -1.0), _sample(1, -1.0)]
     for s in kept.samples:
