@@ -3,7 +3,7 @@ OpenAI-compatible ``/v1/completions`` and a judge's ``/v1/chat/completions``, ea
 function of the request, so that a test knows every response and verdict by hand however the
 requests interleave.
 
-``StandIn(routes)``: ``routes`` maps a POST path to ``fn(body) -> (status, payload)`` or
+``StandIn(routes)``: ``routes`` maps a POST path to ``fn(body) -> (status, payload[, headers])`` or
 ``"drop"`` (the connection is closed without an answer, as a server that died mid-request); a
 payload given as a string is sent as is (not JSON). ``other(path, body)``, when given, answers
 the POST paths ``routes`` lacks (else 404). ``GET /v1/models`` lists one model (``model_id``).
@@ -77,9 +77,11 @@ class StandIn:
                     return
                 self._send(*answer)
 
-            def _send(self, code, payload):
+            def _send(self, code, payload, headers=None):
                 data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 self.send_response(code)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -27,7 +27,7 @@ from megatron_dapo.rewards.served.transport import ServerPool
 class StandIn(judge_standin.StandIn):
     """A 127.0.0.1 server answering the reward endpoints; ``script`` queues one behaviour per
     request (then ``default``): ("ok",), ("verdict", text), ("slow", seconds), ("hang",) until
-    ``release``, ("drop",), ("status", code, payload), ("garbage",). It counts requests and the
+    ``release``, ("drop",), ("status", code, payload[, headers]), ("garbage",). It counts requests and the
     most it held at once (``peak``)."""
 
     def __init__(self, default=("ok",)):
@@ -46,8 +46,8 @@ class StandIn(judge_standin.StandIn):
             return 200, self.reply(path, "yes")
         if kind == "drop":
             return "drop"
-        if kind == "status":
-            return action[1], action[2]
+        if kind == "status":  # ("status", code, payload[, headers])
+            return tuple(action[1:])
         if kind == "garbage":
             return 200, "{not json"
         if kind == "slow":
@@ -128,6 +128,41 @@ def test_a_5xx_then_an_answer_scores_on_the_retry(stand_in):
     with judge(s.url) as model:
         [out] = model.score_many(samples(1))
     assert out.scored and out.attempts == 2 and s.posts() == 2
+
+
+def test_a_429_waits_its_retry_after_then_scores_and_is_counted(stand_in):
+    s = stand_in()
+    s.script.append(("status", 429, {"error": "rate limit"}, {"Retry-After": "1.5"}))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    # the back-off alone would have waited 0.5 s
+    assert out.scored and out.attempts == 2 and out.throttled == 1 and out.elapsed_s >= 1.5
+    assert s.posts() == 2
+
+
+def test_a_408_is_retried_and_429_on_every_attempt_is_unscored_rate_limited(stand_in):
+    s = stand_in(default=("status", 429, {"error": "rate limit"}, {"Retry-After": "0"}))
+    s.script.append(("status", 408, "request timeout"))
+    with judge(s.url, max_retries=2) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "rate_limited" and "HTTP 429" in out.detail
+    assert out.attempts == 3 and out.throttled == 3 and s.posts() == 3
+
+
+def test_retry_after_as_seconds_or_an_http_date_within_its_cap():
+    import email.utils
+
+    import httpx
+
+    from megatron_dapo.rewards.served.transport import _RETRY_AFTER_MAX_S, _retry_after
+
+    def wait(value):
+        return _retry_after(httpx.Response(429, headers={} if value is None else {"Retry-After": value}), 0.5)
+
+    assert wait("3") == 3.0 and wait(None) == 0.5 and wait("soon") == 0.5 and wait("-4") == 0.0
+    assert wait("86400") == _RETRY_AFTER_MAX_S
+    date = email.utils.formatdate(time.time() + 20, usegmt=True)
+    assert 17.0 <= wait(date) <= 20.0
 
 
 def test_a_hang_ends_unscored_timeout_within_its_retries(stand_in):
@@ -307,3 +342,16 @@ def test_a_transform_that_raises_is_one_line_naming_it(stand_in, tmp_path):
         RewardModelError, match=r"reward.model.transform=.*t.py:broken raised ZeroDivisionError"
     ):
         classify(s.url, f"{fn}:broken")
+
+
+def test_throttled_answers_are_a_step_metric():
+    from megatron_dapo.rewards.served import ScoreOutcome
+    from megatron_dapo.rollout.rollout_metrics import served_model_metrics
+
+    outcomes = [
+        ("judge", ScoreOutcome(0, 1.0, attempts=3, throttled=2)),
+        ("judge", ScoreOutcome(1, None, "rate_limited", attempts=3, throttled=3)),
+        ("judge", ScoreOutcome(2, -1.0, attempts=1)),
+    ]
+    m = served_model_metrics(outcomes)
+    assert m["reward/judge_throttled"] == 5.0 and m["reward/judge_retries"] == 4.0

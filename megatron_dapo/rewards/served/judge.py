@@ -217,7 +217,12 @@ class JudgeClient:
         path = "/generate" if self.api == "sglang" else "/v1/chat/completions"
         result = await self.pool.post(path, self.payload(sample), str(sample.sample_id))
         elapsed = time.monotonic() - start
-        common = {"attempts": result.attempts, "server": result.server, "elapsed_s": elapsed}
+        common = {
+            "attempts": result.attempts,
+            "server": result.server,
+            "elapsed_s": elapsed,
+            "throttled": result.throttled,
+        }
         if not isinstance(result, Answer):
             return ScoreOutcome(sample.sample_id, None, result.reason, result.detail, **common)
         verdict, cut = self._verdict(result.body)

@@ -1,9 +1,12 @@
 """POSTs to a set of reward servers: retries, back-off, a bound on requests in flight per server,
 and the failure each exhausted request ends in.
 
-What is retried: timeouts, HTTP 5xx, and refused or dropped connections (the next attempt goes
-to the least busy server that is not known to be down, so a dead server's samples move to the
-others). What is not: an HTTP 4xx (the request itself is wrong; :class:`RewardRequestError`), and
+What is retried: timeouts, HTTP 5xx, HTTP 429 (rate limited) and 408 (request timeout), and
+refused or dropped connections (the next attempt goes to the least busy server that is not known
+to be down, so a dead server's samples move to the others). A 429 or 408 waits what its
+``Retry-After`` says (seconds or an HTTP date, at most ``_RETRY_AFTER_MAX_S``), else the usual
+back-off, and is counted on the outcome (``throttled``). What is not: any other HTTP 4xx (the
+request itself is wrong; :class:`RewardRequestError`), and
 an answer that is not JSON (a server that answers garbage answers it again). Scoring is
 read-only, so a retry can never do harm on the server, unlike a rollout's ``/generate``.
 
@@ -17,7 +20,10 @@ the pool one is back.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +39,8 @@ _CONNECT_TIMEOUT_S = 10.0
 # nobody announced still gets traffic back
 _DOWN_RETRY_FIRST_S = 1.0
 _DOWN_RETRY_MAX_S = 30.0
+# the longest a Retry-After is honoured: a hosted judge asking for an hour must not stall a step
+_RETRY_AFTER_MAX_S = 60.0
 
 
 @dataclass
@@ -44,6 +52,8 @@ class Failure:
     detail: str
     server: str
     attempts: int
+    retry_after: float | None = None  # what a 429/408 asked to wait before the next attempt
+    throttled: int = 0  # 429/408 answers among the attempts
 
 
 @dataclass
@@ -53,6 +63,7 @@ class Answer:
     body: Any
     server: str
     attempts: int
+    throttled: int = 0  # 429/408 answers before this one
 
 
 @dataclass
@@ -174,16 +185,21 @@ class ServerPool:
         Raises :class:`RewardRequestError` on a 4xx and :class:`RewardServerDown` for a server
         down past the grace; ``sample`` names the sample in those lines."""
         failure: Failure | None = None
+        throttled = 0
         for attempt in range(self.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** min(attempt - 1, 3))
+                wait = self.backoff_s * 2 ** min(attempt - 1, 3)
+                if failure is not None and failure.retry_after is not None:
+                    wait = failure.retry_after
+                await asyncio.sleep(wait)
             server = self._pick()
             result = await self._attempt(server, path, payload, sample)
             if isinstance(result, Answer):
-                result.attempts = attempt + 1
+                result.attempts, result.throttled = attempt + 1, throttled
                 return result
             failure = result
-            failure.attempts = attempt + 1
+            throttled += failure.retry_after is not None  # a 429 or 408
+            failure.attempts, failure.throttled = attempt + 1, throttled
             if failure.reason == "unparseable":
                 break
         return failure
@@ -218,6 +234,10 @@ class ServerPool:
         where = f"sample {sample}"
         if r.status_code >= 500:
             return Failure("server_error", http_error(r, where), server.url, 0)
+        if r.status_code in (408, 429):  # busy, not wrong: wait as asked and try again
+            reason = "rate_limited" if r.status_code == 429 else "timeout"
+            detail = http_error(r, where)
+            return Failure(reason, detail, server.url, 0, retry_after=_retry_after(r, self.backoff_s))
         if r.status_code >= 400:
             raise RewardRequestError(f"{self.what}: {http_error(r, where)}")
         try:
@@ -252,3 +272,22 @@ class ServerPool:
                 "the run stops rather than leave every sample unscored: check the server's log, or raise "
                 "reward.model.down_grace_s"
             )
+
+
+def _retry_after(r: httpx.Response, default: float) -> float:
+    """What a 429/408's ``Retry-After`` asks (seconds, or an HTTP date), within
+    ``[0, _RETRY_AFTER_MAX_S]``; ``default`` when it says nothing readable."""
+    value = (r.headers.get("retry-after") or "").strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return default
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    if not math.isfinite(seconds):
+        return default
+    return min(max(seconds, 0.0), _RETRY_AFTER_MAX_S)
