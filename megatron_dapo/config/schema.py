@@ -307,7 +307,7 @@ class RewardModelConfig:
     # and {ground_truth} are replaced, other text is kept. null: the built-in template
     # (rewards/served/judge.py DEFAULT_PROMPT_TEMPLATE, a yes/no question for yes_no).
     prompt_template: Optional[str] = None
-    # judge: yes_no (the last yes/no -> +1/-1, the DAPO rule's values) | boxed_score (the number
+    # judge: yes_no (the verdict's first yes/no -> +1/-1, the DAPO rule's values) | boxed_score (the number
     # in the last \boxed{}) | "path.py:fn" (verdict text -> float, or None for unparseable).
     parser: str = "yes_no"
     # judge: its own sampling, not the policy's (0 = greedy).

@@ -11,15 +11,22 @@ greedy; ``reward.model.max_new_tokens``), never the policy's.
 Parsers (``reward.model.parser``) map the verdict text to a score, or to None: an *unparseable*
 verdict, which leaves the sample unscored rather than scoring it as wrong.
 
-- ``yes_no``: the last standalone "yes" or "no" (any case) -> +1.0 / -1.0. The same two values
-  as the DAPO math rule (``math_dapo``), so a judge can replace the rule without changing the
-  reward's scale, and ``acc`` (score > 0) keeps its meaning.
-- ``boxed_score``: the number in the last ``\\boxed{...}`` (``7``, ``0.5``, ``-2``, ``3/4``).
+- ``yes_no``: the verdict as judges write it, first: in the final answer (below), the first line
+  that opens with "yes" or "no" (after markup such as ``**``, or a label such as ``Verdict:`` /
+  ``Final answer:``), else the first standalone "yes" or "no" anywhere in it (any case) -> +1.0 /
+  -1.0. So "Yes.\n\nNo further comment." is +1: what follows the verdict is commentary. The
+  same two values as the DAPO math rule (``math_dapo``), so a judge can replace the rule without
+  changing the reward's scale, and ``acc`` (score > 0) keeps its meaning.
+- ``boxed_score``: the number in the last ``\\boxed{...}`` (``7``, ``0.5``, ``-2``, ``3/4``,
+  ``\\frac{3}{4}``, ``\\dfrac``/``\\tfrac``, a sign before the fraction).
 - ``"path.py:fn"``: ``fn(verdict: str) -> float | None``; None or an exception is unparseable.
 
-Both built-in parsers read only what follows the last ``</think>``, and a verdict with an
-unclosed ``<think>`` (cut off while thinking) is unparseable, so a reasoning judge's musings
-("yes, but...") never count as its verdict.
+The final answer, which both built-in parsers read: what follows the last ``</think>`` (a
+reasoning judge may think in several blocks, or open its thinking in the prompt and write only
+the closing tag), up to any ``<think>`` opened after it and never closed (cut off while thinking
+again). A verdict whose thinking never closed, or with nothing after it but more thinking, is
+unparseable, so a reasoning judge's musings ("yes, but...") never count as its verdict; text
+between two thinking blocks counts only when nothing follows the last one.
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ import math
 import re
 import time
 from collections.abc import Callable
-from fractions import Fraction
 from typing import Any
 
 from megatron_dapo.rewards.math_dapo import last_boxed_content
@@ -52,30 +58,44 @@ PLACEHOLDERS = ("{question}", "{response}", "{ground_truth}")
 YES, NO = 1.0, -1.0
 
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+# a line that opens with the verdict: "Yes.", "**No**", "Verdict: yes", "Final answer: **NO**"
+_VERDICT_LINE = re.compile(
+    r"^[\W_]*(?:(?:final\s+)?(?:answer|verdict|judg(?:e)?ment|decision)\W*)?(yes|no)\b",
+    re.IGNORECASE | re.MULTILINE,
+)
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
-_FRACTION = re.compile(r"^([+-]?\d+)\s*/\s*(\d+)$")
+_FRACTION = re.compile(r"^(?P<sign>[+-]?)(?P<top>\d+)\s*/\s*(?P<bottom>\d+)$")
+_LATEX_FRACTION = re.compile(
+    r"^(?P<sign>[+-]?)\s*\\[dt]?frac\s*\{\s*(?P<top>\d+(?:\.\d*)?)\s*\}\s*\{\s*(?P<bottom>\d+(?:\.\d*)?)\s*\}$"
+)
 
 
 def _final_text(verdict: str) -> str | None:
-    """What follows the judge's thinking, or None when it never finished thinking."""
-    if "</think>" in verdict:
-        return verdict.rsplit("</think>", 1)[1]
-    if "<think>" in verdict:
-        return None
-    return verdict
+    """The judge's final answer (see the module), or None when it is all thinking."""
+    text = verdict.rsplit("</think>", 1)[1] if "</think>" in verdict else verdict
+    text = text.split("<think>", 1)[0]  # thinking opened again and never closed
+    if not text.strip() and "</think>" in verdict:
+        # nothing after the last block: the answer between blocks, if any
+        text = _THINK_BLOCK.sub(" ", verdict).split("<think>", 1)[0]
+        text = text.rsplit("</think>", 1)[-1]
+    return text if text.strip() else None
 
 
 def parse_yes_no(verdict: str) -> float | None:
-    """+1.0 for a final "yes", -1.0 for a final "no", None when there is neither."""
+    """+1.0 for a "yes" verdict, -1.0 for a "no", None when there is neither (see the module)."""
     text = _final_text(verdict)
-    words = _YES_NO.findall(text) if text is not None else []
-    if not words:
+    if text is None:
         return None
-    return YES if words[-1].lower() == "yes" else NO
+    m = _VERDICT_LINE.search(text) or _YES_NO.search(text)
+    if m is None:
+        return None
+    return YES if m.group(1).lower() == "yes" else NO
 
 
 def parse_boxed_score(verdict: str) -> float | None:
-    """The number in the last ``\\boxed{}`` (a decimal or ``a/b``), None when there is none."""
+    """The number in the last ``\\boxed{}`` (a decimal, ``a/b`` or ``\\frac{a}{b}``), None when
+    there is none."""
     text = _final_text(verdict)
     content = last_boxed_content(text) if text is not None else None
     if content is None:
@@ -83,10 +103,11 @@ def parse_boxed_score(verdict: str) -> float | None:
     content = content.strip().strip("$").strip()
     if _NUMBER.match(content):
         value = float(content)
-    elif m := _FRACTION.match(content):
-        if int(m.group(2)) == 0:
+    elif m := (_FRACTION.match(content) or _LATEX_FRACTION.match(content)):
+        sign, top, bottom = m.group("sign") or "", m.group("top"), m.group("bottom")
+        if float(bottom) == 0:
             return None
-        value = float(Fraction(int(m.group(1)), int(m.group(2))))
+        value = float(sign + top) / float(bottom)
     else:
         return None
     return value if math.isfinite(value) else None
