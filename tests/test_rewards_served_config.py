@@ -55,6 +55,11 @@ CLASSIFIER = ("reward.model.kind=classifier", "reward.model.path=/ckpt/rm")
         ([*CLASSIFIER, "reward.model.gpus_per_server=0"], "reward.model.gpus_per_server=0 must be >= 1"),
         ([*JUDGE, "reward.model.down_grace_s=0"], "reward.model.down_grace_s=0(\\.0)? must be > 0"),
         ([*JUDGE, "reward.model.max_restarts=-1"], "reward.model.max_restarts=-1 must be >= 0"),
+        ([*JUDGE, "reward.model.too_long=drop"], "reward.model.too_long='drop' is not one of cut, unscored"),
+        (
+            [*CLASSIFIER, "reward.model.too_long=unscored"],
+            "reward.model.too_long applies to reward.model.kind=judge",
+        ),
         ([*CLASSIFIER, "reward.model.transform=scale"], "reward.model.transform='scale' must look like"),
         ([*CLASSIFIER, "reward.combine=mix.py"], "reward.combine='mix.py' must look like"),
         (

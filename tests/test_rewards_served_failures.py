@@ -30,12 +30,12 @@ class StandIn(judge_standin.StandIn):
     ``release``, ("drop",), ("status", code, payload[, headers]), ("garbage",). It counts requests and the
     most it held at once (``peak``)."""
 
-    def __init__(self, default=("ok",)):
+    def __init__(self, default=("ok",), max_model_len=None):
         self.default = default
         self.script: deque = deque()
         self.release = threading.Event()  # ends every hang at teardown
         self._script_lock = threading.Lock()
-        super().__init__({}, other=self._act, model_id="standin-judge")
+        super().__init__({}, other=self._act, model_id="standin-judge", max_model_len=max_model_len)
 
     def _act(self, path: str, body: dict):
         with self._script_lock:
@@ -78,8 +78,8 @@ class StandIn(judge_standin.StandIn):
 def stand_in():
     servers = []
 
-    def make(default=("ok",)):
-        s = StandIn(default)
+    def make(default=("ok",), max_model_len=None):
+        s = StandIn(default, max_model_len)
         servers.append(s)
         return s
 
@@ -243,11 +243,11 @@ def test_a_dead_server_s_samples_move_to_the_live_one(stand_in):
 
 
 def test_a_4xx_is_one_line_naming_url_reason_and_sample_and_is_not_retried(stand_in):
-    s = stand_in(default=("status", 400, {"object": "error", "message": "prompt is longer than the context"}))
+    s = stand_in(default=("status", 400, {"object": "error", "message": "temperature must be non-negative"}))
     with judge(s.url) as model, pytest.raises(RewardRequestError) as e:
         model.score_many([samples(8)[7]])
     line = str(e.value)
-    assert "\n" not in line and "HTTP 400" in line and "prompt is longer than the context" in line
+    assert "\n" not in line and "HTTP 400" in line and "temperature must be non-negative" in line
     assert f"{s.url}/v1/chat/completions" in line and "sample 7" in line
     assert s.posts() == 1
 
@@ -355,3 +355,83 @@ def test_throttled_answers_are_a_step_metric():
     ]
     m = served_model_metrics(outcomes)
     assert m["reward/judge_throttled"] == 5.0 and m["reward/judge_retries"] == 4.0
+
+
+class _WordTokenizer:
+    """One token per space-separated word; a chat template of one line per message."""
+
+    chat_template = "words"
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return " ".join(f"<{m['role']}> {m['content']}" for m in messages) + " <assistant>"
+
+    def __call__(self, text, add_special_tokens):
+        ids = []
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab[w] = len(self.words)
+                self.words.append(w)
+            ids.append(self.vocab[w])
+        return {"input_ids": ids}
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+def served_judge(url, too_long="cut", max_new_tokens=16, tokenizer=None):
+    from megatron_dapo.rewards.served.judge import JudgeClient
+
+    async def run(sample):
+        pool = ServerPool([url], timeout_s=5.0, max_retries=0, max_in_flight=4, down_grace_s=60.0)
+        try:
+            judge = JudgeClient(
+                pool,
+                api="sglang",
+                tokenizer=tokenizer or _WordTokenizer(),
+                prompt_template="Judge {response} against {ground_truth}: yes or no?",
+                max_new_tokens=max_new_tokens,
+                too_long=too_long,
+            )
+            return await judge.score(sample)
+        finally:
+            await pool.aclose()
+
+    return lambda sample: asyncio.run(run(sample))
+
+
+LONG = RewardSample(
+    5, [{"role": "user", "content": "q"}], " ".join(f"w{i}" for i in range(200)) + " Answer: 42", "42"
+)
+
+
+def test_a_judge_prompt_past_its_context_is_cut_to_the_response_s_end_and_counted(stand_in):
+    s = stand_in(max_model_len=64)  # the judge's context, from GET /v1/models as SGLang reports it
+    tok = _WordTokenizer()
+    out = served_judge(s.url, max_new_tokens=16, tokenizer=tok)(LONG)
+    path, body = s.requests[-1]
+    sent = tok.decode(body["input_ids"]).split()
+    # prompt + verdict fill the context: 64 - 16 for the prompt, 16 for the verdict
+    assert len(sent) == 48 and body["sampling_params"]["max_new_tokens"] == 16
+    # 8 words of template and reference, the mark, and the response's last 39 words (its final
+    # answer): its first 202 - 39 = 163 dropped
+    assert sent[:3] == ["<user>", "Judge", "[...]"] and sent[3] == "w163"
+    assert sent[-9:] == ["w199", "Answer:", "42", "against", "42:", "yes", "or", "no?", "<assistant>"]
+    assert out.scored and out.cut_tokens == 163
+
+
+def test_a_judge_prompt_past_its_context_is_unscored_too_long_when_asked(stand_in):
+    s = stand_in(max_model_len=64)
+    out = served_judge(s.url, too_long="unscored")(LONG)
+    assert out.unscored == "too_long" and "context 64" in out.detail and s.posts() == 0
+
+
+def test_a_judge_that_refuses_a_prompt_as_too_long_leaves_it_unscored_not_the_run_stopped(stand_in):
+    message = "The input (263 tokens) is longer than the model's context length (256 tokens)."
+    s = stand_in(default=("status", 400, {"object": "error", "message": message}))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "too_long" and "263 tokens" in out.detail and s.posts() == 1

@@ -313,6 +313,11 @@ class RewardModelConfig:
     # judge: its own sampling, not the policy's (0 = greedy).
     temperature: float = 0.0
     max_new_tokens: int = 1024
+    # judge: a prompt that does not fit the judge's context (known from the server at start-up;
+    # the verdict keeps max_new_tokens of it, at most a quarter): cut (the response's beginning
+    # is dropped, its last tokens, where the final answer is, kept) | unscored (the sample is
+    # left unscored "too_long"). Either is counted; the run never stops on it.
+    too_long: str = "cut"
 
 
 @dataclass

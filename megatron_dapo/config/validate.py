@@ -63,6 +63,7 @@ CHOICES: dict[str, tuple] = {
     "logging.wandb_mode": ("offline", "online"),
     "reward.model.kind": (None, "classifier", "judge"),
     "reward.model.placement": ("own", "colocated"),
+    "reward.model.too_long": ("cut", "unscored"),
 }
 
 POSITIVE_INTS = (
@@ -445,7 +446,7 @@ def check_reward(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value!r} must look like 'path/to/file.py:function'")
     if m.kind == "classifier":
         default = RewardModelConfig()
-        for key in ("prompt_template", "parser", "temperature", "max_new_tokens"):
+        for key in ("prompt_template", "parser", "temperature", "max_new_tokens", "too_long"):
             if m[key] != getattr(default, key):
                 raise ConfigError(
                     f"reward.model.{key} applies to reward.model.kind=judge; a classifier's score is its logit "

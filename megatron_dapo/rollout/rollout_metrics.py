@@ -148,6 +148,8 @@ def served_model_metrics(outcomes: list[tuple[str, Any]]) -> dict[str, float]:
         m[f"reward/{kind}_retries"] = float(sum(max(o.attempts - 1, 0) for o in mine))
         # answered 429 (rate limited) or 408: retried after their Retry-After
         m[f"reward/{kind}_throttled"] = float(sum(getattr(o, "throttled", 0) for o in mine))
+        if kind == "judge":  # prompts cut to fit the judge's context (reward.model.too_long=cut)
+            m["reward/judge_inputs_cut"] = float(sum(getattr(o, "cut_tokens", 0) > 0 for o in mine))
         m[f"reward/{kind}_latency_mean_s"] = sum(latency) / len(latency)
         m[f"reward/{kind}_latency_max_s"] = max(latency)
         verdicts = [len(o.verdict) for o in mine if o.verdict is not None]

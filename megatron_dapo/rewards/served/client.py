@@ -125,8 +125,9 @@ async def open_reward_model(
                 parser=settings.parser,
                 temperature=settings.temperature,
                 max_new_tokens=settings.max_new_tokens,
+                too_long=settings.too_long,
             )
-            await scorer.resolve_model_name()
+            await scorer.resolve_server()
     except BaseException:
         await pool.aclose()
         raise

@@ -35,6 +35,7 @@ import math
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from megatron_dapo.rewards.math_dapo import last_boxed_content
@@ -55,6 +56,8 @@ DEFAULT_PROMPT_TEMPLATE = (
     "answer, not the reasoning or the formatting. Reply with one word: yes or no."
 )
 PLACEHOLDERS = ("{question}", "{response}", "{ground_truth}")
+# what stands for the beginning of a response cut to fit the judge's context (JudgeClient.fit)
+_CUT_MARK = "[...] "
 YES, NO = 1.0, -1.0
 
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
@@ -159,6 +162,8 @@ class JudgeClient:
         parser: ``reward.model.parser`` (see the module's docstring).
         temperature / max_new_tokens: the judge's sampling.
         model_name: the ``model`` of an OpenAI request; None asks the server (``GET /v1/models``).
+        too_long / context_len: ``reward.model.too_long``, and the judge's context (None: asked
+            from the server, ``GET /v1/models``'s ``max_model_len``; see :meth:`fit`).
     """
 
     def __init__(
@@ -172,6 +177,8 @@ class JudgeClient:
         temperature: float = 0.0,
         max_new_tokens: int = 1024,
         model_name: str | None = None,
+        too_long: str = "cut",
+        context_len: int | None = None,
     ):
         if api not in ("sglang", "openai"):
             raise ValueError(f"api={api!r} must be 'sglang' or 'openai'")
@@ -189,6 +196,11 @@ class JudgeClient:
         self.temperature = float(temperature)
         self.max_new_tokens = int(max_new_tokens)
         self.model_name = model_name
+        if too_long not in ("cut", "unscored"):
+            raise ValueError(f"too_long={too_long!r} must be 'cut' or 'unscored'")
+        self.too_long = too_long
+        self.context_len = context_len  # the judge's context in tokens (the server's max_model_len)
+        self._resolved = False
 
     def messages(self, sample: RewardSample) -> list[dict]:
         return [{"role": "user", "content": render_prompt(self.prompt_template, sample)}]
@@ -205,13 +217,51 @@ class JudgeClient:
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def payload(self, sample: RewardSample) -> dict:
+    def room(self) -> tuple[int | None, int]:
+        """``(the longest prompt, the verdict's tokens)``: a prompt and its verdict must fit the
+        judge's context (SGLang refuses a request whose input plus ``max_new_tokens`` does not),
+        so the verdict keeps ``max_new_tokens`` of it, at most a quarter; the prompt the rest.
+        ``(None, max_new_tokens)`` while the context is unknown."""
+        if not self.context_len:
+            return None, self.max_new_tokens
+        verdict = max(1, min(self.max_new_tokens, self.context_len // 4))
+        return self.context_len - verdict, verdict
+
+    def fit(self, sample: RewardSample) -> tuple[list[int] | None, int, str]:
+        """The judge's prompt ids within :meth:`room`: ``(ids, response tokens cut, "")``, or
+        ``(None, 0, why)`` when it cannot fit (``too_long="unscored"``, or a prompt too long
+        without any of the response).
+
+        The rule for a prompt that is too long (``too_long="cut"``): the response's beginning is
+        dropped and its last tokens kept, after a ``[...]`` mark, as many as fit: a judge reads
+        the final answer, which is at the end (as the DAPO rule reads the last 300 characters)."""
+        ids = self.prompt_ids(sample)
+        limit, _ = self.room()
+        if limit is None or len(ids) <= limit:
+            return ids, 0, ""
+        why = f"the judge's prompt is {len(ids)} tokens, its context {self.context_len} leaves {limit} beside the verdict"
+        if self.too_long == "unscored":
+            return None, 0, why + " (reward.model.too_long=unscored)"
+        response = list(self.tokenizer(sample.response, add_special_tokens=False)["input_ids"])
+        keep = len(response) - (len(ids) - limit)
+        for _ in range(4):  # re-tokenising the cut text may shift a few tokens
+            if keep <= 0:
+                break
+            cut = replace(sample, response=_CUT_MARK + self.tokenizer.decode(response[-keep:]))
+            ids = self.prompt_ids(cut)
+            if len(ids) <= limit:
+                return ids, len(response) - keep, ""
+            keep -= len(ids) - limit
+        return None, 0, why + ", even with the response cut away: shorten the prompt template or the question"
+
+    def payload(self, sample: RewardSample, ids: list[int] | None = None) -> dict:
+        _, verdict = self.room()
         if self.api == "sglang":
             return {
-                "input_ids": self.prompt_ids(sample),
+                "input_ids": self.prompt_ids(sample) if ids is None else ids,
                 "sampling_params": {
                     "temperature": self.temperature,
-                    "max_new_tokens": self.max_new_tokens,
+                    "max_new_tokens": verdict,
                     "skip_special_tokens": True,
                 },
             }
@@ -219,41 +269,56 @@ class JudgeClient:
             "model": self.model_name or "default",
             "messages": self.messages(sample),
             "temperature": self.temperature,
-            "max_completion_tokens": self.max_new_tokens,
+            "max_completion_tokens": verdict,
         }
 
-    async def resolve_model_name(self) -> None:
-        """An OpenAI server wants the served model's name: the first of ``GET /v1/models``."""
-        if self.api != "openai" or self.model_name is not None:
+    async def resolve_server(self) -> None:
+        """What the judge's server says of itself (``GET /v1/models``, SGLang and vLLM alike):
+        the model's name an OpenAI request wants (the first listed), and its context
+        (``max_model_len``), which sizes the prompt (:meth:`fit`). Asked once."""
+        if self._resolved:
             return
+        self._resolved = True
         try:
-            listing = await self.pool.get("/v1/models")
-            self.model_name = str(listing["data"][0]["id"])
+            card = (await self.pool.get("/v1/models"))["data"][0]
         except Exception:  # noqa: BLE001 - servers that list nothing take any name (SGLang does)
-            self.model_name = "default"
+            card = {}
+        if self.api == "openai" and self.model_name is None:
+            self.model_name = str(card.get("id") or "default")
+        length = card.get("max_model_len") if isinstance(card, dict) else None
+        if self.context_len is None and isinstance(length, int) and length > 0:
+            self.context_len = length
 
     async def score(self, sample: RewardSample) -> ScoreOutcome:
         start = time.monotonic()
-        await self.resolve_model_name()
+        await self.resolve_server()
         path = "/generate" if self.api == "sglang" else "/v1/chat/completions"
-        result = await self.pool.post(path, self.payload(sample), str(sample.sample_id))
+        ids, cut = None, 0
+        if self.api == "sglang":
+            ids, cut, why = self.fit(sample)
+            if ids is None:
+                return ScoreOutcome(
+                    sample.sample_id, None, "too_long", why, elapsed_s=time.monotonic() - start
+                )
+        result = await self.pool.post(path, self.payload(sample, ids), str(sample.sample_id))
         elapsed = time.monotonic() - start
         common = {
             "attempts": result.attempts,
             "server": result.server,
             "elapsed_s": elapsed,
             "throttled": result.throttled,
+            "cut_tokens": cut,
         }
         if not isinstance(result, Answer):
             return ScoreOutcome(sample.sample_id, None, result.reason, result.detail, **common)
-        verdict, cut = self._verdict(result.body)
+        verdict, cut_short = self._verdict(result.body)
         if verdict is None:
             detail = f"{path} answer has no text: {str(result.body)[:200]}"
             return ScoreOutcome(sample.sample_id, None, "unparseable", detail, **common)
         score, why = self._parse(verdict)
         if score is None:
-            if cut:
-                why += f"; the verdict was cut at reward.model.max_new_tokens={self.max_new_tokens}"
+            if cut_short:
+                why += f"; the verdict was cut at {self.room()[1]} tokens (reward.model.max_new_tokens)"
             return ScoreOutcome(sample.sample_id, None, "unparseable", why, verdict=verdict, **common)
         return ScoreOutcome(sample.sample_id, score, verdict=verdict, **common)
 

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 #   the endpoint's JSON); not retried, since a greedy judge gives the same verdict again
 # down: the connection was refused or dropped (the server is dead or restarting)
 # rate_limited: HTTP 429 on every attempt (each retried after its Retry-After)
+# too_long: the judge's prompt does not fit its context (reward.model.too_long=unscored, or a
+#   server that refused it as too long)
 # closed: the client was closed while the sample waited (the run is stopping)
-UNSCORED_REASONS = ("timeout", "server_error", "rate_limited", "unparseable", "down", "closed")
+UNSCORED_REASONS = ("timeout", "server_error", "rate_limited", "unparseable", "too_long", "down", "closed")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class ScoreOutcome:
         attempts: requests sent, retries included.
         elapsed_s: from the first request to the outcome, back-off waits included.
         throttled: HTTP 429/408 answers among the attempts (each waited its Retry-After).
+        cut_tokens: a judge's prompt too long for its context: the response tokens dropped.
     """
 
     sample_id: str | int
@@ -69,6 +72,7 @@ class ScoreOutcome:
     attempts: int = 0
     elapsed_s: float = 0.0
     throttled: int = 0
+    cut_tokens: int = 0
 
     def __post_init__(self):
         if (self.score is None) == (self.unscored is None):

@@ -38,6 +38,7 @@ class ServedRewardSettings:
     parser: str = "yes_no"
     temperature: float = 0.0
     max_new_tokens: int = 1024
+    too_long: str = "cut"
     combine: str | None = None
 
     def __post_init__(self):
@@ -72,6 +73,7 @@ def settings_from_config(reward) -> ServedRewardSettings | None:
         parser=str(model.parser),
         temperature=float(model.temperature),
         max_new_tokens=int(model.max_new_tokens),
+        too_long=str(model.too_long),
         combine=None if reward.combine is None else str(reward.combine),
     )
 

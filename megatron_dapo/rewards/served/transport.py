@@ -5,8 +5,9 @@ What is retried: timeouts, HTTP 5xx, HTTP 429 (rate limited) and 408 (request ti
 refused or dropped connections (the next attempt goes to the least busy server that is not known
 to be down, so a dead server's samples move to the others). A 429 or 408 waits what its
 ``Retry-After`` says (seconds or an HTTP date, at most ``_RETRY_AFTER_MAX_S``), else the usual
-back-off, and is counted on the outcome (``throttled``). What is not: any other HTTP 4xx (the
-request itself is wrong; :class:`RewardRequestError`), and
+back-off, and is counted on the outcome (``throttled``). A 400 that says the prompt is
+longer than the model's context is this sample's failure (``too_long``, not retried). What is
+not: any other HTTP 4xx (the request itself is wrong; :class:`RewardRequestError`), and
 an answer that is not JSON (a server that answers garbage answers it again). Scoring is
 read-only, so a retry can never do harm on the server, unlike a rollout's ``/generate``.
 
@@ -24,6 +25,7 @@ import datetime
 import email.utils
 import json
 import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,9 @@ _DOWN_RETRY_FIRST_S = 1.0
 _DOWN_RETRY_MAX_S = 30.0
 # the longest a Retry-After is honoured: a hosted judge asking for an hour must not stall a step
 _RETRY_AFTER_MAX_S = 60.0
+# how SGLang, vLLM and OpenAI word a 400 for a prompt past the model's context: the sample is
+# unscored "too_long", not a wrong request that stops the run
+_TOO_LONG = re.compile(r"context length|maximum context|context window", re.IGNORECASE)
 
 
 @dataclass
@@ -200,7 +205,7 @@ class ServerPool:
             failure = result
             throttled += failure.retry_after is not None  # a 429 or 408
             failure.attempts, failure.throttled = attempt + 1, throttled
-            if failure.reason == "unparseable":
+            if failure.reason in ("unparseable", "too_long"):
                 break
         return failure
 
@@ -238,6 +243,8 @@ class ServerPool:
             reason = "rate_limited" if r.status_code == 429 else "timeout"
             detail = http_error(r, where)
             return Failure(reason, detail, server.url, 0, retry_after=_retry_after(r, self.backoff_s))
+        if r.status_code == 400 and _TOO_LONG.search(r.text):  # a prompt past the context: this sample's
+            return Failure("too_long", http_error(r, where), server.url, 0)
         if r.status_code >= 400:
             raise RewardRequestError(f"{self.what}: {http_error(r, where)}")
         try:
