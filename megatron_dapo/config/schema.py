@@ -313,6 +313,9 @@ class RewardModelConfig:
     # judge: its own sampling, not the policy's (0 = greedy).
     temperature: float = 0.0
     max_new_tokens: int = 1024
+    # classifier: the start-up probe's tolerance (|served - transformers| on two probe texts).
+    # null: by the server's precision, 1e-4 for float32 (CPU), 4e-2 for float16/bfloat16 (GPU).
+    probe_tolerance: Optional[float] = None
     # judge: a prompt that does not fit the judge's context (known from the server at start-up;
     # the verdict keeps max_new_tokens of it, at most a quarter): cut (the response's beginning
     # is dropped, its last tokens, where the final answer is, kept) | unscored (the sample is

@@ -436,6 +436,10 @@ def check_reward(cfg: DictConfig) -> None:
             f"reward.model.down_grace_s={m.down_grace_s} must be > 0 (seconds a reward server may stay "
             "unreachable before the run stops)"
         )
+    if m.probe_tolerance is not None and not m.probe_tolerance > 0:
+        raise ConfigError(
+            f"reward.model.probe_tolerance={m.probe_tolerance} must be > 0, or null for the server's precision's"
+        )
     if m.max_restarts < 0:
         raise ConfigError(
             f"reward.model.max_restarts={m.max_restarts} must be >= 0 (restarts of a reward server before "

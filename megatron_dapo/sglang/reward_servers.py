@@ -48,6 +48,7 @@ from megatron_dapo.rewards.served import (
     ServedRewardSettings,
     check_classifier_server,
     prepare_served_checkpoint,
+    probe_tolerance,
     server_specs,
 )
 from megatron_dapo.sglang.engines import CPU_SERVER_ARGS, cpu_server_env
@@ -101,11 +102,13 @@ class RewardServers:
         servers: list[RewardServer],
         probe_model: str | None,
         hosts: Sequence[Any] = (),
+        dtype: str = "float32",
     ):
         self.settings = settings
         self.servers = servers
         self.probe_model = probe_model  # the original checkpoint the start-up check compares with
         self.hosts = list(hosts)  # the Ray node hosts that run them (launched on planned nodes)
+        self.dtype = dtype  # their --dtype: the probe's tolerance follows it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.restarts = 0  # over every server, the run so far
@@ -123,11 +126,20 @@ class RewardServers:
         run_root: str | Path,
         plans: Sequence[EnginePlan] | None = None,
         commands: Sequence[list[str]] | None = None,
+        *,
+        alone: bool = False,
+        max_total_tokens: int | None = None,
     ) -> RewardServers:
-        """Start ``reward.model.num_servers`` servers for ``reward.model.path`` and wait for them:
-        on this node (torchrun), or each on its plan's node and GPUs through a Ray node host
-        (``plan_reward_servers``; on a CPU cluster, this node without GPUs). ``commands``: argv
-        per planned server instead of SGLang's (tests: a stand-in)."""
+        """Start ``reward.model.num_servers`` servers for ``reward.model.path``, wait for them and
+        probe each (a classifier against transformers): on this node (torchrun), or each on its
+        plan's node and GPUs through a Ray node host (``plan_reward_servers``; on a CPU cluster,
+        this node without GPUs). ``commands``: argv per planned server instead of SGLang's
+        (tests: a stand-in).
+
+        ``alone`` (``megatron-dapo eval``, once the policy's server has stopped): the machine's
+        GPUs are the reward servers' own, server i on GPUs ``i*gpus_per_server...``, each taking
+        most of their memory; ``max_total_tokens`` sizes a CPU server's KV pool by the longest
+        request it gets rather than a share of the host's memory."""
         run_root = Path(run_root)
         probe = None
         served = settings.path
@@ -143,15 +155,25 @@ class RewardServers:
             ports = [p.port for p in plans]
         else:
             cpu = torch.cuda.device_count() == 0
-            gpus = [[]] * len(specs) if cpu else reward_gpu_groups(cfg, settings, torch.cuda.device_count())
+            if cpu:
+                gpus = [[]] * len(specs)
+            elif alone:
+                tp = settings.gpus_per_server
+                gpus = [list(range(i * tp, (i + 1) * tp)) for i in range(len(specs))]
+            else:
+                gpus = reward_gpu_groups(cfg, settings, torch.cuda.device_count())
             hosts = ["127.0.0.1"] * len(specs)
             ports = [free_port() for _ in specs]
-        # a colocated server takes its own share of an engine's GPU; on GPUs of its own, an engine's
+        # a colocated server takes its own share of an engine's GPU; on GPUs of its own, an
+        # engine's; alone on the machine, most of it
         share = (
-            settings.mem_fraction_static
+            0.7
+            if alone
+            else settings.mem_fraction_static
             if settings.placement == "colocated"
             else float(cfg.rollout.sglang.mem_fraction_static)
         )
+        dtype = "float32" if cpu else "auto"
         configs = [
             SGLangServerConfig(
                 model_path=spec.model_path,
@@ -160,13 +182,14 @@ class RewardServers:
                 # a planned server's port 0 is a free one on its own node (its host picks it)
                 port=port,
                 mem_fraction_static=0.05 if cpu else share,
-                dtype="float32" if cpu else "auto",
+                dtype=dtype,
                 base_gpu_id=group[0] if group else None,
                 extra_args=(list(CPU_SERVER_ARGS) if cpu else []) + list(spec.extra_args),
                 startup_timeout_s=float(cfg.rollout.sglang.startup_timeout_s),
                 log_file=str(run_root / "sglang" / f"reward_{spec.index}.log"),
                 env=cpu_server_env() if cpu else {},
                 python=cfg.rollout.sglang.python,
+                max_total_tokens=max_total_tokens if cpu else None,
             )
             for spec, group, host, port in zip(specs, gpus, hosts, ports)
         ]
@@ -180,7 +203,7 @@ class RewardServers:
                 commands=commands,
             )
             servers = [RewardServer(r.url, c.log_file, r) for r, c in zip(remote, configs)]
-            return cls._checked(settings, servers, probe, node_hosts)
+            return cls._checked(settings, servers, probe, node_hosts, dtype)
         local: list[SGLangServer] = []
         try:
             for c in configs:
@@ -192,11 +215,11 @@ class RewardServers:
                 srv.stop()
             raise
         servers = [RewardServer(srv.cfg.url, srv.cfg.log_file, srv) for srv in local]
-        return cls._checked(settings, servers, probe, ())
+        return cls._checked(settings, servers, probe, (), dtype)
 
     @classmethod
-    def _checked(cls, settings, servers, probe, node_hosts) -> RewardServers:
-        out = cls(settings, servers, probe, node_hosts)
+    def _checked(cls, settings, servers, probe, node_hosts, dtype) -> RewardServers:
+        out = cls(settings, servers, probe, node_hosts, dtype)
         try:
             for srv in servers:
                 out.check(srv)
@@ -206,9 +229,13 @@ class RewardServers:
         return out
 
     def check(self, server: RewardServer) -> None:
-        """A classifier scores a probe text as transformers does (raises one line otherwise)."""
+        """A classifier scores the probe texts as transformers does, within the tolerance of the
+        server's precision (raises one line otherwise)."""
         if self.probe_model is not None:
-            check_classifier_server(server.url, self.probe_model, timeout_s=self.settings.timeout_s)
+            tolerance = probe_tolerance(self.probe_model, self.dtype, self.settings.probe_tolerance)
+            check_classifier_server(
+                server.url, self.probe_model, tolerance=tolerance, timeout_s=self.settings.timeout_s
+            )
 
     def watch(self, client: ServerEvents) -> None:
         """Restart any server that dies, from a daemon thread, telling ``client`` (see the module)."""

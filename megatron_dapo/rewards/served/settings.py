@@ -38,6 +38,7 @@ class ServedRewardSettings:
     parser: str = "yes_no"
     temperature: float = 0.0
     max_new_tokens: int = 1024
+    probe_tolerance: float | None = None
     too_long: str = "cut"
     combine: str | None = None
 
@@ -73,6 +74,7 @@ def settings_from_config(reward) -> ServedRewardSettings | None:
         parser=str(model.parser),
         temperature=float(model.temperature),
         max_new_tokens=int(model.max_new_tokens),
+        probe_tolerance=None if model.probe_tolerance is None else float(model.probe_tolerance),
         too_long=str(model.too_long),
         combine=None if reward.combine is None else str(reward.combine),
     )
