@@ -204,3 +204,13 @@ def test_closing_wakes_every_score_in_flight_unscored_and_the_process_exits(tmp_
     assert first.startswith("DONE") and first.count("unscored='closed'") == 3, first
     assert after == "['closed']"  # a score asked for after close does not wait either
     assert "Task was destroyed" not in out.stderr and "never retrieved" not in out.stderr
+
+
+def test_score_one_sample_from_a_thread_and_submit_many_as_coroutines(stand_in):
+    s = stand_in()
+    with BlockingRewardModel(ServedRewardSettings(kind="judge", url=s.url, timeout_s=5.0)) as model:
+        one = model.score(samples(1)[0])
+        futures = [model.submit(x) for x in samples(6)]
+        outs = [f.result(timeout=30) for f in futures]
+    assert one.scored and one.score == 1.0
+    assert [o.sample_id for o in outs] == list(range(6)) and all(o.scored for o in outs)

@@ -296,6 +296,10 @@ class RewardModelConfig:
     max_in_flight: int = 32
     # How long a server may stay unreachable before the run stops.
     down_grace_s: float = 300.0
+    # The longest a rollout step's scoring may take, from the step's start: a response not
+    # scored by then is unscored (timeout) instead of holding the step. null: no deadline (each
+    # request is still bounded by timeout_s and max_retries).
+    step_timeout_s: Optional[float] = None
     # Restarts of each server the run started (after it died, or failed its start-up probe
     # after a restart) before the run stops with one line naming the server, its log and its
     # restarts: a server that dies again and again (out of memory under load) stops the run

@@ -436,6 +436,11 @@ def check_reward(cfg: DictConfig) -> None:
             f"reward.model.down_grace_s={m.down_grace_s} must be > 0 (seconds a reward server may stay "
             "unreachable before the run stops)"
         )
+    if m.step_timeout_s is not None and not m.step_timeout_s > 0:
+        raise ConfigError(
+            f"reward.model.step_timeout_s={m.step_timeout_s} must be > 0 (seconds a step's scoring may take), "
+            "or null for no deadline"
+        )
     if m.probe_tolerance is not None and not m.probe_tolerance > 0:
         raise ConfigError(
             f"reward.model.probe_tolerance={m.probe_tolerance} must be > 0, or null for the server's precision's"

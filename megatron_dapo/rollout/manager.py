@@ -184,9 +184,13 @@ class RolloutManager:
         self.episodes = episodes or SingleTurn()
         # reward, overlong shaping, the filter
         self.scoring = GroupScoring(cfg, scorer, tokenizer, reward_model, combiner)
-        # one response per scoring thread: a served model's scoring waits on its servers, so as
-        # many threads as they take requests at once; the rule reward runs in one worker process
-        self._score_workers = 1 if reward_model is None else max(1, min(int(reward_model.concurrency), 256))
+        # the scoring threads: a served model with a loop of its own (submit) takes each response
+        # as a coroutine, so threads only decode and run the rule; one that blocks a thread per
+        # response gets as many as its servers take at once
+        if reward_model is None or hasattr(reward_model, "submit"):
+            self._score_workers = 4
+        else:
+            self._score_workers = max(1, min(int(reward_model.concurrency), 256))
         self._keep_rate: float | None = None  # last observed, drives over-sampling
         self._zombies: dict[Future, Call] = {}  # timed-out calls whose threads have not returned
         # set by the trainer: True once the run must stop; a step in flight is then abandoned
@@ -275,6 +279,7 @@ class RolloutManager:
     def _collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         cfg = self.cfg
         ledger = Ledger([e.name for e in self.pool], cfg.train_batch_size)
+        self.scoring.begin_step()
         # rollout.partial: the previous rollout's tail goes first in draw order (it was drawn
         # earlier), so it is used before anything new; self._carry changes only on success, so
         # an abandoned or failed rollout leaves it as it was
@@ -562,7 +567,7 @@ class RolloutManager:
         if started is not None and _same_response(started[0], full):
             return  # an earlier call of this unit handed the same response over: it is scoring
         try:
-            fut = score_pool.submit(self._timed_reward, unit, rid, full, ledger)
+            fut = self._start_reward(unit, rid, full, score_pool, ledger)
         except RuntimeError:  # the round is over (its scoring pool is shut): nobody needs it
             return
         unit.early[rid] = (full, fut)
@@ -589,7 +594,7 @@ class RolloutManager:
                 fut = started[1]
                 ledger.scored_early += 1
             else:
-                fut = score_pool.submit(self._timed_reward, unit, rid, res, ledger)
+                fut = self._start_reward(unit, rid, res, score_pool, ledger)
             scored.pending[fut] = rid
             scoring[fut] = scored
         ledger.scored_responses += len(by_id)
@@ -602,15 +607,15 @@ class RolloutManager:
             unit = scored.unit
             self._classify(unit.groups, self.scoring.samples(unit, scored.by_id, scored.rewards), ledger)
 
-    def _timed_reward(
-        self, unit: Unit, request_id: str, result: GenerationResult, ledger: Ledger
-    ) -> SampleReward:
-        """One response's reward, and when it ran (how much of the scoring hid behind generation)."""
+    def _start_reward(
+        self, unit: Unit, request_id: str, result: GenerationResult, score_pool, ledger: Ledger
+    ):
+        """One response's reward, started (``GroupScoring.start``), and when it ran (how much of
+        the scoring hid behind generation)."""
         start = time.perf_counter()
-        try:
-            return self.scoring.reward(unit, request_id, result, ledger.model_outcomes)
-        finally:
-            ledger.score_intervals.append((start, time.perf_counter()))
+        fut = self.scoring.start(unit, request_id, result, ledger.model_outcomes, score_pool)
+        fut.add_done_callback(lambda f: ledger.score_intervals.append((start, time.perf_counter())))
+        return fut
 
     def _retry(self, unit: Unit, engine: Any, error: BaseException | str, queue, ledger: Ledger) -> None:
         groups = [g.serial for g in unit.groups]
@@ -719,7 +724,14 @@ class RolloutManager:
                 engine.abort()
             except Exception as e:  # an engine that cannot abort still must not lose the batch
                 logger.warning("rollout: abort on engine %s failed: %s", engine.name, e)
-        done, not_done = wait(list(calls) + list(scoring), timeout=self.cfg.abort_timeout_s)
+        # rewards past the cut are not needed: not waited for, and a served model's requests
+        # cancelled (a slow judge would hold the step for its every retry)
+        for fut in scoring:
+            fut.cancel()
+        for unit in {id(u): u for u in ledger.units.values()}.values():
+            for _, fut in unit.early.values():
+                fut.cancel()
+        done, not_done = wait(list(calls), timeout=self.cfg.abort_timeout_s)
         for fut, call in list(calls.items()):
             if fut in done:
                 self._record_interval(call, ledger)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -134,6 +135,15 @@ async def open_reward_model(
     return RewardModel(settings, scorer)
 
 
+def _resolve(out: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Settle ``out`` unless its waiter cancelled it meanwhile."""
+    if out.set_running_or_notify_cancel():
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)
+
+
 def _closed(sample: RewardSample) -> ScoreOutcome:
     return ScoreOutcome(
         sample.sample_id, None, "closed", "the reward model was closed before the answer came"
@@ -150,6 +160,7 @@ class BlockingRewardModel:
 
     def __init__(self, settings: ServedRewardSettings, urls: Sequence[str] | None = None, *, api_key=None):
         self.kind = settings.kind
+        self.step_timeout_s = settings.step_timeout_s  # a rollout step's scoring deadline (the manager's)
         self.restarts = 0  # server restarts supervision began, the run so far (reward/server_restarts)
         # requests the servers take at once: a caller scoring one sample per thread needs this many
         self.concurrency = settings.max_in_flight * (1 if urls is None else len(urls))
@@ -168,13 +179,13 @@ class BlockingRewardModel:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def _scoring(self, coro, samples: Sequence[RewardSample]):
+    def _scoring(self, coro, closed):
         """Run ``coro`` on the loop and wait; after :meth:`close` (or when it closes while this
-        waits) every sample comes back unscored ``closed`` instead of a wait that never ends."""
+        waits) ``closed()`` (every sample unscored ``closed``) instead of a wait that never ends."""
         with self._lock:
             if self._closed:
                 coro.close()
-                return [_closed(s) for s in samples]
+                return closed()
             fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
             self._waiting.add(fut)
         try:
@@ -182,17 +193,63 @@ class BlockingRewardModel:
         except concurrent.futures.CancelledError:
             if not self._closed:
                 raise
-            return [_closed(s) for s in samples]
+            return closed()
         finally:
             with self._lock:
                 self._waiting.discard(fut)
 
     def score_many(self, samples: Sequence[RewardSample]) -> list[ScoreOutcome]:
         samples = list(samples)
-        return self._scoring(self.model.score_many(samples), samples)
+        return self._scoring(self.model.score_many(samples), lambda: [_closed(s) for s in samples])
 
     def score(self, sample: RewardSample) -> ScoreOutcome:
-        return self._scoring(self.model.score(sample), [sample])[0]
+        return self._scoring(self.model.score(sample), lambda: _closed(sample))
+
+    def submit(self, sample: RewardSample, deadline: float | None = None) -> concurrent.futures.Future:
+        """Score ``sample`` on the client's loop, a coroutine, and return at once: a future of its
+        :class:`ScoreOutcome` (a caller scoring many samples holds no thread per sample). Past
+        ``deadline`` (``time.monotonic()``) the sample comes back unscored ``timeout``; a future
+        the caller cancels cancels the request; :meth:`close` resolves every one ``closed``."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                out.set_result(_closed(sample))
+                return out
+            inner = asyncio.run_coroutine_threadsafe(self._within(sample, deadline), self._loop)
+            self._waiting.add(inner)
+
+        def done(f: concurrent.futures.Future) -> None:
+            with self._lock:
+                self._waiting.discard(f)
+            if out.cancelled():
+                return
+            if f.cancelled():
+                outcome = _closed(sample) if self._closed else None
+                if outcome is None:
+                    out.cancel()
+                    return
+                _resolve(out, outcome)
+            elif f.exception() is not None:
+                _resolve(out, error=f.exception())
+            else:
+                _resolve(out, f.result())
+
+        inner.add_done_callback(done)
+        out.add_done_callback(lambda o: inner.cancel() if o.cancelled() else None)
+        return out
+
+    async def _within(self, sample: RewardSample, deadline: float | None) -> ScoreOutcome:
+        if deadline is None:
+            return await self.model.score(sample)
+        try:
+            return await asyncio.wait_for(self.model.score(sample), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            return ScoreOutcome(
+                sample.sample_id,
+                None,
+                "timeout",
+                "not scored before the step's deadline (reward.model.step_timeout_s)",
+            )
 
     def check_down(self) -> None:
         self.model.check_down()

@@ -33,6 +33,7 @@ class ServedRewardSettings:
     max_in_flight: int = 32
     down_grace_s: float = 300.0
     max_restarts: int = 3
+    step_timeout_s: float | None = None
     transform: str | None = None
     prompt_template: str | None = None
     parser: str = "yes_no"
@@ -69,6 +70,7 @@ def settings_from_config(reward) -> ServedRewardSettings | None:
         max_in_flight=int(model.max_in_flight),
         down_grace_s=float(model.down_grace_s),
         max_restarts=int(model.max_restarts),
+        step_timeout_s=None if model.step_timeout_s is None else float(model.step_timeout_s),
         transform=None if model.transform is None else str(model.transform),
         prompt_template=None if model.prompt_template is None else str(model.prompt_template),
         parser=str(model.parser),

@@ -37,6 +37,8 @@ from megatron_dapo.http_errors import http_error
 from megatron_dapo.rewards.served.outcome import RewardRequestError, RewardServerDown
 
 _CONNECT_TIMEOUT_S = 10.0
+# requests one httpx client carries at once (see ServerPool.__init__)
+_PER_CLIENT = 32
 # a down server is tried again after this long (doubling per failure), so a restarted one that
 # nobody announced still gets traffic back
 _DOWN_RETRY_FIRST_S = 1.0
@@ -130,12 +132,20 @@ class ServerPool:
         self.servers = [_Server(u.rstrip("/"), asyncio.Semaphore(int(max_in_flight))) for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # connections are bounded by the semaphores, not by httpx's pool (its wait would count
-        # against the timeout)
-        self._http = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(self.timeout_s, connect=min(_CONNECT_TIMEOUT_S, self.timeout_s)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        )
+        # against the timeout); and spread over clients of at most _PER_CLIENT requests each:
+        # httpcore's pool scans every request and connection it holds at each request's start and
+        # end, so one pool of 512 spends its time scanning (tools/bench_scoring_load.py)
+        shards = max(1, math.ceil(int(max_in_flight) * len(self.servers) / _PER_CLIENT))
+        self._clients = [
+            httpx.AsyncClient(
+                headers=headers,
+                timeout=httpx.Timeout(self.timeout_s, connect=min(_CONNECT_TIMEOUT_S, self.timeout_s)),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            )
+            for _ in range(shards)
+        ]
+        self._client_load = [0] * shards
+        self._http = self._clients[0]  # for the odd GET
 
     @property
     def urls(self) -> list[str]:
@@ -146,7 +156,8 @@ class ServerPool:
         return {s.url: s.peak_in_flight for s in self.servers}
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     def mark_restarted(self, url: str) -> None:
         """The caller restarted the server at ``url``: route requests to it again at once."""
@@ -223,7 +234,14 @@ class ServerPool:
             server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
             try:
                 # httpx's read timeout restarts with every chunk; this bounds the whole answer
-                r = await asyncio.wait_for(self._http.post(server.url + path, json=payload), self.timeout_s)
+                shard = min(range(len(self._clients)), key=self._client_load.__getitem__)
+                self._client_load[shard] += 1
+                try:
+                    r = await asyncio.wait_for(
+                        self._clients[shard].post(server.url + path, json=payload), self.timeout_s
+                    )
+                finally:
+                    self._client_load[shard] -= 1
                 body = r.content
             except (asyncio.TimeoutError, httpx.TimeoutException) as e:
                 if isinstance(e, httpx.ConnectTimeout):
