@@ -84,8 +84,12 @@ def test_a_restarting_server_gets_no_requests_while_another_is_up(stand_in):
         model.server_down(a.url)
         time.sleep(0.1)  # the event reaches the client's loop
         outs = model.score_many(samples(6))
-    assert all(o.scored for o in outs)
-    assert a.posts() == 0 and b.posts() == 6
+        assert all(o.scored for o in outs)
+        assert a.posts() == 0 and b.posts() == 6
+        model.server_back(a.url)  # restarted and probed: it takes its share again
+        time.sleep(0.1)
+        assert all(o.scored for o in model.score_many(samples(8)))
+    assert a.posts() > 0
 
 
 def test_a_crash_looping_server_stops_the_run_past_max_restarts_in_one_line():
