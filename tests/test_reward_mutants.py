@@ -9,10 +9,10 @@ import threading
 import time
 
 import torch
-from reward_model_fixtures import make_tiny_classifier
+from reward_model_fixtures import make_tiny_classifier, served_settings
 from test_reward_server_supervision import Events, Process
 
-from megatron_dapo.rewards.served import ServedRewardSettings, prepare_served_checkpoint
+from megatron_dapo.rewards.served import prepare_served_checkpoint
 from megatron_dapo.rewards.served.checkpoint import MANIFEST
 from megatron_dapo.rollout.manager import _same_response
 from megatron_dapo.rollout.types import EpisodeInfo, EpisodeTurn, GenerationResult
@@ -46,7 +46,7 @@ def test_a_response_with_the_same_tokens_but_another_episode_is_not_the_same_res
 def test_the_watch_thread_restarts_a_dead_server_and_tells_the_client():
     proc = Process(dead=True)
     servers = RewardServers(
-        ServedRewardSettings(kind="judge", path="/judge"), [RewardServer("http://h:3", "/log", proc)], None
+        served_settings(kind="judge", path="/judge"), [RewardServer("http://h:3", "/log", proc)], None
     )
     servers.poll_s = 0.05
     events = Events()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from judge_standin import StandIn
-from reward_model_fixtures import make_tiny_classifier
+from reward_model_fixtures import make_tiny_classifier, served_settings
 
-from megatron_dapo.rewards.served import RewardModelError, ServedRewardSettings
+from megatron_dapo.rewards.served import RewardModelError
 from megatron_dapo.rewards.served.classifier import load_tokenizer
 from megatron_dapo.rewards.served.startup_check import (
     DEFAULT_TOLERANCE,
@@ -64,7 +64,7 @@ def test_training_s_probe_passes_a_bf16_server_and_still_catches_a_bias(bf16_ser
     assert DEFAULT_TOLERANCE < worst < probe_tolerance(path, "auto"), worst
     with pytest.raises(RewardModelError, match="start-up check failed"):  # the fixed 1e-4 of before
         check_classifier_server(server.url, path, tolerance=DEFAULT_TOLERANCE)
-    settings = ServedRewardSettings(kind="classifier", path=str(path))
+    settings = served_settings(kind="classifier", path=str(path))
     servers = RewardServers(settings, [RewardServer(server.url, "/log", None)], str(path), dtype="auto")
     servers.check(servers.servers[0])  # a GPU server (--dtype auto) on a bf16 checkpoint starts
     offset["value"] = 0.1  # a head bias left at its random initialisation: still caught

@@ -8,9 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from reward_model_fixtures import served_settings
 from test_rewards_served_failures import StandIn, samples
 
-from megatron_dapo.rewards.served import BlockingRewardModel, RewardServerDown, ServedRewardSettings
+from megatron_dapo.rewards.served import BlockingRewardModel, RewardServerDown
 from megatron_dapo.sglang.reward_servers import RewardServer, RewardServers
 
 
@@ -60,7 +61,7 @@ class FailingProbe(RewardServers):
 
 
 def settings(**kw):
-    return ServedRewardSettings(kind="judge", path="/judge", **kw)
+    return served_settings(kind="judge", path="/judge", **kw)
 
 
 def test_a_server_failing_its_probe_after_a_restart_is_stopped_and_never_reported_back():
@@ -79,7 +80,7 @@ def test_a_server_failing_its_probe_after_a_restart_is_stopped_and_never_reporte
 def test_a_restarting_server_gets_no_requests_while_another_is_up(stand_in):
     a, b = stand_in(), stand_in()
     with BlockingRewardModel(
-        ServedRewardSettings(kind="judge", url=a.url, timeout_s=5.0), [a.url, b.url]
+        served_settings(kind="judge", url=a.url, timeout_s=5.0), [a.url, b.url]
     ) as model:
         model.server_down(a.url)
         time.sleep(0.1)  # the event reaches the client's loop
@@ -111,7 +112,7 @@ def test_a_crash_looping_server_stops_the_run_past_max_restarts_in_one_line():
 
 def test_the_client_told_a_server_is_lost_stops_the_run_and_counts_restarts(stand_in):
     s = stand_in()
-    model = BlockingRewardModel(ServedRewardSettings(kind="judge", url=s.url, timeout_s=5.0))
+    model = BlockingRewardModel(served_settings(kind="judge", url=s.url, timeout_s=5.0))
     try:
         model.server_down(s.url)
         model.server_back(s.url)
@@ -157,6 +158,7 @@ def stand_in():
 CLOSE_WHILE_WAITING = """
 import json, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from megatron_dapo.config.schema import RewardModelConfig
 from megatron_dapo.rewards.served import BlockingRewardModel, RewardSample, ServedRewardSettings
 
 class Silent(BaseHTTPRequestHandler):  # lists its model, and never answers a verdict
@@ -177,7 +179,7 @@ server = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
 server.daemon_threads = True
 threading.Thread(target=server.serve_forever, daemon=True).start()
 url = "http://127.0.0.1:%d" % server.server_address[1]
-model = BlockingRewardModel(ServedRewardSettings(kind="judge", url=url, timeout_s=600.0))
+model = BlockingRewardModel(ServedRewardSettings(RewardModelConfig(kind="judge", url=url, timeout_s=600.0)))
 outcomes = []
 sample = RewardSample(0, [{"role": "user", "content": "q"}], "a")
 # a scoring thread that is not a daemon, as a prefetching rollout's is
@@ -212,7 +214,7 @@ def test_closing_wakes_every_score_in_flight_unscored_and_the_process_exits(tmp_
 
 def test_score_one_sample_from_a_thread_and_submit_many_as_coroutines(stand_in):
     s = stand_in()
-    with BlockingRewardModel(ServedRewardSettings(kind="judge", url=s.url, timeout_s=5.0)) as model:
+    with BlockingRewardModel(served_settings(kind="judge", url=s.url, timeout_s=5.0)) as model:
         one = model.score(samples(1)[0])
         futures = [model.submit(x) for x in samples(6)]
         outs = [f.result(timeout=30) for f in futures]

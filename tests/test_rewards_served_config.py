@@ -13,17 +13,19 @@ def load(*overrides: str):
     return load_config(None, ["model.path=/x", *overrides])
 
 
-def test_the_settings_defaults_are_the_schemas():
+def test_the_settings_read_every_knob_from_the_section_and_copy_none():
     import dataclasses
 
-    from megatron_dapo.config.schema import RewardConfig, RewardModelConfig
+    from megatron_dapo.config.schema import RewardModelConfig
     from megatron_dapo.rewards.served.settings import ServedRewardSettings
 
-    schema = {**dataclasses.asdict(RewardModelConfig()), "combine": RewardConfig().combine}
-    for f in dataclasses.fields(ServedRewardSettings):
-        if f.default is not dataclasses.MISSING:
-            assert f.default == schema[f.name], f"ServedRewardSettings.{f.name} != the schema's default"
-    assert {f.name for f in dataclasses.fields(ServedRewardSettings)} == set(schema)
+    # the section itself and reward.combine: no knob of its own to drift from the schema
+    assert [f.name for f in dataclasses.fields(ServedRewardSettings)] == ["model", "combine"]
+    cfg = load("reward.model.kind=judge", "reward.model.url=http://j:1", "reward.model.max_restarts=7")
+    s = settings_from_config(cfg.reward)
+    for f in dataclasses.fields(RewardModelConfig):
+        assert getattr(s, f.name) == cfg.reward.model[f.name], f.name
+    assert s.max_restarts == 7 and s.replace(max_restarts=1).max_restarts == 1 and s.max_restarts == 7
 
 
 def test_off_by_default():

@@ -11,6 +11,7 @@ from collections import deque
 
 import judge_standin
 import pytest
+from reward_model_fixtures import served_settings
 
 from megatron_dapo.ports import free_port
 from megatron_dapo.rewards.served import (
@@ -18,7 +19,6 @@ from megatron_dapo.rewards.served import (
     RewardRequestError,
     RewardSample,
     RewardServerDown,
-    ServedRewardSettings,
 )
 from megatron_dapo.rewards.served.classifier import ClassifierClient
 from megatron_dapo.rewards.served.transport import ServerPool
@@ -92,7 +92,7 @@ def judge(url, **kw) -> BlockingRewardModel:
     """A judge given by URL (the OpenAI-compatible API): the whole client stack, no tokenizer."""
     settings = dict(kind="judge", url=url, timeout_s=5.0, max_retries=2, max_in_flight=8, down_grace_s=300.0)
     settings.update(kw)
-    return BlockingRewardModel(ServedRewardSettings(**settings))
+    return BlockingRewardModel(served_settings(**settings))
 
 
 def samples(n: int) -> list[RewardSample]:
@@ -236,7 +236,7 @@ def test_a_server_down_past_the_grace_stops_with_one_line():
 def test_a_dead_server_s_samples_move_to_the_live_one(stand_in):
     live = stand_in()
     dead = f"http://127.0.0.1:{free_port()}"
-    settings = ServedRewardSettings(kind="judge", url=dead, max_retries=2, max_in_flight=4)
+    settings = served_settings(kind="judge", url=dead, max_retries=2, max_in_flight=4)
     with BlockingRewardModel(settings, urls=[dead, live.url]) as model:
         outs = model.score_many(samples(8))
     assert all(o.scored and o.server == live.url for o in outs)
@@ -263,7 +263,7 @@ def test_a_4xx_among_many_cancels_the_rest(stand_in):
 @pytest.mark.parametrize("servers", [1, 2])
 def test_in_flight_requests_per_server_stay_within_max_in_flight(stand_in, servers):
     backends = [stand_in(default=("slow", 0.3)) for _ in range(servers)]
-    settings = ServedRewardSettings(kind="judge", url=backends[0].url, max_in_flight=3)
+    settings = served_settings(kind="judge", url=backends[0].url, max_in_flight=3)
     with BlockingRewardModel(settings, urls=[b.url for b in backends]) as model:
         outs = model.score_many(samples(18))
         peaks = model.peak_in_flight()

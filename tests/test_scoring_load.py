@@ -9,11 +9,12 @@ import threading
 import time
 from concurrent.futures import Future
 
+from reward_model_fixtures import served_settings
 from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, manager_config
 from test_rewards_served_failures import StandIn, samples
 
 from megatron_dapo.rewards.scorer import Scorer as RuleScorer
-from megatron_dapo.rewards.served import BlockingRewardModel, ScoreOutcome, ServedRewardSettings
+from megatron_dapo.rewards.served import BlockingRewardModel, ScoreOutcome
 from megatron_dapo.rollout.manager import RolloutManager
 
 
@@ -61,7 +62,7 @@ def test_the_cut_does_not_wait_for_rewards_past_it_and_cancels_them():
 def test_a_step_s_scoring_deadline_leaves_the_late_ones_unscored():
     s = StandIn(default=("hang",))
     try:
-        settings = ServedRewardSettings(kind="judge", url=s.url, timeout_s=30.0, step_timeout_s=0.5)
+        settings = served_settings(kind="judge", url=s.url, timeout_s=30.0, step_timeout_s=0.5)
         with BlockingRewardModel(settings) as model:
             assert model.step_timeout_s == 0.5
             start = time.monotonic()

@@ -32,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_dapo.config.schema import RewardModelConfig  # noqa: E402
 from megatron_dapo.rewards.served import BlockingRewardModel, RewardSample, ServedRewardSettings  # noqa: E402
 
 ANSWER = json.dumps(
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     proc, url = _judge_process(args.latency_s)
     try:
-        settings = ServedRewardSettings(kind="judge", url=url, max_in_flight=args.in_flight, timeout_s=120.0)
+        settings = ServedRewardSettings(
+            RewardModelConfig(kind="judge", url=url, max_in_flight=args.in_flight, timeout_s=120.0)
+        )
         samples = _samples(args.responses)
         rates: dict[str, list[float]] = {"threads": [], "coroutines": []}
         with BlockingRewardModel(settings) as model:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -186,7 +185,7 @@ class EvalRewardModel:
         their precision or ``--reward-check-tolerance``."""
         settings = self.settings
         if self.check_tolerance is not None:
-            settings = replace(settings, probe_tolerance=float(self.check_tolerance))
+            settings = settings.replace(probe_tolerance=float(self.check_tolerance))
         cfg = self.run_cfg if self.run_cfg is not None else OmegaConf.structured(DAPOConfig)
         self.servers = RewardServers.launch(
             cfg, settings, self.workdir, alone=True, max_total_tokens=self.context_tokens

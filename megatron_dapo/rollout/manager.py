@@ -452,6 +452,10 @@ class RolloutManager:
             gen_pool.shutdown(wait=False, cancel_futures=True)
             # rewards started early for responses past the cut are not needed: the queued ones go
             score_pool.shutdown(wait=True, cancel_futures=True)
+            if ledger.cut is not None:
+                # an engine may have handed a response over while the tail was being stopped:
+                # its request is cancelled too (the pool is shut, so none can start after this)
+                self._cancel_early(ledger)
 
     def _paused(self, calls: dict[Future, Call], paused_calls: set[Future]) -> bool:
         """While :meth:`pause` holds: abort each call in flight once, and report quiet once none
@@ -728,9 +732,7 @@ class RolloutManager:
         # cancelled (a slow judge would hold the step for its every retry)
         for fut in scoring:
             fut.cancel()
-        for unit in {id(u): u for u in ledger.units.values()}.values():
-            for _, fut in unit.early.values():
-                fut.cancel()
+        self._cancel_early(ledger)
         done, not_done = wait(list(calls), timeout=self.cfg.abort_timeout_s)
         for fut, call in list(calls.items()):
             if fut in done:
@@ -753,6 +755,13 @@ class RolloutManager:
         for scored in scoring.values():
             ledger.generated.update(g.serial for g in scored.unit.groups)
         scoring.clear()
+
+    def _cancel_early(self, ledger: Ledger) -> None:
+        """Cancel every reward started early that is still running (past the cut: the groups
+        before it are all scored)."""
+        for unit in {id(u): u for u in ledger.units.values()}.values():
+            for _, fut in list(unit.early.values()):
+                fut.cancel()
 
     def _carry_tail(self, ledger: Ledger) -> None:
         """rollout.partial: every group past the cut, with what it generated (finished responses
