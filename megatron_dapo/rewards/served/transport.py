@@ -135,8 +135,7 @@ class ServerPool:
         # against the timeout); and spread over clients of at most _PER_CLIENT requests each:
         # httpcore's pool scans every request and connection it holds (a select() per idle
         # connection) at each request's start and end, so one pool of 512 spends its time
-        # scanning: 1024 judge requests at 512 in flight scored at 61/s with clients of 32, 123/s
-        # with clients of 8 (one loop profiled on the loaded 2-core machine, at 22:36)
+        # scanning (docs/reward_models.md, "Scoring under load")
         shards = max(1, math.ceil(int(max_in_flight) * len(self.servers) / _PER_CLIENT))
         self._clients = [
             httpx.AsyncClient(
