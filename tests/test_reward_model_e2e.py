@@ -133,10 +133,14 @@ def test_a_classifier_scores_every_response_of_two_steps(assets, tmp_path):
             "trainer.val_before_train": "false",
         },
     )
-    summary = run_train(load_for_cli(str(REPO / "configs/demo.yaml"), overrides))
+    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), overrides)
+    summary = run_train(cfg)
     run = Path(summary["run_dir"])
     assert (run / "reward_model_served" / "config.json").is_file()  # the corrected copy served
-    prompts = {row["index"]: row for row in load_prompt_rows(str(assets.train_file))}
+    # the prompts as the run read them (the demo's data.template: the bare question)
+    prompts = {
+        row["index"]: row for row in load_prompt_rows(str(assets.train_file), template=cfg.data.template)
+    }
     tokenizer = load_tokenizer(str(rm), "rm")
     records = {r["step"]: r for r in read_metrics(run)}
     for step in (1, 2):
