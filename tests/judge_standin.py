@@ -3,10 +3,11 @@ OpenAI-compatible ``/v1/completions`` and a judge's ``/v1/chat/completions``, ea
 function of the request, so that a test knows every response and verdict by hand however the
 requests interleave.
 
-``StandIn(routes)``: ``routes`` maps a POST path to ``fn(body) -> (status, payload)`` or
+``StandIn(routes)``: ``routes`` maps a POST path to ``fn(body) -> (status, payload[, headers])`` or
 ``"drop"`` (the connection is closed without an answer, as a server that died mid-request); a
 payload given as a string is sent as is (not JSON). ``other(path, body)``, when given, answers
-the POST paths ``routes`` lacks (else 404). ``GET /v1/models`` lists one model (``model_id``).
+the POST paths ``routes`` lacks (else 404). ``GET /v1/models`` lists one model (``model_id``, with
+``max_model_len`` when given: its context, as SGLang and vLLM report it).
 Daemon threads: a test (or a forked CLI run) just uses ``.url``; ``close()`` stops it.
 ``requests`` records every (path, body); ``in_flight`` and ``peak`` count the POSTs being answered
 now and the most at once.
@@ -30,6 +31,7 @@ class StandIn:
         routes: dict[str, Route],
         other: Callable[[str, dict], tuple[int, dict | str] | str] | None = None,
         model_id: str = "standin",
+        max_model_len: int | None = None,
     ):
         self.routes = routes
         self.other = other
@@ -47,7 +49,12 @@ class StandIn:
 
             def do_GET(self):  # noqa: N802
                 if self.path == "/v1/models":
-                    return self._send(200, {"object": "list", "data": [{"id": model_id}]})
+                    card = (
+                        {"id": model_id}
+                        if max_model_len is None
+                        else {"id": model_id, "max_model_len": max_model_len}
+                    )
+                    return self._send(200, {"object": "list", "data": [card]})
                 self._send(404, {"detail": "Not Found"})
 
             def do_POST(self):  # noqa: N802
@@ -77,9 +84,11 @@ class StandIn:
                     return
                 self._send(*answer)
 
-            def _send(self, code, payload):
+            def _send(self, code, payload, headers=None):
                 data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 self.send_response(code)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -59,3 +59,12 @@ def make_tiny_classifier(
     model.save_pretrained(str(path), safe_serialization=True, **kwargs)
     _write_tokenizer(path, config.vocab_size)
     return add_chat_template(path)
+
+
+def served_settings(kind: str, combine: str | None = None, **knobs):
+    """``ServedRewardSettings`` of a ``reward.model`` section with these knobs, the schema's
+    defaults for the rest."""
+    from megatron_dapo.config.schema import RewardModelConfig
+    from megatron_dapo.rewards.served import ServedRewardSettings
+
+    return ServedRewardSettings(RewardModelConfig(kind=kind, **knobs), combine)

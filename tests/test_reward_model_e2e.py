@@ -25,7 +25,10 @@ from helpers import make_tiny_hf_checkpoint
 from reward_model_fixtures import add_chat_template, make_tiny_classifier
 from sglang_fixtures import require_sglang
 
+from megatron_dapo.data.loading import load_prompt_rows
 from megatron_dapo.driver.launch import load_for_cli, run_train
+from megatron_dapo.rewards.served.classifier import load_tokenizer, render_ids
+from megatron_dapo.rewards.served.startup_check import reference_scores
 
 PARSER = Path(__file__).parent / "fixtures" / "reward_model" / "parsers.py"
 
@@ -130,12 +133,23 @@ def test_a_classifier_scores_every_response_of_two_steps(assets, tmp_path):
             "trainer.val_before_train": "false",
         },
     )
-    summary = run_train(load_for_cli(str(REPO / "configs/demo.yaml"), overrides))
+    cfg = load_for_cli(str(REPO / "configs/demo.yaml"), overrides)
+    summary = run_train(cfg)
     run = Path(summary["run_dir"])
     assert (run / "reward_model_served" / "config.json").is_file()  # the corrected copy served
+    # the prompts as the run read them (the demo's data.template: the bare question)
+    prompts = {
+        row["index"]: row for row in load_prompt_rows(str(assets.train_file), template=cfg.data.template)
+    }
+    tokenizer = load_tokenizer(str(rm), "rm")
     records = {r["step"]: r for r in read_metrics(run)}
     for step in (1, 2):
         assert records[step]["reward/unscored"] == 0
         rows = _dumped(run, step)
         assert rows and all(r["model_score"] == r["score"] for r in rows)
         assert len({round(r["score"], 6) for r in rows}) > 1  # the model scored the texts, not a constant
+        # each score is transformers' on the prompt's messages and the response (float32, CPU)
+        for r in rows[:4]:
+            messages = prompts[r["prompt_index"]]["messages"]
+            ids = render_ids(tokenizer, messages, r["response"], "rm")
+            assert abs(r["model_score"] - reference_scores(rm, [ids])[0][0]) < 1e-4, r

@@ -127,7 +127,15 @@ def test_raising_hanging_crashing_rewards_do_not_stop_scoring(custom_file, caplo
         assert elapsed < 40, "the hang must cost about one timeout, not 60 s"
         assert [r.score for r in results] == [1.0, -1.0, -1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0]
         assert [r.acc for r in results] == [True, False, False, False, True, False, False, True, True]
-        assert results[1].error == "ZeroDivisionError: division by zero in reward"
+        # the line of the user's file that raised, so a new user's bug is found without a debugger
+        line = next(
+            i
+            for i, t in enumerate(custom_file.read_text().splitlines(), 1)
+            if "division by zero in reward" in t
+        )
+        assert results[1].error == (
+            f"ZeroDivisionError: division by zero in reward (at {custom_file.resolve()}:{line} in misbehave)"
+        )
         assert results[3].error == "reward call timed out after 0.5s"
         assert results[5].error == "reward worker exited with code 3 while scoring"
         assert "no 'score' key" in results[6].error

@@ -13,17 +13,19 @@ def load(*overrides: str):
     return load_config(None, ["model.path=/x", *overrides])
 
 
-def test_the_settings_defaults_are_the_schemas():
+def test_the_settings_read_every_knob_from_the_section_and_copy_none():
     import dataclasses
 
-    from megatron_dapo.config.schema import RewardConfig, RewardModelConfig
+    from megatron_dapo.config.schema import RewardModelConfig
     from megatron_dapo.rewards.served.settings import ServedRewardSettings
 
-    schema = {**dataclasses.asdict(RewardModelConfig()), "combine": RewardConfig().combine}
-    for f in dataclasses.fields(ServedRewardSettings):
-        if f.default is not dataclasses.MISSING:
-            assert f.default == schema[f.name], f"ServedRewardSettings.{f.name} != the schema's default"
-    assert {f.name for f in dataclasses.fields(ServedRewardSettings)} == set(schema)
+    # the section itself and reward.combine: no knob of its own to drift from the schema
+    assert [f.name for f in dataclasses.fields(ServedRewardSettings)] == ["model", "combine"]
+    cfg = load("reward.model.kind=judge", "reward.model.url=http://j:1", "reward.model.max_restarts=7")
+    s = settings_from_config(cfg.reward)
+    for f in dataclasses.fields(RewardModelConfig):
+        assert getattr(s, f.name) == cfg.reward.model[f.name], f.name
+    assert s.max_restarts == 7 and s.replace(max_restarts=1).max_restarts == 1 and s.max_restarts == 7
 
 
 def test_off_by_default():
@@ -54,6 +56,12 @@ CLASSIFIER = ("reward.model.kind=classifier", "reward.model.path=/ckpt/rm")
         ([*JUDGE, "reward.model.max_in_flight=0"], "reward.model.max_in_flight=0 must be >= 1"),
         ([*CLASSIFIER, "reward.model.gpus_per_server=0"], "reward.model.gpus_per_server=0 must be >= 1"),
         ([*JUDGE, "reward.model.down_grace_s=0"], "reward.model.down_grace_s=0(\\.0)? must be > 0"),
+        ([*JUDGE, "reward.model.max_restarts=-1"], "reward.model.max_restarts=-1 must be >= 0"),
+        ([*JUDGE, "reward.model.too_long=drop"], "reward.model.too_long='drop' is not one of cut, unscored"),
+        (
+            [*CLASSIFIER, "reward.model.too_long=unscored"],
+            "reward.model.too_long applies to reward.model.kind=judge",
+        ),
         ([*CLASSIFIER, "reward.model.transform=scale"], "reward.model.transform='scale' must look like"),
         ([*CLASSIFIER, "reward.combine=mix.py"], "reward.combine='mix.py' must look like"),
         (

@@ -11,6 +11,7 @@ from collections import deque
 
 import judge_standin
 import pytest
+from reward_model_fixtures import served_settings
 
 from megatron_dapo.ports import free_port
 from megatron_dapo.rewards.served import (
@@ -18,7 +19,6 @@ from megatron_dapo.rewards.served import (
     RewardRequestError,
     RewardSample,
     RewardServerDown,
-    ServedRewardSettings,
 )
 from megatron_dapo.rewards.served.classifier import ClassifierClient
 from megatron_dapo.rewards.served.transport import ServerPool
@@ -27,15 +27,15 @@ from megatron_dapo.rewards.served.transport import ServerPool
 class StandIn(judge_standin.StandIn):
     """A 127.0.0.1 server answering the reward endpoints; ``script`` queues one behaviour per
     request (then ``default``): ("ok",), ("verdict", text), ("slow", seconds), ("hang",) until
-    ``release``, ("drop",), ("status", code, payload), ("garbage",). It counts requests and the
+    ``release``, ("drop",), ("status", code, payload[, headers]), ("garbage",). It counts requests and the
     most it held at once (``peak``)."""
 
-    def __init__(self, default=("ok",)):
+    def __init__(self, default=("ok",), max_model_len=None):
         self.default = default
         self.script: deque = deque()
         self.release = threading.Event()  # ends every hang at teardown
         self._script_lock = threading.Lock()
-        super().__init__({}, other=self._act, model_id="standin-judge")
+        super().__init__({}, other=self._act, model_id="standin-judge", max_model_len=max_model_len)
 
     def _act(self, path: str, body: dict):
         with self._script_lock:
@@ -46,8 +46,8 @@ class StandIn(judge_standin.StandIn):
             return 200, self.reply(path, "yes")
         if kind == "drop":
             return "drop"
-        if kind == "status":
-            return action[1], action[2]
+        if kind == "status":  # ("status", code, payload[, headers])
+            return tuple(action[1:])
         if kind == "garbage":
             return 200, "{not json"
         if kind == "slow":
@@ -78,8 +78,8 @@ class StandIn(judge_standin.StandIn):
 def stand_in():
     servers = []
 
-    def make(default=("ok",)):
-        s = StandIn(default)
+    def make(default=("ok",), max_model_len=None):
+        s = StandIn(default, max_model_len)
         servers.append(s)
         return s
 
@@ -92,7 +92,7 @@ def judge(url, **kw) -> BlockingRewardModel:
     """A judge given by URL (the OpenAI-compatible API): the whole client stack, no tokenizer."""
     settings = dict(kind="judge", url=url, timeout_s=5.0, max_retries=2, max_in_flight=8, down_grace_s=300.0)
     settings.update(kw)
-    return BlockingRewardModel(ServedRewardSettings(**settings))
+    return BlockingRewardModel(served_settings(**settings))
 
 
 def samples(n: int) -> list[RewardSample]:
@@ -128,6 +128,41 @@ def test_a_5xx_then_an_answer_scores_on_the_retry(stand_in):
     with judge(s.url) as model:
         [out] = model.score_many(samples(1))
     assert out.scored and out.attempts == 2 and s.posts() == 2
+
+
+def test_a_429_waits_its_retry_after_then_scores_and_is_counted(stand_in):
+    s = stand_in()
+    s.script.append(("status", 429, {"error": "rate limit"}, {"Retry-After": "1.5"}))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    # the back-off alone would have waited 0.5 s
+    assert out.scored and out.attempts == 2 and out.throttled == 1 and out.elapsed_s >= 1.5
+    assert s.posts() == 2
+
+
+def test_a_408_is_retried_and_429_on_every_attempt_is_unscored_rate_limited(stand_in):
+    s = stand_in(default=("status", 429, {"error": "rate limit"}, {"Retry-After": "0"}))
+    s.script.append(("status", 408, "request timeout"))
+    with judge(s.url, max_retries=2) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "rate_limited" and "HTTP 429" in out.detail
+    assert out.attempts == 3 and out.throttled == 3 and s.posts() == 3
+
+
+def test_retry_after_as_seconds_or_an_http_date_within_its_cap():
+    import email.utils
+
+    import httpx
+
+    from megatron_dapo.rewards.served.transport import _RETRY_AFTER_MAX_S, _retry_after
+
+    def wait(value):
+        return _retry_after(httpx.Response(429, headers={} if value is None else {"Retry-After": value}), 0.5)
+
+    assert wait("3") == 3.0 and wait(None) == 0.5 and wait("soon") == 0.5 and wait("-4") == 0.0
+    assert wait("86400") == _RETRY_AFTER_MAX_S
+    date = email.utils.formatdate(time.time() + 20, usegmt=True)
+    assert 17.0 <= wait(date) <= 20.0
 
 
 def test_a_hang_ends_unscored_timeout_within_its_retries(stand_in):
@@ -201,18 +236,18 @@ def test_a_server_down_past_the_grace_stops_with_one_line():
 def test_a_dead_server_s_samples_move_to_the_live_one(stand_in):
     live = stand_in()
     dead = f"http://127.0.0.1:{free_port()}"
-    settings = ServedRewardSettings(kind="judge", url=dead, max_retries=2, max_in_flight=4)
+    settings = served_settings(kind="judge", url=dead, max_retries=2, max_in_flight=4)
     with BlockingRewardModel(settings, urls=[dead, live.url]) as model:
         outs = model.score_many(samples(8))
     assert all(o.scored and o.server == live.url for o in outs)
 
 
 def test_a_4xx_is_one_line_naming_url_reason_and_sample_and_is_not_retried(stand_in):
-    s = stand_in(default=("status", 400, {"object": "error", "message": "prompt is longer than the context"}))
+    s = stand_in(default=("status", 400, {"object": "error", "message": "temperature must be non-negative"}))
     with judge(s.url) as model, pytest.raises(RewardRequestError) as e:
         model.score_many([samples(8)[7]])
     line = str(e.value)
-    assert "\n" not in line and "HTTP 400" in line and "prompt is longer than the context" in line
+    assert "\n" not in line and "HTTP 400" in line and "temperature must be non-negative" in line
     assert f"{s.url}/v1/chat/completions" in line and "sample 7" in line
     assert s.posts() == 1
 
@@ -228,7 +263,7 @@ def test_a_4xx_among_many_cancels_the_rest(stand_in):
 @pytest.mark.parametrize("servers", [1, 2])
 def test_in_flight_requests_per_server_stay_within_max_in_flight(stand_in, servers):
     backends = [stand_in(default=("slow", 0.3)) for _ in range(servers)]
-    settings = ServedRewardSettings(kind="judge", url=backends[0].url, max_in_flight=3)
+    settings = served_settings(kind="judge", url=backends[0].url, max_in_flight=3)
     with BlockingRewardModel(settings, urls=[b.url for b in backends]) as model:
         outs = model.score_many(samples(18))
         peaks = model.peak_in_flight()
@@ -307,3 +342,96 @@ def test_a_transform_that_raises_is_one_line_naming_it(stand_in, tmp_path):
         RewardModelError, match=r"reward.model.transform=.*t.py:broken raised ZeroDivisionError"
     ):
         classify(s.url, f"{fn}:broken")
+
+
+def test_throttled_answers_are_a_step_metric():
+    from megatron_dapo.rewards.served import ScoreOutcome
+    from megatron_dapo.rollout.rollout_metrics import served_model_metrics
+
+    outcomes = [
+        ("judge", ScoreOutcome(0, 1.0, attempts=3, throttled=2)),
+        ("judge", ScoreOutcome(1, None, "rate_limited", attempts=3, throttled=3)),
+        ("judge", ScoreOutcome(2, -1.0, attempts=1)),
+    ]
+    m = served_model_metrics(outcomes)
+    assert m["reward/judge_throttled"] == 5.0 and m["reward/judge_retries"] == 4.0
+
+
+class _WordTokenizer:
+    """One token per space-separated word; a chat template of one line per message."""
+
+    chat_template = "words"
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return " ".join(f"<{m['role']}> {m['content']}" for m in messages) + " <assistant>"
+
+    def __call__(self, text, add_special_tokens):
+        ids = []
+        for w in text.split():
+            if w not in self.vocab:
+                self.vocab[w] = len(self.words)
+                self.words.append(w)
+            ids.append(self.vocab[w])
+        return {"input_ids": ids}
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+def served_judge(url, too_long="cut", max_new_tokens=16, tokenizer=None):
+    from megatron_dapo.rewards.served.judge import JudgeClient
+
+    async def run(sample):
+        pool = ServerPool([url], timeout_s=5.0, max_retries=0, max_in_flight=4, down_grace_s=60.0)
+        try:
+            judge = JudgeClient(
+                pool,
+                api="sglang",
+                tokenizer=tokenizer or _WordTokenizer(),
+                prompt_template="Judge {response} against {ground_truth}: yes or no?",
+                max_new_tokens=max_new_tokens,
+                too_long=too_long,
+            )
+            return await judge.score(sample)
+        finally:
+            await pool.aclose()
+
+    return lambda sample: asyncio.run(run(sample))
+
+
+LONG = RewardSample(
+    5, [{"role": "user", "content": "q"}], " ".join(f"w{i}" for i in range(200)) + " Answer: 42", "42"
+)
+
+
+def test_a_judge_prompt_past_its_context_is_cut_to_the_response_s_end_and_counted(stand_in):
+    s = stand_in(max_model_len=64)  # the judge's context, from GET /v1/models as SGLang reports it
+    tok = _WordTokenizer()
+    out = served_judge(s.url, max_new_tokens=16, tokenizer=tok)(LONG)
+    path, body = s.requests[-1]
+    sent = tok.decode(body["input_ids"]).split()
+    # prompt + verdict fill the context: 64 - 16 for the prompt, 16 for the verdict
+    assert len(sent) == 48 and body["sampling_params"]["max_new_tokens"] == 16
+    # 8 words of template and reference, the mark, and the response's last 39 words (its final
+    # answer): its first 202 - 39 = 163 dropped
+    assert sent[:3] == ["<user>", "Judge", "[...]"] and sent[3] == "w163"
+    assert sent[-9:] == ["w199", "Answer:", "42", "against", "42:", "yes", "or", "no?", "<assistant>"]
+    assert out.scored and out.cut_tokens == 163
+
+
+def test_a_judge_prompt_past_its_context_is_unscored_too_long_when_asked(stand_in):
+    s = stand_in(max_model_len=64)
+    out = served_judge(s.url, too_long="unscored")(LONG)
+    assert out.unscored == "too_long" and "context 64" in out.detail and s.posts() == 0
+
+
+def test_a_judge_that_refuses_a_prompt_as_too_long_leaves_it_unscored_not_the_run_stopped(stand_in):
+    message = "The input (263 tokens) is longer than the model's context length (256 tokens)."
+    s = stand_in(default=("status", 400, {"object": "error", "message": message}))
+    with judge(s.url) as model:
+        [out] = model.score_many(samples(1))
+    assert out.unscored == "too_long" and "263 tokens" in out.detail and s.posts() == 1

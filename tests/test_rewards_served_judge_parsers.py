@@ -24,7 +24,14 @@ from megatron_dapo.rewards.served.judge import load_parser, render_prompt
         ("No", -1.0),
         ("YES.", 1.0),
         ("The answers differ, so: no", -1.0),
-        ("No wait, they agree. Yes", 1.0),  # the final one counts
+        ("Yes.\n\nNo further comment.", 1.0),  # the verdict first, then commentary
+        ("**No**, the answers differ; yes, both are integers.", -1.0),
+        ("The response says 5.\nVerdict: **YES**\nNo other issue.", 1.0),  # the line that opens with it
+        ("Final answer: no.\nyes", -1.0),
+        ("<think>yes</think><think>no, wait</think>\n**Yes**", 1.0),  # several thinking blocks
+        ("<think>a</think>No<think>b</think>", -1.0),  # nothing after the last block: between them
+        ("<think>x</think>Yes. <think>but maybe", 1.0),  # thinking opened again, never closed
+        ("it agrees, so no doubt</think>Yes", 1.0),  # thinking opened in the prompt
         ("Answer: yes\n", 1.0),
         ("<think>is it yes? no...</think>\nyes", 1.0),
         ("<think>maybe yes</think> no", -1.0),
@@ -45,6 +52,11 @@ def test_yes_no(verdict, expected):
         (r"\boxed{3} then \boxed{0.5}", 0.5),
         (r"\boxed{-2}", -2.0),
         (r"\boxed{ $3/4$ }", 0.75),
+        (r"\boxed{\frac{3}{4}}", 0.75),
+        (r"\boxed{-\dfrac{1}{2}}", -0.5),
+        (r"\boxed{\tfrac{ 5 }{ 2 }}", 2.5),
+        (r"\boxed{\frac{3}{0}}", None),
+        (r"\boxed{\frac{a}{4}}", None),
         (r"\boxed{1e-1}", 0.1),
         (r"<think>\boxed{1}</think> final: \boxed{9}", 9.0),
         (r"<think>\boxed{1}", None),

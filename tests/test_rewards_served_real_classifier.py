@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from reward_model_fixtures import make_tiny_classifier
+from reward_model_fixtures import make_tiny_classifier, served_settings
 from sglang_fixtures import start_cpu_server, stop_cpu_server
 
 from megatron_dapo.rewards.served import (
@@ -97,7 +97,7 @@ def test_the_original_checkpoint_fails_the_start_up_check_naming_the_missing_bia
     assert "prepare_served_checkpoint" in line
     # the defect itself: one constant offset on every conversation (the bias's random draw; the
     # check above raised, so it is past the tolerance, however small the draw was this start)
-    served = served_scores(ServedRewardSettings("classifier", path=str(rm)), [url])
+    served = served_scores(served_settings("classifier", path=str(rm)), [url])
     offsets = [s - r for s, r in zip(served, expected)]
     assert max(offsets) - min(offsets) < TOLERANCE and abs(offsets[0]) > TOLERANCE, offsets
 
@@ -109,10 +109,10 @@ def test_the_served_copy_passes_the_check_and_scores_as_transformers(rm, expecte
     check = check_classifier_server(url, rm)
     assert check.max_abs_diff <= TOLERANCE and len(check.served) == 2
     assert len({round(e, 3) for e in expected}) == len(expected), "the texts score differently"
-    by_path = served_scores(ServedRewardSettings("classifier", path=str(rm)), [url])
+    by_path = served_scores(served_settings("classifier", path=str(rm)), [url])
     assert by_path == pytest.approx(expected, abs=TOLERANCE)
     # given by URL, the client renders with the tokenizer the server reports
-    by_url = served_scores(ServedRewardSettings("classifier", url=url))
+    by_url = served_scores(served_settings("classifier", url=url))
     assert by_url == pytest.approx(expected, abs=TOLERANCE)
 
 
@@ -123,5 +123,5 @@ def test_after_a_restart_on_the_served_copy_the_scores_are_still_transformers(
     server["server"] = start_cpu_server(served_copy, tmp_path, extra_args=EMBEDDING)
     url = server["server"].url
     check_classifier_server(url, rm)
-    served = served_scores(ServedRewardSettings("classifier", path=str(rm)), [url])
+    served = served_scores(served_settings("classifier", path=str(rm)), [url])
     assert served == pytest.approx(expected, abs=TOLERANCE)

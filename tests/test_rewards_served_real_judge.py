@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import make_tiny_hf_checkpoint
-from reward_model_fixtures import add_chat_template
+from reward_model_fixtures import add_chat_template, served_settings
 
 from megatron_dapo.config import load_config
 from megatron_dapo.rewards.served import (
@@ -77,19 +77,19 @@ def test_a_served_judge_and_the_same_server_by_url_give_the_same_greedy_verdicts
     judge_dir, judge_server, parser
 ):
     common = dict(parser=parser, max_new_tokens=12, prompt_template=TEMPLATE)
-    served = verdicts(ServedRewardSettings("judge", path=str(judge_dir), **common), [judge_server.url])
+    served = verdicts(served_settings("judge", path=str(judge_dir), **common), [judge_server.url])
     assert all(o.scored and o.attempts == 1 and o.server == judge_server.url for o in served), served
     assert [o.score for o in served] == [grade(o.verdict) for o in served]
     assert any(o.verdict for o in served), "the random judge says something"
-    again = verdicts(ServedRewardSettings("judge", path=str(judge_dir), **common), [judge_server.url])
+    again = verdicts(served_settings("judge", path=str(judge_dir), **common), [judge_server.url])
     assert [o.verdict for o in again] == [o.verdict for o in served], "greedy by default"
-    by_url = verdicts(ServedRewardSettings("judge", url=judge_server.url, **common))
+    by_url = verdicts(served_settings("judge", url=judge_server.url, **common))
     assert [o.verdict for o in by_url] == [o.verdict for o in served]
     assert [o.score for o in by_url] == [o.score for o in served]
 
 
 def test_a_verdict_yes_no_cannot_read_is_unscored_not_scored(judge_dir, judge_server):
-    settings = ServedRewardSettings(
+    settings = served_settings(
         "judge", path=str(judge_dir), parser="yes_no", max_new_tokens=12, prompt_template=TEMPLATE
     )
     outcomes = verdicts(settings, [judge_server.url])

@@ -156,7 +156,19 @@ def test_reward_servers_start_on_their_planned_nodes_and_restart_there(cluster, 
         for srv, p in zip(servers.servers, plans):
             node, _ = ray.get(srv.process.host.where.remote())
             assert node == p.node_id
-        servers.watch(lambda url: (restarted.append(url), told.set()))
+
+        class Events:
+            def server_down(self, url):
+                pass
+
+            def server_back(self, url):
+                restarted.append(url)
+                told.set()
+
+            def server_lost(self, message):
+                raise AssertionError(message)
+
+        servers.watch(Events())
         victim = plans[2]
         old = httpx.get(victim.url + "/get_server_info", timeout=30).json()["pid"]
         os.kill(old, 9)

@@ -6,6 +6,8 @@ can be checked without a server (the section, the checkpoint's architecture, the
 the tokenizer, ``reward.combine``, a ``reward.model.url``'s reachability) before the policy
 samples; the reward servers after the policy's generation has ended (its server stopped), so each
 gets GPUs of its own: server i on GPUs ``i*gpus_per_server ...`` of this machine, or this CPU.
+They start, are probed and stop through the same code as training's
+(``sglang/reward_servers.py`` ``RewardServers``).
 """
 
 from __future__ import annotations
@@ -23,28 +25,18 @@ from megatron_dapo.config.loader import merge_overrides
 from megatron_dapo.config.schema import DAPOConfig
 from megatron_dapo.config.validate import CHOICES, POSITIVE_INTS, check_reward
 from megatron_dapo.eval.served import ServedScorer
-from megatron_dapo.ports import free_port
 from megatron_dapo.rewards.registry import load_custom_fn
 from megatron_dapo.rewards.served import (
     BlockingRewardModel,
     RewardModelError,
     ServedRewardSettings,
-    check_classifier_server,
     prepare_served_checkpoint,
-    server_specs,
     settings_from_config,
 )
 from megatron_dapo.rewards.served.checkpoint import architecture
 from megatron_dapo.rewards.served.classifier import load_tokenizer
 from megatron_dapo.rewards.served.judge import load_parser
-from megatron_dapo.sglang.engines import CPU_SERVER_ARGS, cpu_server_env
-from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
-
-# The start-up check's tolerance (|served - transformers float32| on the probes) by the server's
-# precision: float32 (the CPU servers) as rewards/served/startup_check.py's default; otherwise
-# the 4e-2 SGLang's own reward-model test allows between its fp16 server and HF's fp16 model
-# (sglang test/srt/models/test_reward_models.py). Not measured here on a GPU.
-CHECK_TOLERANCE = {"float32": 1e-4, "auto": 4e-2}
+from megatron_dapo.sglang.reward_servers import RewardServers
 
 
 class RewardInputError(ValueError):
@@ -111,7 +103,8 @@ class EvalRewardModel:
         run_cfg: the run's config (its ``rollout.sglang`` python and start-up timeout), or None.
         context_tokens: the longest request a judge or classifier gets (prompt + response, the
             judge's template and verdict), which sizes a CPU server's KV pool.
-        check_tolerance: the classifier start-up check's tolerance; None: by precision (above).
+        check_tolerance: the classifier start-up check's tolerance; None: ``reward.model.probe_tolerance``,
+            else by the server's precision (``rewards.served.startup_check.probe_tolerance``).
     """
 
     def __init__(
@@ -126,7 +119,7 @@ class EvalRewardModel:
         self.context_tokens = int(context_tokens)
         self.check_tolerance = check_tolerance
         self.workdir = Path(tempfile.mkdtemp(prefix="megatron-dapo-eval-reward-"))
-        self.servers: list[SGLangServer] = []
+        self.servers: RewardServers | None = None
         self.model: BlockingRewardModel | None = None
         self.served_path: str | None = None
         try:
@@ -166,7 +159,10 @@ class EvalRewardModel:
             )
         # the architecture first: a checkpoint that is no classifier is the likelier mistake
         if s.kind == "classifier":
-            self.served_path = str(prepare_served_checkpoint(s.path, self.workdir / "served").path)
+            # where the launch looks for it (and reuses it)
+            self.served_path = str(
+                prepare_served_checkpoint(s.path, self.workdir / "reward_model_served").path
+            )
         else:
             architecture(s.path)  # a readable config.json, or one line
         tokenizer = load_tokenizer(s.path, f"reward.model.path={s.path}")
@@ -184,38 +180,17 @@ class EvalRewardModel:
         return self.model
 
     def _start_servers(self) -> list[str]:
-        import torch
-
-        s = self.settings
-        specs = server_specs(s, self.served_path)
-        cpu = torch.cuda.device_count() == 0
-        sg = self.run_cfg.rollout.sglang if self.run_cfg is not None else None
-        dtype = "float32" if cpu else "auto"
-        for spec in specs:
-            cfg = SGLangServerConfig(
-                model_path=spec.model_path,
-                tp_size=spec.tp_size,
-                port=free_port(),
-                # a CPU server's pool is sized by its tokens below, not a share of the host's memory
-                mem_fraction_static=0.05 if cpu else 0.7,
-                dtype=dtype,
-                base_gpu_id=None if cpu else spec.index * spec.tp_size,
-                extra_args=[*(CPU_SERVER_ARGS if cpu else []), *spec.extra_args],
-                log_file=str(self.workdir / f"reward_server_{spec.index}.log"),
-                env=cpu_server_env() if cpu else {},
-                python=None if sg is None else sg.python,
-                startup_timeout_s=900.0 if sg is None else float(sg.startup_timeout_s),
-                # on a GPU SGLang sizes the pool from the memory fraction: the GPUs are eval's alone
-                max_total_tokens=self.context_tokens if cpu else None,
-            )
-            self.servers.append(SGLangServer(cfg).start())
-        for server in self.servers:
-            server.wait_healthy()
-        if s.kind == "classifier":
-            tolerance = self.check_tolerance if self.check_tolerance is not None else CHECK_TOLERANCE[dtype]
-            for server in self.servers:
-                check_classifier_server(server.cfg.url, s.path, tolerance=tolerance)
-        return [server.cfg.url for server in self.servers]
+        """The servers, through the one launch path training uses (``sglang/reward_servers.py``):
+        alone on this machine (the policy's server has stopped), probed at the tolerance of
+        their precision or ``--reward-check-tolerance``."""
+        settings = self.settings
+        if self.check_tolerance is not None:
+            settings = settings.replace(probe_tolerance=float(self.check_tolerance))
+        cfg = self.run_cfg if self.run_cfg is not None else OmegaConf.structured(DAPOConfig)
+        self.servers = RewardServers.launch(
+            cfg, settings, self.workdir, alone=True, max_total_tokens=self.context_tokens
+        )
+        return self.servers.urls
 
     def close(self, keep_logs: bool = False) -> None:
         """Close the client, stop the servers this process started, remove the work directory
@@ -225,11 +200,11 @@ class EvalRewardModel:
                 self.model.close()
                 self.model = None
         finally:
-            ran = bool(self.servers)
-            for server in self.servers:
+            ran = self.servers is not None
+            if self.servers is not None:
                 with contextlib.suppress(Exception):
-                    server.stop()
-            self.servers = []
+                    self.servers.stop()
+            self.servers = None
             if not (keep_logs and ran):
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -237,7 +212,7 @@ class EvalRewardModel:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        keep = exc is not None and bool(self.servers)
+        keep = exc is not None and self.servers is not None
         self.close(keep_logs=keep)
         if keep and not getattr(exc, "megatron_dapo_context", None):
             with contextlib.suppress(AttributeError):

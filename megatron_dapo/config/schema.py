@@ -381,18 +381,35 @@ class RewardModelConfig:
     max_in_flight: int = 32
     # How long a server may stay unreachable before the run stops.
     down_grace_s: float = 300.0
+    # The longest a rollout step's scoring may take, from the step's start: a response not
+    # scored by then is unscored (timeout) instead of holding the step. null: no deadline (each
+    # request is still bounded by timeout_s and max_retries).
+    step_timeout_s: Optional[float] = None
+    # Restarts of each server the run started (after it died, or failed its start-up probe
+    # after a restart) before the run stops with one line naming the server, its log and its
+    # restarts: a server that dies again and again (out of memory under load) stops the run
+    # instead of leaving most samples unscored. Counted as reward/server_restarts.
+    max_restarts: int = 3
     # classifier: "path.py:fn" mapping the model's logit (a list with several labels) to the reward.
     transform: Optional[str] = None
     # judge: the question to the judge; {question} (the prompt's last user message), {response}
     # and {ground_truth} are replaced, other text is kept. null: the built-in template
     # (rewards/served/judge.py DEFAULT_PROMPT_TEMPLATE, a yes/no question for yes_no).
     prompt_template: Optional[str] = None
-    # judge: yes_no (the last yes/no -> +1/-1, the DAPO rule's values) | boxed_score (the number
+    # judge: yes_no (the verdict's first yes/no -> +1/-1, the DAPO rule's values) | boxed_score (the number
     # in the last \boxed{}) | "path.py:fn" (verdict text -> float, or None for unparseable).
     parser: str = "yes_no"
     # judge: its own sampling, not the policy's (0 = greedy).
     temperature: float = 0.0
     max_new_tokens: int = 1024
+    # classifier: the start-up probe's tolerance (|served - transformers| on two probe texts).
+    # null: by the server's precision, 1e-4 for float32 (CPU), 4e-2 for float16/bfloat16 (GPU).
+    probe_tolerance: Optional[float] = None
+    # judge: a prompt that does not fit the judge's context (known from the server at start-up;
+    # the verdict keeps max_new_tokens of it, at most a quarter): cut (the response's beginning
+    # is dropped, its last tokens, where the final answer is, kept) | unscored (the sample is
+    # left unscored "too_long"). Either is counted; the run never stops on it.
+    too_long: str = "cut"
 
 
 @dataclass

@@ -64,6 +64,7 @@ CHOICES: dict[str, tuple] = {
     "logging.wandb_mode": ("offline", "online"),
     "reward.model.kind": (None, "classifier", "judge"),
     "reward.model.placement": ("own", "colocated"),
+    "reward.model.too_long": ("cut", "unscored"),
 }
 
 POSITIVE_INTS = (
@@ -445,12 +446,26 @@ def check_reward(cfg: DictConfig) -> None:
             f"reward.model.down_grace_s={m.down_grace_s} must be > 0 (seconds a reward server may stay "
             "unreachable before the run stops)"
         )
+    if m.step_timeout_s is not None and not m.step_timeout_s > 0:
+        raise ConfigError(
+            f"reward.model.step_timeout_s={m.step_timeout_s} must be > 0 (seconds a step's scoring may take), "
+            "or null for no deadline"
+        )
+    if m.probe_tolerance is not None and not m.probe_tolerance > 0:
+        raise ConfigError(
+            f"reward.model.probe_tolerance={m.probe_tolerance} must be > 0, or null for the server's precision's"
+        )
+    if m.max_restarts < 0:
+        raise ConfigError(
+            f"reward.model.max_restarts={m.max_restarts} must be >= 0 (restarts of a reward server before "
+            "the run stops; 0 stops it at the first death)"
+        )
     for key, value in (("reward.model.transform", m.transform), ("reward.combine", rw.combine)):
         if value is not None and not _fn_spec(value):
             raise ConfigError(f"{key}={value!r} must look like 'path/to/file.py:function'")
     if m.kind == "classifier":
         default = RewardModelConfig()
-        for key in ("prompt_template", "parser", "temperature", "max_new_tokens"):
+        for key in ("prompt_template", "parser", "temperature", "max_new_tokens", "too_long"):
             if m[key] != getattr(default, key):
                 raise ConfigError(
                     f"reward.model.{key} applies to reward.model.kind=judge; a classifier's score is its logit "

@@ -38,7 +38,7 @@ class ServedReward:
                 servers.stop()
             raise
         if servers is not None:
-            servers.watch(model.mark_restarted)
+            servers.watch(model)
         return cls(model, Combiner(settings.combine), servers)
 
     def val_scorer(self, rule: Any) -> ServedScorer:

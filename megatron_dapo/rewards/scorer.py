@@ -1,6 +1,10 @@
 """Fault-isolated reward scoring: a reward that raises, hangs or crashes scores the sample as wrong.
 
-Every reward call runs in one persistent worker subprocess
+The built-in rules (the registry's, ``math_dapo``) are this package's own pure functions of the
+text, bounded in work (the DAPO rule reads the last 300 characters): they run in the caller's
+thread, with no lock, so scoring threads never queue behind each other for them. A custom
+reward (``reward.custom_fn``), code this package does not know, runs in one persistent worker
+subprocess
 (:mod:`megatron_dapo.rewards.worker`). Why a process and not a thread: a hung Python thread
 cannot be stopped (it would keep burning CPU and holding the GIL for the rest of the run) and
 ``signal.alarm`` only works on the main thread and cannot interrupt C code, while a process can
@@ -25,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_dapo.rewards.registry import UnknownDataSourceError, builtin_reward
+from megatron_dapo.rewards.registry import UnknownDataSourceError, builtin_reward, reward_fields
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +80,8 @@ class Scorer:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._buf = b""
-        self._start_worker()  # fail fast on a broken custom reward
+        if self.custom_fn is not None:
+            self._start_worker()  # fail fast on a broken custom reward
 
     def knows(self, data_source: str) -> bool:
         """Whether this scorer has a reward for ``data_source`` (a custom reward: every one)."""
@@ -98,11 +103,24 @@ class Scorer:
         if self.custom_fn is None:
             for source in {r[0] for r in requests}:
                 builtin_reward(source)  # raises UnknownDataSourceError with the fix
+        if self.custom_fn is None:  # pure and bounded: here, no lock, no worker
+            return [self._builtin(r) for r in requests]
         results: list[RewardResult] = []
         with self._lock:
             for start in range(0, len(requests), _CHUNK):
                 results.extend(self._run_chunk(requests[start : start + _CHUNK]))
         return results
+
+    def _builtin(self, request: list) -> RewardResult:
+        data_source, solution_str, ground_truth, extra_info = request
+        self.stats["calls"] += 1
+        try:
+            score, acc, pred = reward_fields(
+                builtin_reward(data_source, self.boxed_fallback)(solution_str, ground_truth, extra_info)
+            )
+        except Exception as e:  # noqa: BLE001 - a rule that fails on odd input scores it as wrong
+            return self._failed(f"{type(e).__name__}: {e}")
+        return RewardResult(score, acc, pred)
 
     def close(self) -> None:
         """Stop the worker process."""

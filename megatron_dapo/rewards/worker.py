@@ -4,7 +4,8 @@ Run as ``python -m megatron_dapo.rewards.worker [--custom-fn SPEC] [--boxed-fall
 Protocol (one JSON object per line): the worker first writes ``{"ready": true}`` or
 ``{"ready": false, "error": ...}``; then, for each request line ``{"items": [[data_source,
 solution_str, ground_truth, extra_info], ...]}``, it writes one result line per item, in order,
-as soon as that item is done: ``{"score", "acc", "pred"}`` or ``{"error": "Type: message"}``.
+as soon as that item is done: ``{"score", "acc", "pred"}`` or ``{"error": "Type: message (at
+FILE:LINE in FUNCTION)"}``, the place in the custom reward's file where it raised.
 
 The protocol uses a private duplicate of stdout; fd 1 is pointed at stderr so that a reward
 function that prints cannot corrupt the stream.
@@ -16,12 +17,12 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from megatron_dapo.rewards.registry import builtin_reward, load_custom_fn, reward_fields
 
 
-def _score_one(item, custom_fn, boxed_fallback: bool) -> dict:
-
+def _score_one(item, custom_fn, boxed_fallback: bool, custom_file: str | None = None) -> dict:
     data_source, solution_str, ground_truth, extra_info = item
     try:
         if custom_fn is not None:
@@ -30,8 +31,17 @@ def _score_one(item, custom_fn, boxed_fallback: bool) -> dict:
             value = builtin_reward(data_source, boxed_fallback)(solution_str, ground_truth, extra_info)
         score, acc, pred = reward_fields(value)
     except Exception as e:  # a broken reward must score the sample as wrong, not end the worker
-        return {"error": f"{type(e).__name__}: {e}"}
+        return {"error": f"{type(e).__name__}: {e} ({_where(e, custom_file)})"}
     return {"score": score, "acc": acc, "pred": pred}
+
+
+def _where(e: BaseException, custom_file: str | None) -> str:
+    """Where it was raised, as ``at FILE:LINE in FUNCTION``: the deepest frame of the custom
+    reward's own file (the line its author must fix), else the deepest frame of all."""
+    frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if custom_file and os.path.abspath(f.filename) == custom_file]
+    frame = (own or frames)[-1]
+    return f"at {frame.filename}:{frame.lineno} in {frame.name}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         protocol.flush()
 
     custom_fn = None
+    custom_file = os.path.abspath(args.custom_fn.rpartition(":")[0]) if args.custom_fn else None
     if args.custom_fn:
         try:
             custom_fn = load_custom_fn(args.custom_fn)
@@ -66,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in sys.stdin:
         request = json.loads(line)
         for item in request["items"]:
-            send(_score_one(item, custom_fn, args.boxed_fallback))
+            send(_score_one(item, custom_fn, args.boxed_fallback, custom_file))
     return 0
 
 

@@ -66,7 +66,7 @@ from megatron_dapo.rollout.partial import (
     carry_to_state,
     join,
 )
-from megatron_dapo.rollout.rollout_metrics import rollout_metrics
+from megatron_dapo.rollout.rollout_metrics import generated_samples, rollout_metrics
 from megatron_dapo.rollout.scoring import GroupScoring, ModelScorer, SampleReward
 from megatron_dapo.rollout.types import (
     GenerationRequest,
@@ -184,9 +184,13 @@ class RolloutManager:
         self.episodes = episodes or SingleTurn()
         # reward, overlong shaping, the filter
         self.scoring = GroupScoring(cfg, scorer, tokenizer, reward_model, combiner)
-        # one response per scoring thread: a served model's scoring waits on its servers, so as
-        # many threads as they take requests at once; the rule reward runs in one worker process
-        self._score_workers = 1 if reward_model is None else max(1, min(int(reward_model.concurrency), 256))
+        # the scoring threads: a served model with a loop of its own (submit) takes each response
+        # as a coroutine, so threads only decode and run the rule; one that blocks a thread per
+        # response gets as many as its servers take at once
+        if reward_model is None or hasattr(reward_model, "submit"):
+            self._score_workers = 4
+        else:
+            self._score_workers = max(1, min(int(reward_model.concurrency), 256))
         self._keep_rate: float | None = None  # last observed, drives over-sampling
         self._zombies: dict[Future, Call] = {}  # timed-out calls whose threads have not returned
         # set by the trainer: True once the run must stop; a step in flight is then abandoned
@@ -275,6 +279,7 @@ class RolloutManager:
     def _collect(self, dataset: Any, weight_version: int) -> RolloutBatch:
         cfg = self.cfg
         ledger = Ledger([e.name for e in self.pool], cfg.train_batch_size)
+        self.scoring.begin_step()
         # rollout.partial: the previous rollout's tail goes first in draw order (it was drawn
         # earlier), so it is used before anything new; self._carry changes only on success, so
         # an abandoned or failed rollout leaves it as it was
@@ -294,6 +299,8 @@ class RolloutManager:
                     break
                 ledger.settle()
                 ledger.check(len(ledger.kept))
+                # a reward that fails, not the data, when most responses failed in it
+                self.scoring.check_step(generated_samples(ledger), ledger.filtered, ledger.unscored)
                 raise ValueError(
                     f"num_gen_batches={ledger.rounds} >= max_num_gen_batches={cfg.max_num_gen_batches} with only "
                     f"{len(ledger.kept)}/{cfg.train_batch_size} mixed groups (filtered: {ledger.filtered}). Generated "
@@ -315,6 +322,7 @@ class RolloutManager:
         if cfg.partial and ledger.cut is not None:
             self._carry_tail(ledger)
         ledger.settle()
+        self.scoring.check_step(generated_samples(ledger), {}, ledger.unscored)
         if ledger.scored_groups:
             self._keep_rate = max(len(ledger.kept), 1) / ledger.scored_groups
         batch_groups = ledger.kept
@@ -326,7 +334,9 @@ class RolloutManager:
         ledger.check(len(batch_groups))
         if cfg.partial:
             self._carry = ledger.carry_out
-        return RolloutBatch(samples, rollout_metrics(cfg, self.pool, samples, ledger, wall, weight_version))
+        metrics = rollout_metrics(cfg, self.pool, samples, ledger, wall, weight_version)
+        metrics.update(self.scoring.metrics())
+        return RolloutBatch(samples, metrics)
 
     def _resumable(self, version: int, ledger: Ledger) -> list[CarriedGroup]:
         """The carried groups, each response older than ``partial_max_lag`` started over."""
@@ -443,6 +453,10 @@ class RolloutManager:
             gen_pool.shutdown(wait=False, cancel_futures=True)
             # rewards started early for responses past the cut are not needed: the queued ones go
             score_pool.shutdown(wait=True, cancel_futures=True)
+            if ledger.cut is not None:
+                # an engine may have handed a response over while the tail was being stopped:
+                # its request is cancelled too (the pool is shut, so none can start after this)
+                self._cancel_early(ledger)
 
     def _paused(self, calls: dict[Future, Call], paused_calls: set[Future]) -> bool:
         """While :meth:`pause` holds: abort each call in flight once, and report quiet once none
@@ -558,7 +572,7 @@ class RolloutManager:
         if started is not None and _same_response(started[0], full):
             return  # an earlier call of this unit handed the same response over: it is scoring
         try:
-            fut = score_pool.submit(self._timed_reward, unit, rid, full, ledger)
+            fut = self._start_reward(unit, rid, full, score_pool, ledger)
         except RuntimeError:  # the round is over (its scoring pool is shut): nobody needs it
             return
         unit.early[rid] = (full, fut)
@@ -585,7 +599,7 @@ class RolloutManager:
                 fut = started[1]
                 ledger.scored_early += 1
             else:
-                fut = score_pool.submit(self._timed_reward, unit, rid, res, ledger)
+                fut = self._start_reward(unit, rid, res, score_pool, ledger)
             scored.pending[fut] = rid
             scoring[fut] = scored
         ledger.scored_responses += len(by_id)
@@ -598,15 +612,15 @@ class RolloutManager:
             unit = scored.unit
             self._classify(unit.groups, self.scoring.samples(unit, scored.by_id, scored.rewards), ledger)
 
-    def _timed_reward(
-        self, unit: Unit, request_id: str, result: GenerationResult, ledger: Ledger
-    ) -> SampleReward:
-        """One response's reward, and when it ran (how much of the scoring hid behind generation)."""
+    def _start_reward(
+        self, unit: Unit, request_id: str, result: GenerationResult, score_pool, ledger: Ledger
+    ):
+        """One response's reward, started (``GroupScoring.start``), and when it ran (how much of
+        the scoring hid behind generation)."""
         start = time.perf_counter()
-        try:
-            return self.scoring.reward(unit, request_id, result, ledger.model_outcomes)
-        finally:
-            ledger.score_intervals.append((start, time.perf_counter()))
+        fut = self.scoring.start(unit, request_id, result, ledger.model_outcomes, score_pool)
+        fut.add_done_callback(lambda f: ledger.score_intervals.append((start, time.perf_counter())))
+        return fut
 
     def _retry(self, unit: Unit, engine: Any, error: BaseException | str, queue, ledger: Ledger) -> None:
         groups = [g.serial for g in unit.groups]
@@ -715,7 +729,12 @@ class RolloutManager:
                 engine.abort()
             except Exception as e:  # an engine that cannot abort still must not lose the batch
                 logger.warning("rollout: abort on engine %s failed: %s", engine.name, e)
-        done, not_done = wait(list(calls) + list(scoring), timeout=self.cfg.abort_timeout_s)
+        # rewards past the cut are not needed: not waited for, and a served model's requests
+        # cancelled (a slow judge would hold the step for its every retry)
+        for fut in scoring:
+            fut.cancel()
+        self._cancel_early(ledger)
+        done, not_done = wait(list(calls), timeout=self.cfg.abort_timeout_s)
         for fut, call in list(calls.items()):
             if fut in done:
                 self._record_interval(call, ledger)
@@ -737,6 +756,13 @@ class RolloutManager:
         for scored in scoring.values():
             ledger.generated.update(g.serial for g in scored.unit.groups)
         scoring.clear()
+
+    def _cancel_early(self, ledger: Ledger) -> None:
+        """Cancel every reward started early that is still running (past the cut: the groups
+        before it are all scored)."""
+        for unit in {id(u): u for u in ledger.units.values()}.values():
+            for _, fut in list(unit.early.values()):
+                fut.cancel()
 
     def _carry_tail(self, ledger: Ledger) -> None:
         """rollout.partial: every group past the cut, with what it generated (finished responses

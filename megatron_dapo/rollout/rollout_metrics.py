@@ -72,9 +72,13 @@ def rollout_metrics(
     }
     if cfg.partial:
         m.update(partial_metrics(samples, ledger, version))
+    generated = generated_samples(ledger)
     if any(s.episode is not None for s in samples):
-        m.update(multiturn_metrics(samples))
+        m.update(multiturn_metrics(samples, generated))
     m.update(reward_metrics(samples, ledger, all_intervals))
+    # over every response of the groups scored up to the cut (those the filter dropped too: a
+    # reward that fails makes its groups all-wrong, and they never reach the batch)
+    m["rollout/reward_errors"] = sum(s.reward_error is not None for s in generated)
     if samples:
         n = len(samples)
         scored = [s for s in samples if s.unscored is None]  # rewards of the scored ones only
@@ -91,10 +95,15 @@ def rollout_metrics(
                 "rollout/score/mean": sum(s.score for s in scored) / k,
                 "rollout/acc/mean": sum(s.acc for s in scored) / k,
                 "rollout/overlong_penalty/mean": sum(s.overlong_penalty for s in samples) / n,
-                "rollout/reward_errors": sum(s.reward_error is not None for s in samples),
             }
         )
     return m
+
+
+def generated_samples(ledger: Ledger) -> list[RolloutSample]:
+    """Every response of the groups scored up to the cut (or of all drawn, without one), in
+    draw order: the batch's and the filtered groups' alike. Call after ``ledger.settle()``."""
+    return [s for serial in range(ledger.scored_groups) for s in ledger.groups[serial].samples or []]
 
 
 def reward_metrics(
@@ -137,6 +146,10 @@ def served_model_metrics(outcomes: list[tuple[str, Any]]) -> dict[str, float]:
         latency = [o.elapsed_s for o in mine]
         m[f"reward/{kind}_requests"] = float(sum(o.attempts for o in mine))
         m[f"reward/{kind}_retries"] = float(sum(max(o.attempts - 1, 0) for o in mine))
+        # answered 429 (rate limited) or 408: retried after their Retry-After
+        m[f"reward/{kind}_throttled"] = float(sum(getattr(o, "throttled", 0) for o in mine))
+        if kind == "judge":  # prompts cut to fit the judge's context (reward.model.too_long=cut)
+            m["reward/judge_inputs_cut"] = float(sum(getattr(o, "cut_tokens", 0) > 0 for o in mine))
         m[f"reward/{kind}_latency_mean_s"] = sum(latency) / len(latency)
         m[f"reward/{kind}_latency_max_s"] = max(latency)
         verdicts = [len(o.verdict) for o in mine if o.verdict is not None]
@@ -159,19 +172,28 @@ def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tu
     return [(max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)]
 
 
-def multiturn_metrics(samples: list[RolloutSample]) -> dict[str, float]:
+def multiturn_metrics(
+    samples: list[RolloutSample], generated: list[RolloutSample] | None = None
+) -> dict[str, float]:
     """``rollout/multiturn/*`` over the batch's episodes: model turns and tool calls per episode,
-    the calls answered by an error or a time-out, environment tokens per episode, the episodes
-    the token check kept out of the loss (a prefix break; a difference from the template's
-    re-rendering), and those that ended at the turn limit."""
+    environment tokens per episode, the episodes the token check kept out of the loss (a prefix
+    break; a difference from the template's re-rendering), and those that ended at the turn limit;
+    the tool calls answered by an error or a time-out over every episode ``generated`` (default:
+    the batch's), the filtered groups' included: a tool that always fails makes its groups
+    all-wrong, and they never reach the batch."""
     episodes = [EpisodeInfo.from_dict(s.episode) for s in samples if s.episode is not None]
     n = max(len(episodes), 1)
     turns = [t for e in episodes for t in e.turns]
+    every = (
+        turns
+        if generated is None
+        else [t for s in generated if s.episode is not None for t in EpisodeInfo.from_dict(s.episode).turns]
+    )
     return {
         "rollout/multiturn/turns_mean": sum(t.role == "assistant" for t in turns) / n,
         "rollout/multiturn/tool_calls_mean": sum(t.calls for t in turns if t.role == "assistant") / n,
-        "rollout/multiturn/tool_errors": float(sum(t.errors for t in turns if t.role == "tool")),
-        "rollout/multiturn/tool_timeouts": float(sum(t.timeouts for t in turns if t.role == "tool")),
+        "rollout/multiturn/tool_errors": float(sum(t.errors for t in every if t.role == "tool")),
+        "rollout/multiturn/tool_timeouts": float(sum(t.timeouts for t in every if t.role == "tool")),
         "rollout/multiturn/env_tokens_mean": sum(t.end - t.start for t in turns if t.role == "tool") / n,
         "rollout/multiturn/prefix_breaks": float(sum(e.prefix_breaks for e in episodes)),
         "rollout/multiturn/rerender_mismatches": float(sum(e.rerender_mismatches for e in episodes)),

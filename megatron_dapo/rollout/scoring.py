@@ -16,7 +16,9 @@ every response of the call is in.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+import time
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +32,13 @@ from megatron_dapo.rollout.units import Unit
 logger = logging.getLogger(__name__)
 # the unscored reason of an episode the multi-turn token check broke (reward/unscored_broken_episode)
 BROKEN_EPISODE = "broken_episode"
+
+# more than this share of a step's responses failing in the reward stops the run (check_step)
+REWARD_ERROR_SHARE = 0.5
+
+
+class RewardFunctionError(RuntimeError):
+    """Most of a step's responses failed in the reward itself; the message names the first failure."""
 
 
 @dataclass
@@ -55,7 +64,10 @@ class ModelScorer(Protocol):
 
     def score(self, sample: RewardSample) -> ScoreOutcome: ...
 
-    def check_down(self) -> None: ...
+    def check_down(self) -> None: ...  # raises when a server is down past its grace, or lost
+
+    # optional: ``submit(sample, deadline) -> Future[ScoreOutcome]`` (scoring as a coroutine on
+    # the client's loop, no thread held per response) and ``step_timeout_s`` (begin_step)
 
 
 class GroupScoring:
@@ -84,6 +96,7 @@ class GroupScoring:
         self.model = model
         self.combiner = combiner or Combiner(None)
         self._logged: set[str | None] = set()
+        self._deadline: float | None = None  # the step's scoring deadline (begin_step)
 
     def reward(
         self, unit: Unit, request_id: str, result: GenerationResult, outcomes: list[tuple[str, ScoreOutcome]]
@@ -98,6 +111,61 @@ class GroupScoring:
         output never is), with the whole episode in ``extra_info["turns"]`` (role and text per
         turn) and ``extra_info["tool_calls"]``: verl's reward signature, so existing reward
         functions see what they always saw."""
+        prompt, text, extra, whole = self._inputs(unit, request_id, result)
+        if self.model is None:
+            r = self.scorer.score_many([(prompt.data_source, text, prompt.ground_truth, extra)])[0]
+            return SampleReward(r.score, r.acc, r.pred, r.error, rule_score=float(r.score), text=whole)
+        sample, rule = self._model_input(request_id, prompt, text, extra)
+        return self._from_outcome(sample, rule, self.model.score(sample), outcomes, whole)
+
+    def start(
+        self,
+        unit: Unit,
+        request_id: str,
+        result: GenerationResult,
+        outcomes: list[tuple[str, ScoreOutcome]],
+        pool: Executor,
+    ) -> Future:
+        """One response's reward, started; a future of its :class:`SampleReward`. The rule's part
+        (decoding, the rule reward) runs on ``pool``; a served model's score is then a coroutine
+        on its client's loop (``submit``), so no thread waits on a response being scored, and
+        past the step's deadline (:meth:`begin_step`) it comes back unscored. Cancelling the
+        future cancels the request. ``pool.submit`` raises RuntimeError once it is shut."""
+        submit = getattr(self.model, "submit", None)
+        if submit is None:
+            return pool.submit(self.reward, unit, request_id, result, outcomes)
+        out: Future = Future()
+
+        def prepare() -> None:
+            try:
+                prompt, text, extra, whole = self._inputs(unit, request_id, result)
+                sample, rule = self._model_input(request_id, prompt, text, extra)
+                inner = submit(sample, self._deadline)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, raised there
+                _settle(out, error=e)
+                return
+
+            def finish(f: Future) -> None:  # on the client's loop thread: quick, never blocks
+                if f.cancelled():
+                    out.cancel()
+                    return
+                try:
+                    _settle(out, self._from_outcome(sample, rule, f.result(), outcomes, whole))
+                except BaseException as e:  # noqa: BLE001 - a server lost, a combine that raised
+                    _settle(out, error=e)
+
+            out.add_done_callback(lambda o: inner.cancel() if o.cancelled() else None)
+            inner.add_done_callback(finish)
+
+        pool.submit(prepare)
+        return out
+
+    def begin_step(self) -> None:
+        """A rollout step starts: its scoring's deadline is ``reward.model.step_timeout_s`` from now."""
+        limit = getattr(self.model, "step_timeout_s", None)
+        self._deadline = None if limit is None else time.monotonic() + float(limit)
+
+    def _inputs(self, unit: Unit, request_id: str, result: GenerationResult):
         prompt = unit.groups[unit.position(request_id) // self.cfg.n].prompt
         if result.episode is not None and result.episode.broken:
             # the token check failed: its tokens are not what was sampled or rendered, so it is
@@ -110,24 +178,14 @@ class GroupScoring:
             if result.episode is None
             else self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         )
-        return replace(self._reward(request_id, prompt, text, extra, outcomes), text=whole)
+        return prompt, text, extra, whole
 
-    def _reward(
-        self,
-        request_id: str,
-        prompt: Any,
-        text: str,
-        extra: dict | None,
-        outcomes: list[tuple[str, ScoreOutcome]],
-    ) -> SampleReward:
-        item = (prompt.data_source, text, prompt.ground_truth, extra)
-        if self.model is None:
-            r = self.scorer.score_many([item])[0]
-            return SampleReward(r.score, r.acc, r.pred, r.error, rule_score=float(r.score))
-        rule_score = None
+    def _model_input(self, request_id: str, prompt: Any, text: str, extra: dict | None):
+        """The reward model's sample, and the rule's result where ``reward.combine`` mixes it in."""
+        rule = None
         if self.combiner.fn is not None and self.scorer.knows(prompt.data_source):
             # the rule's score, where it has a reward for the data_source, for the combine function
-            rule_score = float(self.scorer.score_many([item])[0].score)
+            rule = self.scorer.score_many([(prompt.data_source, text, prompt.ground_truth, extra)])[0]
         sample = RewardSample(
             request_id,
             list(prompt.messages),
@@ -136,14 +194,28 @@ class GroupScoring:
             prompt.data_source,
             dict(extra or {}),
         )
-        outcome = self.model.score(sample)
+        return sample, rule
+
+    def _from_outcome(
+        self,
+        sample: RewardSample,
+        rule: Any,
+        outcome: ScoreOutcome,
+        outcomes: list[tuple[str, ScoreOutcome]],
+        whole: str,
+    ) -> SampleReward:
         outcomes.append((self.model.kind, outcome))
-        self.model.check_down()  # a server down past reward.model.down_grace_s stops the run
+        self.model.check_down()  # a server down past reward.model.down_grace_s (or lost) stops the run
+        rule_score = None if rule is None or rule.error is not None else float(rule.score)
         if not outcome.scored:
             self._log_unscored(outcome)
-            return SampleReward(float("nan"), False, "", None, outcome.unscored, rule_score, None)
+            return SampleReward(float("nan"), False, "", None, outcome.unscored, rule_score, None, whole)
+        if rule is not None and rule.error is not None:
+            # the rule failed: its failure value stands, as without a model (a reward error,
+            # counted), never mixed into a combined score as if the rule had scored
+            return SampleReward(rule.score, rule.acc, rule.pred, rule.error, None, None, outcome.score, whole)
         mixed = self.combiner(sample, rule_score, outcome.score)
-        return SampleReward(mixed.score, mixed.acc, mixed.pred, None, None, rule_score, outcome.score)
+        return SampleReward(mixed.score, mixed.acc, mixed.pred, None, None, rule_score, outcome.score, whole)
 
     def samples(
         self, unit: Unit, by_id: dict[str, GenerationResult], rewards: dict[str, SampleReward]
@@ -201,6 +273,37 @@ class GroupScoring:
             )[0]
         )
 
+    def check_step(
+        self, generated: list[RolloutSample], filtered: dict[str, int], unscored: dict[str, int]
+    ) -> None:
+        """Stop the run when the step's responses failed mostly in the reward itself, naming that
+        failure, rather than train on it or blame the data: more than half of them with a reward
+        error (raised, timed out), or (``filtered``/``unscored``: the ledger's) more than half of
+        the dropped groups dropped because the reward model left them unscored."""
+        errors = [s.reward_error for s in generated if s.reward_error is not None]
+        if generated and len(errors) > REWARD_ERROR_SHARE * len(generated):
+            spec = getattr(self.scorer, "custom_fn", None)
+            which = f"reward.custom_fn={spec}" if spec else "the built-in reward"
+            raise RewardFunctionError(
+                f"rollout: {len(errors)} of the step's {len(generated)} responses failed in the reward function "
+                f"({which}), the first with: {errors[0]}; they would train as wrong answers (a group whose every "
+                "response failed is dropped as all-wrong): fix the reward function"
+            )
+        dropped = sum(filtered.values())
+        if dropped and filtered.get("unscored", 0) > REWARD_ERROR_SHARE * dropped:
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(unscored.items()))
+            raise RewardFunctionError(
+                f"rollout: {filtered['unscored']} of the step's {dropped} dropped groups were dropped because the "
+                f"reward model left them unscored (responses by reason: {reasons}); the reward model, not the "
+                "data, is the cause: read its server's log and the reward/unscored_* metrics"
+            )
+
+    def metrics(self) -> dict[str, float]:
+        """``reward/server_restarts``: restarts of the run's reward servers so far (the run stops
+        past ``reward.model.max_restarts`` of one server)."""
+        restarts = getattr(self.model, "restarts", None)
+        return {} if restarts is None else {"reward/server_restarts": float(restarts)}
+
     def _log_unscored(self, outcome: ScoreOutcome) -> None:
         """Each reason once per run at warning level (the count is the reward/unscored metric)."""
         if outcome.unscored not in self._logged:
@@ -237,3 +340,12 @@ class GroupScoring:
             for s in samples
         ]
         return mixed_group_mask(torch.tensor(values, dtype=torch.float64), [0] * len(samples))
+
+
+def _settle(out: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Settle ``out`` unless its waiter cancelled it meanwhile."""
+    if out.set_running_or_notify_cancel():
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)

@@ -20,17 +20,22 @@ SGLang's Qwen2/Qwen3 classification head has a bias the checkpoint lacks) and ch
 against transformers (``rewards.served.startup_check``), after every restart too.
 
 Supervision: a thread polls each server's process (on another node, through its host); a dead
-one is restarted there (``SGLangServer.restart``, health-waited) and the client is told
-(``mark_restarted``), so the samples scored while it was down come back unscored, never 0, and
-the ones after score again. A server that cannot be brought back keeps failing its requests
-until ``reward.model.down_grace_s``, when the client stops the run with one line.
+one is restarted there (``SGLangServer.restart``, health-waited) and probed again. While it is
+down the client sends it nothing (``server_down``); once it answers and passes the probe the
+client is told (``server_back``), so the samples scored while it was down come back unscored,
+never 0, and the ones after score again. A server that fails its probe after a restart is
+stopped (it must not serve a wrong score) and restarted at the next poll. Each server gets
+``reward.model.max_restarts`` restarts; when it dies once more the client is told
+(``server_lost``) and the run stops with one line naming the server, its log and its restarts
+(``reward/server_restarts`` counts them step by step). A server that never comes back within
+the cap stops the run at ``reward.model.down_grace_s`` at the latest.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +48,7 @@ from megatron_dapo.rewards.served import (
     ServedRewardSettings,
     check_classifier_server,
     prepare_served_checkpoint,
+    probe_tolerance,
     server_specs,
 )
 from megatron_dapo.sglang.engines import CPU_SERVER_ARGS, cpu_server_env
@@ -66,13 +72,25 @@ class Supervised(Protocol):
     def stop(self) -> None: ...
 
 
+class ServerEvents(Protocol):
+    """What supervision tells the reward model's client (``BlockingRewardModel``)."""
+
+    def server_down(self, url: str) -> None: ...  # being restarted: send it nothing
+
+    def server_back(self, url: str) -> None: ...  # restarted and probed: send it work again
+
+    def server_lost(self, message: str) -> None: ...  # past reward.model.max_restarts: stop the run
+
+
 @dataclass
 class RewardServer:
-    """One reward server: where the client reaches it, its log, and its process."""
+    """One reward server: where the client reaches it, its log, its process, and how often it
+    was restarted."""
 
     url: str
     log_file: str
     process: Supervised
+    restarts: int = 0
 
 
 class RewardServers:
@@ -84,14 +102,17 @@ class RewardServers:
         servers: list[RewardServer],
         probe_model: str | None,
         hosts: Sequence[Any] = (),
+        dtype: str = "float32",
     ):
         self.settings = settings
         self.servers = servers
         self.probe_model = probe_model  # the original checkpoint the start-up check compares with
         self.hosts = list(hosts)  # the Ray node hosts that run them (launched on planned nodes)
+        self.dtype = dtype  # their --dtype: the probe's tolerance follows it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.restarts = 0
+        self.restarts = 0  # over every server, the run so far
+        self.poll_s = _POLL_S
 
     @property
     def urls(self) -> list[str]:
@@ -105,11 +126,20 @@ class RewardServers:
         run_root: str | Path,
         plans: Sequence[EnginePlan] | None = None,
         commands: Sequence[list[str]] | None = None,
+        *,
+        alone: bool = False,
+        max_total_tokens: int | None = None,
     ) -> RewardServers:
-        """Start ``reward.model.num_servers`` servers for ``reward.model.path`` and wait for them:
-        on this node (torchrun), or each on its plan's node and GPUs through a Ray node host
-        (``plan_reward_servers``; on a CPU cluster, this node without GPUs). ``commands``: argv
-        per planned server instead of SGLang's (tests: a stand-in)."""
+        """Start ``reward.model.num_servers`` servers for ``reward.model.path``, wait for them and
+        probe each (a classifier against transformers): on this node (torchrun), or each on its
+        plan's node and GPUs through a Ray node host (``plan_reward_servers``; on a CPU cluster,
+        this node without GPUs). ``commands``: argv per planned server instead of SGLang's
+        (tests: a stand-in).
+
+        ``alone`` (``megatron-dapo eval``, once the policy's server has stopped): the machine's
+        GPUs are the reward servers' own, server i on GPUs ``i*gpus_per_server...``, each taking
+        most of their memory; ``max_total_tokens`` sizes a CPU server's KV pool by the longest
+        request it gets rather than a share of the host's memory."""
         run_root = Path(run_root)
         probe = None
         served = settings.path
@@ -125,15 +155,25 @@ class RewardServers:
             ports = [p.port for p in plans]
         else:
             cpu = torch.cuda.device_count() == 0
-            gpus = [[]] * len(specs) if cpu else reward_gpu_groups(cfg, settings, torch.cuda.device_count())
+            if cpu:
+                gpus = [[]] * len(specs)
+            elif alone:
+                tp = settings.gpus_per_server
+                gpus = [list(range(i * tp, (i + 1) * tp)) for i in range(len(specs))]
+            else:
+                gpus = reward_gpu_groups(cfg, settings, torch.cuda.device_count())
             hosts = ["127.0.0.1"] * len(specs)
             ports = [free_port() for _ in specs]
-        # a colocated server takes its own share of an engine's GPU; on GPUs of its own, an engine's
+        # a colocated server takes its own share of an engine's GPU; on GPUs of its own, an
+        # engine's; alone on the machine, most of it
         share = (
-            settings.mem_fraction_static
+            0.7
+            if alone
+            else settings.mem_fraction_static
             if settings.placement == "colocated"
             else float(cfg.rollout.sglang.mem_fraction_static)
         )
+        dtype = "float32" if cpu else "auto"
         configs = [
             SGLangServerConfig(
                 model_path=spec.model_path,
@@ -142,13 +182,14 @@ class RewardServers:
                 # a planned server's port 0 is a free one on its own node (its host picks it)
                 port=port,
                 mem_fraction_static=0.05 if cpu else share,
-                dtype="float32" if cpu else "auto",
+                dtype=dtype,
                 base_gpu_id=group[0] if group else None,
                 extra_args=(list(CPU_SERVER_ARGS) if cpu else []) + list(spec.extra_args),
                 startup_timeout_s=float(cfg.rollout.sglang.startup_timeout_s),
                 log_file=str(run_root / "sglang" / f"reward_{spec.index}.log"),
                 env=cpu_server_env() if cpu else {},
                 python=cfg.rollout.sglang.python,
+                max_total_tokens=max_total_tokens if cpu else None,
             )
             for spec, group, host, port in zip(specs, gpus, hosts, ports)
         ]
@@ -162,7 +203,7 @@ class RewardServers:
                 commands=commands,
             )
             servers = [RewardServer(r.url, c.log_file, r) for r, c in zip(remote, configs)]
-            return cls._checked(settings, servers, probe, node_hosts)
+            return cls._checked(settings, servers, probe, node_hosts, dtype)
         local: list[SGLangServer] = []
         try:
             for c in configs:
@@ -174,11 +215,11 @@ class RewardServers:
                 srv.stop()
             raise
         servers = [RewardServer(srv.cfg.url, srv.cfg.log_file, srv) for srv in local]
-        return cls._checked(settings, servers, probe, ())
+        return cls._checked(settings, servers, probe, (), dtype)
 
     @classmethod
-    def _checked(cls, settings, servers, probe, node_hosts) -> RewardServers:
-        out = cls(settings, servers, probe, node_hosts)
+    def _checked(cls, settings, servers, probe, node_hosts, dtype) -> RewardServers:
+        out = cls(settings, servers, probe, node_hosts, dtype)
         try:
             for srv in servers:
                 out.check(srv)
@@ -188,31 +229,66 @@ class RewardServers:
         return out
 
     def check(self, server: RewardServer) -> None:
-        """A classifier scores a probe text as transformers does (raises one line otherwise)."""
+        """A classifier scores the probe texts as transformers does, within the tolerance of the
+        server's precision (raises one line otherwise)."""
         if self.probe_model is not None:
-            check_classifier_server(server.url, self.probe_model, timeout_s=self.settings.timeout_s)
+            tolerance = probe_tolerance(self.probe_model, self.dtype, self.settings.probe_tolerance)
+            check_classifier_server(
+                server.url, self.probe_model, tolerance=tolerance, timeout_s=self.settings.timeout_s
+            )
 
-    def watch(self, on_restart: Callable[[str], None]) -> None:
-        """Restart any server that dies, from a daemon thread, and tell ``on_restart(url)``."""
+    def watch(self, client: ServerEvents) -> None:
+        """Restart any server that dies, from a daemon thread, telling ``client`` (see the module)."""
         self._thread = threading.Thread(
-            target=self._watch, args=(on_restart,), name="reward-servers", daemon=True
+            target=self._watch, args=(client,), name="reward-servers", daemon=True
         )
         self._thread.start()
 
-    def _watch(self, on_restart: Callable[[str], None]) -> None:
-        while not self._stop.wait(_POLL_S):
-            for srv in self.servers:
-                if self._stop.is_set() or srv.process.alive():
-                    continue
-                log.error("reward server %s died (log %s); restarting it", srv.url, srv.log_file)
-                try:
-                    srv.process.restart()  # waits until it is healthy again
-                    self.check(srv)
-                except Exception as e:  # noqa: BLE001 - the client's down grace decides when the run stops
-                    log.error("reward server %s did not come back: %s", srv.url, e)
-                    continue
-                self.restarts += 1
-                on_restart(srv.url)
+    def _watch(self, client: ServerEvents) -> None:
+        while not self._stop.wait(self.poll_s):
+            if not self.poll(client):
+                return
+
+    def poll(self, client: ServerEvents) -> bool:
+        """One look at every server: restart the dead ones. False once one is past its cap (the
+        client was told to stop the run; watching ends)."""
+        for srv in self.servers:
+            if self._stop.is_set():
+                return True
+            if srv.process.alive():
+                continue
+            if srv.restarts >= self.settings.max_restarts:
+                message = (
+                    f"reward server {srv.url} died again after {srv.restarts} restarts "
+                    f"(reward.model.max_restarts={self.settings.max_restarts}; its log: {srv.log_file}); "
+                    "the run stops rather than train on a reward that is mostly missing: read the log (a "
+                    "server that dies under load is often out of memory: lower reward.model.max_in_flight), "
+                    "or raise reward.model.max_restarts"
+                )
+                log.error(message)
+                client.server_lost(message)
+                return False
+            srv.restarts += 1
+            self.restarts += 1
+            client.server_down(srv.url)
+            log.error(
+                "reward server %s died (log %s); restarting it (restart %d of reward.model.max_restarts=%d)",
+                srv.url,
+                srv.log_file,
+                srv.restarts,
+                self.settings.max_restarts,
+            )
+            try:
+                srv.process.restart()  # waits until it is healthy again
+                self.check(srv)
+            except Exception as e:  # noqa: BLE001 - it is stopped and counts as dead: the cap decides
+                log.error(
+                    "reward server %s did not come back (%s); it is stopped and restarted again", srv.url, e
+                )
+                srv.process.stop()  # a server that fails its probe must not serve wrong scores
+                continue
+            client.server_back(srv.url)
+        return True
 
     def stop(self) -> None:
         self._stop.set()

@@ -27,7 +27,7 @@ from megatron_dapo.rewards.served.settings import (
     server_specs,
     settings_from_config,
 )
-from megatron_dapo.rewards.served.startup_check import ProbeCheck, check_classifier_server
+from megatron_dapo.rewards.served.startup_check import ProbeCheck, check_classifier_server, probe_tolerance
 
 __all__ = [
     "DEFAULT_PROMPT_TEMPLATE",
@@ -50,6 +50,7 @@ __all__ = [
     "parse_boxed_score",
     "parse_yes_no",
     "prepare_served_checkpoint",
+    "probe_tolerance",
     "server_specs",
     "settings_from_config",
 ]

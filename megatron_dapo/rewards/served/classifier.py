@@ -94,6 +94,7 @@ class ClassifierClient:
                 result.detail,
                 server=result.server,
                 attempts=result.attempts,
+                throttled=result.throttled,
                 elapsed_s=elapsed,
             )
         raw = parse_classify_answer(result.body)
@@ -105,6 +106,7 @@ class ClassifierClient:
                 f"/classify answer has no finite 'embedding' list: {str(result.body)[:200]}",
                 server=result.server,
                 attempts=result.attempts,
+                throttled=result.throttled,
                 elapsed_s=elapsed,
             )
         score = self._reward(raw, sample)
@@ -114,6 +116,7 @@ class ClassifierClient:
             raw=raw,
             server=result.server,
             attempts=result.attempts,
+            throttled=result.throttled,
             elapsed_s=elapsed,
         )
 

@@ -11,7 +11,9 @@ the ``tokenizer_path`` the server reports (``GET /model_info``), which must be r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,9 +57,6 @@ class RewardModel:
     def check_down(self) -> None:
         """Raise :class:`RewardServerDown` when a server has been down past ``down_grace_s``."""
         self.pool.check_down()
-
-    def mark_restarted(self, url: str) -> None:
-        self.pool.mark_restarted(url)
 
     async def aclose(self) -> None:
         await self.pool.aclose()
@@ -127,12 +126,28 @@ async def open_reward_model(
                 parser=settings.parser,
                 temperature=settings.temperature,
                 max_new_tokens=settings.max_new_tokens,
+                too_long=settings.too_long,
             )
-            await scorer.resolve_model_name()
+            await scorer.resolve_server()
     except BaseException:
         await pool.aclose()
         raise
     return RewardModel(settings, scorer)
+
+
+def _resolve(out: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Settle ``out`` unless its waiter cancelled it meanwhile."""
+    if out.set_running_or_notify_cancel():
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(result)
+
+
+def _closed(sample: RewardSample) -> ScoreOutcome:
+    return ScoreOutcome(
+        sample.sample_id, None, "closed", "the reward model was closed before the answer came"
+    )
 
 
 class BlockingRewardModel:
@@ -145,8 +160,13 @@ class BlockingRewardModel:
 
     def __init__(self, settings: ServedRewardSettings, urls: Sequence[str] | None = None, *, api_key=None):
         self.kind = settings.kind
+        self.step_timeout_s = settings.step_timeout_s  # a rollout step's scoring deadline (the manager's)
+        self.restarts = 0  # server restarts supervision began, the run so far (reward/server_restarts)
         # requests the servers take at once: a caller scoring one sample per thread needs this many
         self.concurrency = settings.max_in_flight * (1 if urls is None else len(urls))
+        self._lock = threading.Lock()
+        self._closed = False
+        self._waiting: set[concurrent.futures.Future] = set()  # scoring calls being waited on
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="reward-model-loop", daemon=True)
         self._thread.start()
@@ -159,25 +179,116 @@ class BlockingRewardModel:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def _scoring(self, coro, closed):
+        """Run ``coro`` on the loop and wait; after :meth:`close` (or when it closes while this
+        waits) ``closed()`` (every sample unscored ``closed``) instead of a wait that never ends."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                return closed()
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._waiting.add(fut)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            if not self._closed:
+                raise
+            return closed()
+        finally:
+            with self._lock:
+                self._waiting.discard(fut)
+
     def score_many(self, samples: Sequence[RewardSample]) -> list[ScoreOutcome]:
-        return self._run(self.model.score_many(list(samples)))
+        samples = list(samples)
+        return self._scoring(self.model.score_many(samples), lambda: [_closed(s) for s in samples])
 
     def score(self, sample: RewardSample) -> ScoreOutcome:
-        return self._run(self.model.score(sample))
+        return self._scoring(self.model.score(sample), lambda: _closed(sample))
+
+    def submit(self, sample: RewardSample, deadline: float | None = None) -> concurrent.futures.Future:
+        """Score ``sample`` on the client's loop, a coroutine, and return at once: a future of its
+        :class:`ScoreOutcome` (a caller scoring many samples holds no thread per sample). Past
+        ``deadline`` (``time.monotonic()``) the sample comes back unscored ``timeout``; a future
+        the caller cancels cancels the request; :meth:`close` resolves every one ``closed``."""
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                out.set_result(_closed(sample))
+                return out
+            inner = asyncio.run_coroutine_threadsafe(self._within(sample, deadline), self._loop)
+            self._waiting.add(inner)
+
+        def done(f: concurrent.futures.Future) -> None:
+            with self._lock:
+                self._waiting.discard(f)
+            if out.cancelled():
+                return
+            if f.cancelled():
+                outcome = _closed(sample) if self._closed else None
+                if outcome is None:
+                    out.cancel()
+                    return
+                _resolve(out, outcome)
+            elif f.exception() is not None:
+                _resolve(out, error=f.exception())
+            else:
+                _resolve(out, f.result())
+
+        inner.add_done_callback(done)
+        out.add_done_callback(lambda o: inner.cancel() if o.cancelled() else None)
+        return out
+
+    async def _within(self, sample: RewardSample, deadline: float | None) -> ScoreOutcome:
+        if deadline is None:
+            return await self.model.score(sample)
+        try:
+            return await asyncio.wait_for(self.model.score(sample), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            return ScoreOutcome(
+                sample.sample_id,
+                None,
+                "timeout",
+                "not scored before the step's deadline (reward.model.step_timeout_s)",
+            )
 
     def check_down(self) -> None:
         self.model.check_down()
 
-    def mark_restarted(self, url: str) -> None:
-        self._loop.call_soon_threadsafe(self.model.mark_restarted, url)
+    # supervision's events (sglang/reward_servers.py ServerEvents), from its thread
+
+    def server_down(self, url: str) -> None:
+        self.restarts += 1
+        self._loop.call_soon_threadsafe(self.model.pool.mark_down, url, "restarting after it died")
+
+    def server_back(self, url: str) -> None:
+        self._loop.call_soon_threadsafe(self.model.pool.mark_restarted, url)
+
+    def server_lost(self, message: str) -> None:
+        self._loop.call_soon_threadsafe(self.model.pool.mark_lost, message)
 
     def peak_in_flight(self) -> dict[str, int]:
         return self.model.pool.peak_in_flight()
 
     def close(self) -> None:
+        """Wake every caller waiting on a score (each sample unscored ``closed``), then close the
+        connections and the loop: a scoring thread still waiting (one-step-off prefetch) must
+        not keep the process from exiting."""
+        with self._lock:
+            self._closed = True
+            waiting = list(self._waiting)
+        for fut in waiting:
+            fut.cancel()  # wakes its waiter now
         if self._thread.is_alive():
-            self._run(self.model.aclose())
+            self._run(self._shutdown())
         self._stop()
+
+    async def _shutdown(self) -> None:
+        """Cancel every request still on the loop and let it unwind, then close the connections."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.model.aclose()
 
     def _stop(self) -> None:
         if self._thread.is_alive():

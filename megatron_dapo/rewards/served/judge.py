@@ -11,15 +11,22 @@ greedy; ``reward.model.max_new_tokens``), never the policy's.
 Parsers (``reward.model.parser``) map the verdict text to a score, or to None: an *unparseable*
 verdict, which leaves the sample unscored rather than scoring it as wrong.
 
-- ``yes_no``: the last standalone "yes" or "no" (any case) -> +1.0 / -1.0. The same two values
-  as the DAPO math rule (``math_dapo``), so a judge can replace the rule without changing the
-  reward's scale, and ``acc`` (score > 0) keeps its meaning.
-- ``boxed_score``: the number in the last ``\\boxed{...}`` (``7``, ``0.5``, ``-2``, ``3/4``).
+- ``yes_no``: the verdict as judges write it, first: in the final answer (below), the first line
+  that opens with "yes" or "no" (after markup such as ``**``, or a label such as ``Verdict:`` /
+  ``Final answer:``), else the first standalone "yes" or "no" anywhere in it (any case) -> +1.0 /
+  -1.0. So "Yes.\n\nNo further comment." is +1: what follows the verdict is commentary. The
+  same two values as the DAPO math rule (``math_dapo``), so a judge can replace the rule without
+  changing the reward's scale, and ``acc`` (score > 0) keeps its meaning.
+- ``boxed_score``: the number in the last ``\\boxed{...}`` (``7``, ``0.5``, ``-2``, ``3/4``,
+  ``\\frac{3}{4}``, ``\\dfrac``/``\\tfrac``, a sign before the fraction).
 - ``"path.py:fn"``: ``fn(verdict: str) -> float | None``; None or an exception is unparseable.
 
-Both built-in parsers read only what follows the last ``</think>``, and a verdict with an
-unclosed ``<think>`` (cut off while thinking) is unparseable, so a reasoning judge's musings
-("yes, but...") never count as its verdict.
+The final answer, which both built-in parsers read: what follows the last ``</think>`` (a
+reasoning judge may think in several blocks, or open its thinking in the prompt and write only
+the closing tag), up to any ``<think>`` opened after it and never closed (cut off while thinking
+again). A verdict whose thinking never closed, or with nothing after it but more thinking, is
+unparseable, so a reasoning judge's musings ("yes, but...") never count as its verdict; text
+between two thinking blocks counts only when nothing follows the last one.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import math
 import re
 import time
 from collections.abc import Callable
-from fractions import Fraction
+from dataclasses import replace
 from typing import Any
 
 from megatron_dapo.rewards.math_dapo import last_boxed_content
@@ -49,33 +56,49 @@ DEFAULT_PROMPT_TEMPLATE = (
     "answer, not the reasoning or the formatting. Reply with one word: yes or no."
 )
 PLACEHOLDERS = ("{question}", "{response}", "{ground_truth}")
+# what stands for the beginning of a response cut to fit the judge's context (JudgeClient.fit)
+_CUT_MARK = "[...] "
 YES, NO = 1.0, -1.0
 
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+# a line that opens with the verdict: "Yes.", "**No**", "Verdict: yes", "Final answer: **NO**"
+_VERDICT_LINE = re.compile(
+    r"^[\W_]*(?:(?:final\s+)?(?:answer|verdict|judg(?:e)?ment|decision)\W*)?(yes|no)\b",
+    re.IGNORECASE | re.MULTILINE,
+)
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
-_FRACTION = re.compile(r"^([+-]?\d+)\s*/\s*(\d+)$")
+_FRACTION = re.compile(r"^(?P<sign>[+-]?)(?P<top>\d+)\s*/\s*(?P<bottom>\d+)$")
+_LATEX_FRACTION = re.compile(
+    r"^(?P<sign>[+-]?)\s*\\[dt]?frac\s*\{\s*(?P<top>\d+(?:\.\d*)?)\s*\}\s*\{\s*(?P<bottom>\d+(?:\.\d*)?)\s*\}$"
+)
 
 
 def _final_text(verdict: str) -> str | None:
-    """What follows the judge's thinking, or None when it never finished thinking."""
-    if "</think>" in verdict:
-        return verdict.rsplit("</think>", 1)[1]
-    if "<think>" in verdict:
-        return None
-    return verdict
+    """The judge's final answer (see the module), or None when it is all thinking."""
+    text = verdict.rsplit("</think>", 1)[1] if "</think>" in verdict else verdict
+    text = text.split("<think>", 1)[0]  # thinking opened again and never closed
+    if not text.strip() and "</think>" in verdict:
+        # nothing after the last block: the answer between blocks, if any
+        text = _THINK_BLOCK.sub(" ", verdict).split("<think>", 1)[0]
+        text = text.rsplit("</think>", 1)[-1]
+    return text if text.strip() else None
 
 
 def parse_yes_no(verdict: str) -> float | None:
-    """+1.0 for a final "yes", -1.0 for a final "no", None when there is neither."""
+    """+1.0 for a "yes" verdict, -1.0 for a "no", None when there is neither (see the module)."""
     text = _final_text(verdict)
-    words = _YES_NO.findall(text) if text is not None else []
-    if not words:
+    if text is None:
         return None
-    return YES if words[-1].lower() == "yes" else NO
+    m = _VERDICT_LINE.search(text) or _YES_NO.search(text)
+    if m is None:
+        return None
+    return YES if m.group(1).lower() == "yes" else NO
 
 
 def parse_boxed_score(verdict: str) -> float | None:
-    """The number in the last ``\\boxed{}`` (a decimal or ``a/b``), None when there is none."""
+    """The number in the last ``\\boxed{}`` (a decimal, ``a/b`` or ``\\frac{a}{b}``), None when
+    there is none."""
     text = _final_text(verdict)
     content = last_boxed_content(text) if text is not None else None
     if content is None:
@@ -83,10 +106,11 @@ def parse_boxed_score(verdict: str) -> float | None:
     content = content.strip().strip("$").strip()
     if _NUMBER.match(content):
         value = float(content)
-    elif m := _FRACTION.match(content):
-        if int(m.group(2)) == 0:
+    elif m := (_FRACTION.match(content) or _LATEX_FRACTION.match(content)):
+        sign, top, bottom = m.group("sign") or "", m.group("top"), m.group("bottom")
+        if float(bottom) == 0:
             return None
-        value = float(Fraction(int(m.group(1)), int(m.group(2))))
+        value = float(sign + top) / float(bottom)
     else:
         return None
     return value if math.isfinite(value) else None
@@ -138,6 +162,8 @@ class JudgeClient:
         parser: ``reward.model.parser`` (see the module's docstring).
         temperature / max_new_tokens: the judge's sampling.
         model_name: the ``model`` of an OpenAI request; None asks the server (``GET /v1/models``).
+        too_long / context_len: ``reward.model.too_long``, and the judge's context (None: asked
+            from the server, ``GET /v1/models``'s ``max_model_len``; see :meth:`fit`).
     """
 
     def __init__(
@@ -151,6 +177,8 @@ class JudgeClient:
         temperature: float = 0.0,
         max_new_tokens: int = 1024,
         model_name: str | None = None,
+        too_long: str = "cut",
+        context_len: int | None = None,
     ):
         if api not in ("sglang", "openai"):
             raise ValueError(f"api={api!r} must be 'sglang' or 'openai'")
@@ -168,6 +196,11 @@ class JudgeClient:
         self.temperature = float(temperature)
         self.max_new_tokens = int(max_new_tokens)
         self.model_name = model_name
+        if too_long not in ("cut", "unscored"):
+            raise ValueError(f"too_long={too_long!r} must be 'cut' or 'unscored'")
+        self.too_long = too_long
+        self.context_len = context_len  # the judge's context in tokens (the server's max_model_len)
+        self._resolved = False
 
     def messages(self, sample: RewardSample) -> list[dict]:
         return [{"role": "user", "content": render_prompt(self.prompt_template, sample)}]
@@ -184,13 +217,51 @@ class JudgeClient:
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def payload(self, sample: RewardSample) -> dict:
+    def room(self) -> tuple[int | None, int]:
+        """``(the longest prompt, the verdict's tokens)``: a prompt and its verdict must fit the
+        judge's context (SGLang refuses a request whose input plus ``max_new_tokens`` does not),
+        so the verdict keeps ``max_new_tokens`` of it, at most a quarter; the prompt the rest.
+        ``(None, max_new_tokens)`` while the context is unknown."""
+        if not self.context_len:
+            return None, self.max_new_tokens
+        verdict = max(1, min(self.max_new_tokens, self.context_len // 4))
+        return self.context_len - verdict, verdict
+
+    def fit(self, sample: RewardSample) -> tuple[list[int] | None, int, str]:
+        """The judge's prompt ids within :meth:`room`: ``(ids, response tokens cut, "")``, or
+        ``(None, 0, why)`` when it cannot fit (``too_long="unscored"``, or a prompt too long
+        without any of the response).
+
+        The rule for a prompt that is too long (``too_long="cut"``): the response's beginning is
+        dropped and its last tokens kept, after a ``[...]`` mark, as many as fit: a judge reads
+        the final answer, which is at the end (as the DAPO rule reads the last 300 characters)."""
+        ids = self.prompt_ids(sample)
+        limit, _ = self.room()
+        if limit is None or len(ids) <= limit:
+            return ids, 0, ""
+        why = f"the judge's prompt is {len(ids)} tokens, its context {self.context_len} leaves {limit} beside the verdict"
+        if self.too_long == "unscored":
+            return None, 0, why + " (reward.model.too_long=unscored)"
+        response = list(self.tokenizer(sample.response, add_special_tokens=False)["input_ids"])
+        keep = len(response) - (len(ids) - limit)
+        for _ in range(4):  # re-tokenising the cut text may shift a few tokens
+            if keep <= 0:
+                break
+            cut = replace(sample, response=_CUT_MARK + self.tokenizer.decode(response[-keep:]))
+            ids = self.prompt_ids(cut)
+            if len(ids) <= limit:
+                return ids, len(response) - keep, ""
+            keep -= len(ids) - limit
+        return None, 0, why + ", even with the response cut away: shorten the prompt template or the question"
+
+    def payload(self, sample: RewardSample, ids: list[int] | None = None) -> dict:
+        _, verdict = self.room()
         if self.api == "sglang":
             return {
-                "input_ids": self.prompt_ids(sample),
+                "input_ids": self.prompt_ids(sample) if ids is None else ids,
                 "sampling_params": {
                     "temperature": self.temperature,
-                    "max_new_tokens": self.max_new_tokens,
+                    "max_new_tokens": verdict,
                     "skip_special_tokens": True,
                 },
             }
@@ -198,36 +269,56 @@ class JudgeClient:
             "model": self.model_name or "default",
             "messages": self.messages(sample),
             "temperature": self.temperature,
-            "max_completion_tokens": self.max_new_tokens,
+            "max_completion_tokens": verdict,
         }
 
-    async def resolve_model_name(self) -> None:
-        """An OpenAI server wants the served model's name: the first of ``GET /v1/models``."""
-        if self.api != "openai" or self.model_name is not None:
+    async def resolve_server(self) -> None:
+        """What the judge's server says of itself (``GET /v1/models``, SGLang and vLLM alike):
+        the model's name an OpenAI request wants (the first listed), and its context
+        (``max_model_len``), which sizes the prompt (:meth:`fit`). Asked once."""
+        if self._resolved:
             return
+        self._resolved = True
         try:
-            listing = await self.pool.get("/v1/models")
-            self.model_name = str(listing["data"][0]["id"])
+            card = (await self.pool.get("/v1/models"))["data"][0]
         except Exception:  # noqa: BLE001 - servers that list nothing take any name (SGLang does)
-            self.model_name = "default"
+            card = {}
+        if self.api == "openai" and self.model_name is None:
+            self.model_name = str(card.get("id") or "default")
+        length = card.get("max_model_len") if isinstance(card, dict) else None
+        if self.context_len is None and isinstance(length, int) and length > 0:
+            self.context_len = length
 
     async def score(self, sample: RewardSample) -> ScoreOutcome:
         start = time.monotonic()
-        await self.resolve_model_name()
+        await self.resolve_server()
         path = "/generate" if self.api == "sglang" else "/v1/chat/completions"
-        result = await self.pool.post(path, self.payload(sample), str(sample.sample_id))
+        ids, cut = None, 0
+        if self.api == "sglang":
+            ids, cut, why = self.fit(sample)
+            if ids is None:
+                return ScoreOutcome(
+                    sample.sample_id, None, "too_long", why, elapsed_s=time.monotonic() - start
+                )
+        result = await self.pool.post(path, self.payload(sample, ids), str(sample.sample_id))
         elapsed = time.monotonic() - start
-        common = {"attempts": result.attempts, "server": result.server, "elapsed_s": elapsed}
+        common = {
+            "attempts": result.attempts,
+            "server": result.server,
+            "elapsed_s": elapsed,
+            "throttled": result.throttled,
+            "cut_tokens": cut,
+        }
         if not isinstance(result, Answer):
             return ScoreOutcome(sample.sample_id, None, result.reason, result.detail, **common)
-        verdict, cut = self._verdict(result.body)
+        verdict, cut_short = self._verdict(result.body)
         if verdict is None:
             detail = f"{path} answer has no text: {str(result.body)[:200]}"
             return ScoreOutcome(sample.sample_id, None, "unparseable", detail, **common)
         score, why = self._parse(verdict)
         if score is None:
-            if cut:
-                why += f"; the verdict was cut at reward.model.max_new_tokens={self.max_new_tokens}"
+            if cut_short:
+                why += f"; the verdict was cut at {self.room()[1]} tokens (reward.model.max_new_tokens)"
             return ScoreOutcome(sample.sample_id, None, "unparseable", why, verdict=verdict, **common)
         return ScoreOutcome(sample.sample_id, score, verdict=verdict, **common)
 

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# timeout: no answer within reward.model.timeout_s, every retry included
+# timeout: no answer within reward.model.timeout_s, or HTTP 408, on every attempt
 # server_error: HTTP 5xx on every attempt
 # unparseable: an answer with no score in it (a judge's verdict without one, a body that is not
 #   the endpoint's JSON); not retried, since a greedy judge gives the same verdict again
 # down: the connection was refused or dropped (the server is dead or restarting)
-UNSCORED_REASONS = ("timeout", "server_error", "unparseable", "down")
+# rate_limited: HTTP 429 on every attempt (each retried after its Retry-After)
+# too_long: the judge's prompt does not fit its context (reward.model.too_long=unscored, or a
+#   server that refused it as too long)
+# closed: the client was closed while the sample waited (the run is stopping)
+UNSCORED_REASONS = ("timeout", "server_error", "rate_limited", "unparseable", "too_long", "down", "closed")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class ScoreOutcome:
         server: the URL of the server that answered last (or was tried last).
         attempts: requests sent, retries included.
         elapsed_s: from the first request to the outcome, back-off waits included.
+        throttled: HTTP 429/408 answers among the attempts (each waited its Retry-After).
+        cut_tokens: a judge's prompt too long for its context: the response tokens dropped.
     """
 
     sample_id: str | int
@@ -65,6 +71,8 @@ class ScoreOutcome:
     server: str = ""
     attempts: int = 0
     elapsed_s: float = 0.0
+    throttled: int = 0
+    cut_tokens: int = 0
 
     def __post_init__(self):
         if (self.score is None) == (self.unscored is None):

@@ -1,13 +1,16 @@
 """``reward.model`` and ``reward.combine`` as the reward-model clients take them, and the servers a
 run starts for ``reward.model.path``.
 
-The rewards package does not import the config package: :func:`settings_from_config` reads the
-``reward`` section it is handed (a DictConfig or the schema's dataclass) by attribute.
+The rewards package does not import the config package: :func:`settings_from_config` keeps the
+``reward.model`` section it is handed (a DictConfig or the schema's dataclass) and reads every
+knob from it by attribute, so no knob is copied here field by field.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 KINDS = ("classifier", "judge")
 BUILTIN_PARSERS = ("yes_no", "boxed_score")
@@ -15,28 +18,14 @@ BUILTIN_PARSERS = ("yes_no", "boxed_score")
 
 @dataclass(frozen=True)
 class ServedRewardSettings:
-    """One reward model, served by the run (``path``) or already running (``url``).
-
-    Attributes mirror ``reward.model`` (config/schema.py says what each means); ``combine`` is
-    ``reward.combine``. ``prompt_template`` None is the judge's built-in template.
+    """One reward model, served by the run (``path``) or already running (``url``), as the clients
+    and servers take it: the ``reward.model`` section itself (the schema's ``RewardModelConfig``,
+    or the loaded config's node), so every knob has one source, ``config/schema.py``, which says
+    what each means; they read as attributes (``settings.timeout_s``). ``combine`` is
+    ``reward.combine``.
     """
 
-    kind: str
-    path: str | None = None
-    url: str | None = None
-    num_servers: int = 1
-    gpus_per_server: int = 1
-    placement: str = "own"
-    mem_fraction_static: float = 0.15
-    timeout_s: float = 60.0
-    max_retries: int = 2
-    max_in_flight: int = 32
-    down_grace_s: float = 300.0
-    transform: str | None = None
-    prompt_template: str | None = None
-    parser: str = "yes_no"
-    temperature: float = 0.0
-    max_new_tokens: int = 1024
+    model: Any
     combine: str | None = None
 
     def __post_init__(self):
@@ -47,31 +36,26 @@ class ServedRewardSettings:
                 "reward.model needs exactly one of path (a checkpoint to serve) and url (a running server)"
             )
 
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("model", "combine"):  # not a knob (copying, pickling)
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def replace(self, **knobs: Any) -> ServedRewardSettings:
+        """These settings with some ``reward.model`` knobs changed (the section is copied)."""
+        model = copy.deepcopy(self.model)
+        if hasattr(model, "_set_flag"):  # a loaded config's node is read-only; this copy is ours
+            model._set_flag("readonly", False)
+        for key, value in knobs.items():
+            setattr(model, key, value)
+        return ServedRewardSettings(model, self.combine)
+
 
 def settings_from_config(reward) -> ServedRewardSettings | None:
     """The ``reward`` config section's model settings; None when ``reward.model.kind`` is null."""
-    model = reward.model
-    if model.kind is None:
+    if reward.model.kind is None:
         return None
-    return ServedRewardSettings(
-        kind=str(model.kind),
-        path=None if model.path is None else str(model.path),
-        url=None if model.url is None else str(model.url),
-        num_servers=int(model.num_servers),
-        gpus_per_server=int(model.gpus_per_server),
-        placement=str(model.placement),
-        mem_fraction_static=float(model.mem_fraction_static),
-        timeout_s=float(model.timeout_s),
-        max_retries=int(model.max_retries),
-        max_in_flight=int(model.max_in_flight),
-        down_grace_s=float(model.down_grace_s),
-        transform=None if model.transform is None else str(model.transform),
-        prompt_template=None if model.prompt_template is None else str(model.prompt_template),
-        parser=str(model.parser),
-        temperature=float(model.temperature),
-        max_new_tokens=int(model.max_new_tokens),
-        combine=None if reward.combine is None else str(reward.combine),
-    )
+    return ServedRewardSettings(reward.model, None if reward.combine is None else str(reward.combine))
 
 
 @dataclass(frozen=True)

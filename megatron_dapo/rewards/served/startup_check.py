@@ -7,9 +7,12 @@ score, and RL trains on it without a sign of trouble. The check catches the SGLa
 loads another checkpoint than the one named, and an SGLang release whose classes changed. Two
 probes: a bias shows as the same offset on both, which is how the message tells it apart.
 
-The reference runs transformers in float32 on this machine's CPU, so it suits a server that
-computes in float32 (the CPU tests) at the default tolerance; a bfloat16 server needs a
-tolerance of its precision.
+The reference runs transformers in float32 on this machine's CPU; the tolerance follows the
+precision the server computes in (:func:`probe_tolerance`): 1e-4 for float32 (the CPU servers),
+4e-2 for float16 and bfloat16, the tolerance SGLang's own reward-model test allows between its
+fp16 server and HF's model (sglang test/srt/models/test_reward_models.py). A bfloat16 copy of
+the tests' tiny classifier differs from float32 by about 1.6e-3; a real model on a GPU was not
+measured here. ``reward.model.probe_tolerance`` overrides it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,31 @@ PROBES: tuple[tuple[list[dict], str], ...] = (
     ([{"role": "user", "content": "Name a prime number larger than 10."}], "Nine is one."),
 )
 DEFAULT_TOLERANCE = 1e-4
+TOLERANCE_BY_DTYPE = {"float32": 1e-4, "float16": 4e-2, "bfloat16": 4e-2}
+
+
+def served_dtype(model_dir: str | Path, dtype: str) -> str:
+    """The precision an SGLang server started with ``--dtype dtype`` computes in: that one, or
+    for ``auto`` the checkpoint's ``torch_dtype`` (``dtype`` in newer configs), a float32 one in
+    float16 (SGLang's ``auto``: bfloat16 for Gemma)."""
+    if dtype != "auto":
+        return {"half": "float16", "float": "float32"}.get(dtype, dtype)
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "bfloat16"  # unknown: the lower precision, the wider tolerance
+    stored = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    if stored == "float32":
+        return "bfloat16" if "gemma" in str(config.get("model_type", "")) else "float16"
+    return stored
+
+
+def probe_tolerance(model_dir: str | Path, dtype: str, override: float | None = None) -> float:
+    """The start-up check's tolerance for a server started with ``--dtype dtype`` on ``model_dir``:
+    ``override`` (``reward.model.probe_tolerance``) when given, else by its precision."""
+    if override is not None:
+        return float(override)
+    return TOLERANCE_BY_DTYPE.get(served_dtype(model_dir, dtype), TOLERANCE_BY_DTYPE["bfloat16"])
 
 
 @dataclass(frozen=True)

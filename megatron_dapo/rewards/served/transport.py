@@ -1,9 +1,13 @@
 """POSTs to a set of reward servers: retries, back-off, a bound on requests in flight per server,
 and the failure each exhausted request ends in.
 
-What is retried: timeouts, HTTP 5xx, and refused or dropped connections (the next attempt goes
-to the least busy server that is not known to be down, so a dead server's samples move to the
-others). What is not: an HTTP 4xx (the request itself is wrong; :class:`RewardRequestError`), and
+What is retried: timeouts, HTTP 5xx, HTTP 429 (rate limited) and 408 (request timeout), and
+refused or dropped connections (the next attempt goes to the least busy server that is not known
+to be down, so a dead server's samples move to the others). A 429 or 408 waits what its
+``Retry-After`` says (seconds or an HTTP date, at most ``_RETRY_AFTER_MAX_S``), else the usual
+back-off, and is counted on the outcome (``throttled``). A 400 that says the prompt is
+longer than the model's context is this sample's failure (``too_long``, not retried). What is
+not: any other HTTP 4xx (the request itself is wrong; :class:`RewardRequestError`), and
 an answer that is not JSON (a server that answers garbage answers it again). Scoring is
 read-only, so a retry can never do harm on the server, unlike a rollout's ``/generate``.
 
@@ -17,7 +21,11 @@ the pool one is back.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import json
+import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,10 +37,17 @@ from megatron_dapo.http_errors import http_error
 from megatron_dapo.rewards.served.outcome import RewardRequestError, RewardServerDown
 
 _CONNECT_TIMEOUT_S = 10.0
+# requests one httpx client carries at once (see ServerPool.__init__)
+_PER_CLIENT = 8
 # a down server is tried again after this long (doubling per failure), so a restarted one that
 # nobody announced still gets traffic back
 _DOWN_RETRY_FIRST_S = 1.0
 _DOWN_RETRY_MAX_S = 30.0
+# the longest a Retry-After is honoured: a hosted judge asking for an hour must not stall a step
+_RETRY_AFTER_MAX_S = 60.0
+# how SGLang, vLLM and OpenAI word a 400 for a prompt past the model's context: the sample is
+# unscored "too_long", not a wrong request that stops the run
+_TOO_LONG = re.compile(r"context length|maximum context|context window", re.IGNORECASE)
 
 
 @dataclass
@@ -44,6 +59,8 @@ class Failure:
     detail: str
     server: str
     attempts: int
+    retry_after: float | None = None  # what a 429/408 asked to wait before the next attempt
+    throttled: int = 0  # 429/408 answers among the attempts
 
 
 @dataclass
@@ -53,6 +70,7 @@ class Answer:
     body: Any
     server: str
     attempts: int
+    throttled: int = 0  # 429/408 answers before this one
 
 
 @dataclass
@@ -110,15 +128,25 @@ class ServerPool:
         self.down_grace_s = float(down_grace_s)
         self.backoff_s = float(backoff_s)
         self.what = what
+        self.lost: str | None = None  # why the run must stop (mark_lost)
         self.servers = [_Server(u.rstrip("/"), asyncio.Semaphore(int(max_in_flight))) for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # connections are bounded by the semaphores, not by httpx's pool (its wait would count
-        # against the timeout)
-        self._http = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(self.timeout_s, connect=min(_CONNECT_TIMEOUT_S, self.timeout_s)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        )
+        # against the timeout); and spread over clients of at most _PER_CLIENT requests each:
+        # httpcore's pool scans every request and connection it holds (a select() per idle
+        # connection) at each request's start and end, so one pool of 512 spends its time
+        # scanning (docs/reward_models.md, "Scoring under load")
+        shards = max(1, math.ceil(int(max_in_flight) * len(self.servers) / _PER_CLIENT))
+        self._clients = [
+            httpx.AsyncClient(
+                headers=headers,
+                timeout=httpx.Timeout(self.timeout_s, connect=min(_CONNECT_TIMEOUT_S, self.timeout_s)),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            )
+            for _ in range(shards)
+        ]
+        self._client_load = [0] * shards
+        self._http = self._clients[0]  # for the odd GET
 
     @property
     def urls(self) -> list[str]:
@@ -129,7 +157,8 @@ class ServerPool:
         return {s.url: s.peak_in_flight for s in self.servers}
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     def mark_restarted(self, url: str) -> None:
         """The caller restarted the server at ``url``: route requests to it again at once."""
@@ -137,8 +166,24 @@ class ServerPool:
             if s.url == url.rstrip("/"):
                 s.down_since, s.down_failures, s.retry_at = None, 0, 0.0
 
+    def mark_down(self, url: str, why: str) -> None:
+        """The caller is restarting the server at ``url``: route nothing to it (while another
+        server is up) until :meth:`mark_restarted`; its down grace runs from now."""
+        for s in self.servers:
+            if s.url == url.rstrip("/"):
+                if s.down_since is None:
+                    s.down_since = time.monotonic()
+                s.retry_at, s.last_error = float("inf"), why
+
+    def mark_lost(self, message: str) -> None:
+        """A server is gone for good (restarted too often): :meth:`check_down` raises ``message``."""
+        self.lost = message
+
     def check_down(self) -> None:
-        """Raise :class:`RewardServerDown` when some server has been down past the grace."""
+        """Raise :class:`RewardServerDown` when some server has been down past the grace, or
+        was lost for good."""
+        if self.lost is not None:
+            raise RewardServerDown(self.lost)
         now = time.monotonic()
         for s in self.servers:
             self._check_grace(s, now)
@@ -157,17 +202,22 @@ class ServerPool:
         Raises :class:`RewardRequestError` on a 4xx and :class:`RewardServerDown` for a server
         down past the grace; ``sample`` names the sample in those lines."""
         failure: Failure | None = None
+        throttled = 0
         for attempt in range(self.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** min(attempt - 1, 3))
+                wait = self.backoff_s * 2 ** min(attempt - 1, 3)
+                if failure is not None and failure.retry_after is not None:
+                    wait = failure.retry_after
+                await asyncio.sleep(wait)
             server = self._pick()
             result = await self._attempt(server, path, payload, sample)
             if isinstance(result, Answer):
-                result.attempts = attempt + 1
+                result.attempts, result.throttled = attempt + 1, throttled
                 return result
             failure = result
-            failure.attempts = attempt + 1
-            if failure.reason == "unparseable":
+            throttled += failure.retry_after is not None  # a 429 or 408
+            failure.attempts, failure.throttled = attempt + 1, throttled
+            if failure.reason in ("unparseable", "too_long"):
                 break
         return failure
 
@@ -185,7 +235,14 @@ class ServerPool:
             server.peak_in_flight = max(server.peak_in_flight, server.in_flight)
             try:
                 # httpx's read timeout restarts with every chunk; this bounds the whole answer
-                r = await asyncio.wait_for(self._http.post(server.url + path, json=payload), self.timeout_s)
+                shard = min(range(len(self._clients)), key=self._client_load.__getitem__)
+                self._client_load[shard] += 1
+                try:
+                    r = await asyncio.wait_for(
+                        self._clients[shard].post(server.url + path, json=payload), self.timeout_s
+                    )
+                finally:
+                    self._client_load[shard] -= 1
                 body = r.content
             except (asyncio.TimeoutError, httpx.TimeoutException) as e:
                 if isinstance(e, httpx.ConnectTimeout):
@@ -201,6 +258,12 @@ class ServerPool:
         where = f"sample {sample}"
         if r.status_code >= 500:
             return Failure("server_error", http_error(r, where), server.url, 0)
+        if r.status_code in (408, 429):  # busy, not wrong: wait as asked and try again
+            reason = "rate_limited" if r.status_code == 429 else "timeout"
+            detail = http_error(r, where)
+            return Failure(reason, detail, server.url, 0, retry_after=_retry_after(r, self.backoff_s))
+        if r.status_code == 400 and _TOO_LONG.search(r.text):  # a prompt past the context: this sample's
+            return Failure("too_long", http_error(r, where), server.url, 0)
         if r.status_code >= 400:
             raise RewardRequestError(f"{self.what}: {http_error(r, where)}")
         try:
@@ -226,6 +289,8 @@ class ServerPool:
         server.down_since, server.down_failures, server.retry_at = None, 0, 0.0
 
     def _check_grace(self, server: _Server, now: float) -> None:
+        if self.lost is not None:
+            raise RewardServerDown(self.lost)
         if server.down_since is not None and now - server.down_since > self.down_grace_s:
             raise RewardServerDown(
                 f"{self.what} {server.url} has been unreachable for {now - server.down_since:.0f}s, past "
@@ -233,3 +298,22 @@ class ServerPool:
                 "the run stops rather than leave every sample unscored: check the server's log, or raise "
                 "reward.model.down_grace_s"
             )
+
+
+def _retry_after(r: httpx.Response, default: float) -> float:
+    """What a 429/408's ``Retry-After`` asks (seconds, or an HTTP date), within
+    ``[0, _RETRY_AFTER_MAX_S]``; ``default`` when it says nothing readable."""
+    value = (r.headers.get("retry-after") or "").strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return default
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    if not math.isfinite(seconds):
+        return default
+    return min(max(seconds, 0.0), _RETRY_AFTER_MAX_S)

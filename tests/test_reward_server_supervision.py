@@ -1,0 +1,222 @@
+"""Supervision of the run's reward servers (sglang/reward_servers.py), one poll at a time with
+stand-in processes: a server that fails its probe after a restart is stopped and sent nothing, a
+crash-looping one stops the run past reward.model.max_restarts with one line naming it, its log
+and its restarts, and every restart shows in reward/server_restarts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from reward_model_fixtures import served_settings
+from test_rewards_served_failures import StandIn, samples
+
+from megatron_dapo.rewards.served import BlockingRewardModel, RewardServerDown
+from megatron_dapo.sglang.reward_servers import RewardServer, RewardServers
+
+
+class Process:
+    """A server process: ``deaths`` polls it reads dead (one per restart); ``restart`` makes it
+    alive again, ``stop`` dead."""
+
+    def __init__(self, dead: bool = False):
+        self.running = not dead
+        self.restarts = 0
+        self.stops = 0
+
+    def alive(self) -> bool:
+        return self.running
+
+    def restart(self) -> int:
+        self.restarts += 1
+        self.running = True
+        return 1
+
+    def stop(self) -> None:
+        self.stops += 1
+        self.running = False
+
+
+class Events:
+    def __init__(self):
+        self.down: list[str] = []
+        self.back: list[str] = []
+        self.lost: list[str] = []
+
+    def server_down(self, url):
+        self.down.append(url)
+
+    def server_back(self, url):
+        self.back.append(url)
+
+    def server_lost(self, message):
+        self.lost.append(message)
+
+
+class FailingProbe(RewardServers):
+    """Servers whose start-up probe fails (a classifier that no longer scores as transformers)."""
+
+    def check(self, server):
+        raise RuntimeError("probe: served 0.31, transformers 0.52")
+
+
+def settings(**kw):
+    return served_settings(kind="judge", path="/judge", **kw)
+
+
+def test_a_server_failing_its_probe_after_a_restart_is_stopped_and_never_reported_back():
+    proc = Process(dead=True)
+    servers = FailingProbe(
+        settings(max_restarts=3), [RewardServer("http://h:1", "/logs/reward_0.log", proc)], None
+    )
+    events = Events()
+    assert servers.poll(events)
+    # restarted once, failed its probe: stopped (not serving wrong scores), the client not told it is back
+    assert proc.restarts == 1 and not proc.alive() and proc.stops == 1
+    assert events.down == ["http://h:1"] and events.back == []
+    assert servers.poll(events) and proc.restarts == 2  # tried again at the next poll, counted
+
+
+def test_a_restarting_server_gets_no_requests_while_another_is_up(stand_in):
+    a, b = stand_in(), stand_in()
+    with BlockingRewardModel(
+        served_settings(kind="judge", url=a.url, timeout_s=5.0), [a.url, b.url]
+    ) as model:
+        model.server_down(a.url)
+        time.sleep(0.1)  # the event reaches the client's loop
+        outs = model.score_many(samples(6))
+        assert all(o.scored for o in outs)
+        assert a.posts() == 0 and b.posts() == 6
+        model.server_back(a.url)  # restarted and probed: it takes its share again
+        time.sleep(0.1)
+        assert all(o.scored for o in model.score_many(samples(8)))
+    assert a.posts() > 0
+
+
+def test_a_crash_looping_server_stops_the_run_past_max_restarts_in_one_line():
+    proc = Process(dead=True)
+    log = "/run/sglang/reward_0.log"
+    servers = RewardServers(settings(max_restarts=2), [RewardServer("http://h:7", log, proc)], None)
+    events = Events()
+    for _ in range(2):  # dies after every start
+        assert servers.poll(events)
+        proc.running = False
+    assert proc.restarts == 2 and servers.restarts == 2 and events.lost == []
+    assert not servers.poll(events)  # the third death: past the cap, watching ends
+    assert proc.restarts == 2
+    [message] = events.lost
+    assert "\n" not in message
+    assert "http://h:7" in message and log in message and "2 restarts" in message
+    assert "reward.model.max_restarts=2" in message
+
+
+def test_the_client_told_a_server_is_lost_stops_the_run_and_counts_restarts(stand_in):
+    s = stand_in()
+    model = BlockingRewardModel(served_settings(kind="judge", url=s.url, timeout_s=5.0))
+    try:
+        model.server_down(s.url)
+        model.server_back(s.url)
+        assert model.restarts == 1
+        model.check_down()  # back: the run goes on
+        model.server_lost("reward server http://h:7 died again after 2 restarts")
+        time.sleep(0.1)
+        with pytest.raises(RewardServerDown, match="died again after 2 restarts"):
+            model.check_down()
+    finally:
+        model.close()
+
+
+def test_restarts_are_a_step_metric():
+    from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, manager_config
+    from test_reward_model_metrics import ScriptedJudge
+
+    from megatron_dapo.rollout.manager import RolloutManager
+
+    judge = ScriptedJudge()
+    judge.restarts = 2
+    manager = RolloutManager(
+        [ScriptedEngine("e0")], Scorer(), manager_config(), Tokenizer(), reward_model=judge
+    )
+    m = manager.collect(Dataset([MIXED]), weight_version=0).metrics
+    assert m["reward/server_restarts"] == 2.0
+
+
+@pytest.fixture
+def stand_in():
+    made = []
+
+    def make():
+        s = StandIn()
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+CLOSE_WHILE_WAITING = """
+import json, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from megatron_dapo.config.schema import RewardModelConfig
+from megatron_dapo.rewards.served import BlockingRewardModel, RewardSample, ServedRewardSettings
+
+class Silent(BaseHTTPRequestHandler):  # lists its model, and never answers a verdict
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "judge"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        time.sleep(3600)
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Silent)
+server.daemon_threads = True
+threading.Thread(target=server.serve_forever, daemon=True).start()
+url = "http://127.0.0.1:%d" % server.server_address[1]
+model = BlockingRewardModel(ServedRewardSettings(RewardModelConfig(kind="judge", url=url, timeout_s=600.0)))
+outcomes = []
+sample = RewardSample(0, [{"role": "user", "content": "q"}], "a")
+# a scoring thread that is not a daemon, as a prefetching rollout's is
+waiter = threading.Thread(target=lambda: outcomes.append(model.score(sample)))
+waiter.start()
+many = threading.Thread(target=lambda: outcomes.append(model.score_many([sample, sample])))
+many.start()
+time.sleep(1.0)
+model.close()
+waiter.join(30)
+many.join(30)
+print("ALIVE" if waiter.is_alive() or many.is_alive() else "DONE", outcomes)
+print([o.unscored for o in model.score_many([sample])])
+"""
+
+
+def test_closing_wakes_every_score_in_flight_unscored_and_the_process_exits(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run(
+        [sys.executable, "-c", CLOSE_WHILE_WAITING], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, after = out.stdout.splitlines()[-2:]
+    assert first.startswith("DONE") and first.count("unscored='closed'") == 3, first
+    assert after == "['closed']"  # a score asked for after close does not wait either
+    assert "Task was destroyed" not in out.stderr and "never retrieved" not in out.stderr
+
+
+def test_score_one_sample_from_a_thread_and_submit_many_as_coroutines(stand_in):
+    s = stand_in()
+    with BlockingRewardModel(served_settings(kind="judge", url=s.url, timeout_s=5.0)) as model:
+        one = model.score(samples(1)[0])
+        futures = [model.submit(x) for x in samples(6)]
+        outs = [f.result(timeout=30) for f in futures]
+    assert one.scored and one.score == 1.0
+    assert [o.sample_id for o in outs] == list(range(6)) and all(o.scored for o in outs)
