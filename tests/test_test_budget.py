@@ -64,6 +64,12 @@ def test_ray(n):
     import ray
     ray.init()
 
+SCRIPT = "from megatron_dapo.driver.launch import init_ray; init_ray(cfg, 'cpu', 2)"
+
+def test_a_script_in_a_subprocess():
+    import subprocess, sys
+    subprocess.run([sys.executable, "-c", SCRIPT], check=True)
+
 class TestGroup:
     def test_method(self):
         run_ranks(_body, 2)
@@ -81,6 +87,7 @@ REPORT = """
 2.00s call     tests/test_fake.py::test_ray[1]
 2.50s call     tests/test_fake.py::test_ray[2]
 1.50s call     tests/test_fake.py::TestGroup::test_method
+6.00s call     tests/test_fake.py::test_a_script_in_a_subprocess
 0.01s setup    tests/test_fake.py::test_pure
 7 passed in 75.10s (0:01:15)
 """
@@ -111,14 +118,15 @@ def test_each_test_is_charged_its_phases_in_the_area_its_code_starts(root):
         "test_ray[1]": "Ray driver",
         "test_ray[2]": "Ray driver",
         "TestGroup::test_method": "Megatron ranks",
+        "test_a_script_in_a_subprocess": "Ray driver",  # through the module's constant
     }
 
     b = test_budget.budget(per_test, classifier)
     assert b.seconds == pytest.approx(
-        {"real SGLang": 35.0, "end to end": 20.0, "Ray driver": 4.5, "Megatron ranks": 9.5, "unit": 0.51}
+        {"real SGLang": 35.0, "end to end": 20.0, "Ray driver": 10.5, "Megatron ranks": 9.5, "unit": 0.51}
     )
-    assert b.tests == {"real SGLang": 1, "end to end": 1, "Ray driver": 2, "Megatron ranks": 3, "unit": 1}
-    assert b.total == pytest.approx(69.51)
+    assert b.tests == {"real SGLang": 1, "end to end": 1, "Ray driver": 3, "Megatron ranks": 3, "unit": 1}
+    assert b.total == pytest.approx(75.51)
 
 
 def test_the_command_prints_the_areas_and_writes_json(root, tmp_path):
@@ -143,8 +151,8 @@ def test_the_command_prints_the_areas_and_writes_json(root, tmp_path):
         for line in out.splitlines()
         if line and line.split()[0] in ("real", "end", "unit", "total")
     }
-    assert rows["real"][2:] == ["35", "50.4%", "1"]
-    assert rows["total"][1:] == ["70", "100.0%", "8"]
+    assert rows["real"][2:] == ["35", "46.4%", "1"]
+    assert rows["total"][1:] == ["76", "100.0%", "9"]
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["areas"]["Megatron ranks"] == {"seconds": 9.5, "tests": 3}
     assert data["wall_s"] == 75.1

@@ -14,13 +14,15 @@ fixture's cost lands on the first test that asks for it, which is where it is pa
 
 Each test gets one area, the first of ``AREAS`` whose marks appear in the code the test runs in
 its own file: the test function, the fixtures it names (its file's and conftest.py's), and the
-module-level functions and classes these call, followed by name through the file; comments and
+module-level functions, classes and constants (a script run in a subprocess) these use, followed
+by name through the file; comments and
 docstrings do not count. Marks are what
 starts the costly thing: ``require_sglang()`` and the tests' launchers for a real SGLang server
 (``start_cpu_server``, ``real_sglang_server``, ``RewardServers.launch``, conftest's server
 fixtures), the trainer's entry points for an end-to-end
 run (``run_train``, the e2e harness's ``train_*``, the demo command, ``megatron_dapo.train``
-under torchrun), ``ray.init``/a Ray cluster for the Ray driver's tests, ``run_ranks`` for
+under torchrun, ``tools/gpu_check.sh``'s dry run), ``ray.init``/``init_ray``/a Ray cluster for
+the Ray driver's tests, ``run_ranks`` for
 Megatron rank processes. Anything else is a unit test, in-process. A test that starts several of these
 counts in the costliest (the order of ``AREAS``): a run through the real server is "real SGLang".
 
@@ -63,9 +65,10 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
             r"\btrain_cmd\(",
             r"[\[(]\s*'demo'",  # the demo command through cli.main
             r"'megatron_dapo\.train'",  # the trainer under torchrun
+            r"tools/gpu_check\.sh",  # its CPU dry run holds a torchrun DAPO run, resume and export
         ),
     ),
-    ("Ray driver", (r"\bray\.init\(", r"\bCluster\(", r"\bRayRankGroup\b")),
+    ("Ray driver", (r"\bray\.init\(", r"\binit_ray\(", r"\bCluster\(", r"\bRayRankGroup\b")),
     ("Megatron ranks", (r"\brun_ranks\(",)),
 )
 UNIT = "unit"
@@ -114,7 +117,7 @@ def wall_seconds(text: str) -> float | None:
 
 
 class _Module:
-    """A test file's top-level functions and classes by name, and the names each one uses."""
+    """A test file's top-level functions, classes and assigned names, and the names each uses."""
 
     def __init__(self, path: Path):
         self.source = path.read_text() if path.is_file() else ""
@@ -126,6 +129,11 @@ class _Module:
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 self.defs[node.name] = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # e.g. a script run in a subprocess
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        self.defs[target.id] = node
 
     def text(self, name: str) -> str:
         """A definition's code without comments and docstrings (ast.unparse: strings in single
