@@ -64,7 +64,10 @@ def test_ray(n):
     import ray
     ray.init()
 
-SCRIPT = "from megatron_dapo.driver.launch import init_ray; init_ray(cfg, 'cpu', 2)"
+SCRIPT = """
+from megatron_dapo.driver.launch import init_ray
+init_ray(cfg, 'cpu', 2)
+"""
 
 def test_a_script_in_a_subprocess():
     import subprocess, sys

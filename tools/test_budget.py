@@ -152,7 +152,11 @@ class _Module:
                 and isinstance(body[0].value.value, str)
             ):
                 inner.body = body[1:] or [ast.Pass()]
-        return ast.unparse(node)
+        # and the strings as they are (unparse escapes a script's newlines: "\\ninit_ray(")
+        strings = [
+            c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+        ]
+        return "\n".join([ast.unparse(node), *strings])
 
     def used_names(self, name: str) -> set[str]:
         """Names a definition refers to, its arguments (fixtures) included."""
