@@ -59,7 +59,7 @@ def test_demo():
     from megatron_dapo.cli import main
     assert main(["demo", "--seed", "0"]) == 0
 
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [1, "2 or more"])
 def test_ray(n):
     import ray
     ray.init()
@@ -88,7 +88,7 @@ REPORT = """
 0.50s call     tests/test_fake.py::test_pure
 20.00s call     tests/test_fake.py::test_demo
 2.00s call     tests/test_fake.py::test_ray[1]
-2.50s call     tests/test_fake.py::test_ray[2]
+2.50s call     tests/test_fake.py::test_ray[2 or more]
 1.50s call     tests/test_fake.py::TestGroup::test_method
 6.00s call     tests/test_fake.py::test_a_script_in_a_subprocess
 0.01s setup    tests/test_fake.py::test_pure
@@ -119,7 +119,7 @@ def test_each_test_is_charged_its_phases_in_the_area_its_code_starts(root):
         "test_pure": "unit",  # the marks in its docstring and the module's do not count
         "test_demo": "end to end",
         "test_ray[1]": "Ray driver",
-        "test_ray[2]": "Ray driver",
+        "test_ray[2 or more]": "Ray driver",  # a parameter id with spaces
         "TestGroup::test_method": "Megatron ranks",
         "test_a_script_in_a_subprocess": "Ray driver",  # through the module's constant
     }

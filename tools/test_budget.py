@@ -74,8 +74,8 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
 UNIT = "unit"
 AREA_NAMES = tuple(name for name, _ in AREAS) + (UNIT,)
 
-# "12.34s call     tests/test_x.py::test_y[a-b]" (pytest's --durations lines)
-DURATION = re.compile(r"^\s*(?P<s>\d+(?:\.\d+)?)s\s+(?P<when>setup|call|teardown)\s+(?P<id>\S+::\S+)\s*$")
+# "12.34s call     tests/test_x.py::test_y[a b-c]" (pytest's --durations lines; ids may hold spaces)
+DURATION = re.compile(r"^\s*(?P<s>\d+(?:\.\d+)?)s\s+(?P<when>setup|call|teardown)\s+(?P<id>\S+::.*?)\s*$")
 SUMMARY = re.compile(r"\b(?P<n>\d+) passed\b.* in (?P<s>\d+(?:\.\d+)?)s")
 
 
