@@ -179,10 +179,10 @@ def layout_data(layout_hf_dir):
 
 
 # `make test` runs two pytest-xdist workers that take whole files in collection order. The files
-# below each take one to seven minutes on 2 cores (`--durations`); run first, they overlap each
-# other and the hundreds of short files fill the gaps at the end, instead of the alphabetically
-# late ones (test_sglang_real_*, test_torchrun_*) running last with the other worker idle. The
-# rest keep their order. A stale entry costs only time.
+# below each take one to seven minutes on 2 cores (`tools/test_budget.py` lists the costliest);
+# run first, they overlap each other and the hundreds of short files fill the gaps at the end,
+# instead of the alphabetically late ones (test_sglang_real_*, test_torchrun_*) running last with
+# the other worker idle. The rest keep their order. A stale entry costs only time.
 LONG_FILES_FIRST = (
     "test_driver_e2e.py",
     "test_sglang_real_restart.py",
@@ -204,6 +204,8 @@ LONG_FILES_FIRST = (
     "test_sglang_routing_replay.py",
     "test_rewards_served_real_judge.py",
     "test_eval_reward_real_classifier.py",
+    "test_eval_served.py",
+    "test_gpu_check.py",
 )
 
 

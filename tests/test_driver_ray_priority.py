@@ -22,8 +22,9 @@ from megatron_dapo.driver.launch import init_ray, shutdown_local_ray
 
 import tempfile
 trainer = {"ray_address": None, "runs_dir": tempfile.mkdtemp(), "run_name": "r"}
-init_ray(OmegaConf.create({"trainer": trainer}), "cpu", num_cpus=1)
+init_ray(OmegaConf.create({"trainer": trainer}), "cpu", num_cpus=2)
 worker = ray.get(ray.remote(lambda: os.nice(0)).remote())
+logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
 daemons = [p.pid for p in psutil.Process().children()]
 terminated = []
 terminate = subprocess.Popen.terminate
@@ -33,8 +34,10 @@ def record(self):
 subprocess.Popen.terminate = record
 shutdown_local_ray()
 alive = [pid for pid in daemons if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+# worker-<id>-<job>-<pid>.out; job ffffffff: started before any driver connected (prestarted)
+jobs = [f.split("-")[2] for f in os.listdir(logs) if f.startswith("worker-") and f.endswith(".out")]
 print("RESULT " + json.dumps({"driver_nice": os.nice(0), "worker_nice": worker, "daemons": daemons,
-                               "terminated": terminated, "alive": alive}))
+                               "terminated": terminated, "alive": alive, "worker_jobs": jobs}))
 """
 
 
@@ -61,3 +64,12 @@ def test_ray_daemons_are_killed_without_a_sigterm_they_cannot_receive(cluster_ru
     assert len(cluster_run["daemons"]) >= 2, cluster_run  # GCS and raylet at least
     assert cluster_run["terminated"] == [], cluster_run
     assert cluster_run["alive"] == [], cluster_run
+
+
+def test_ray_prestarts_no_idle_workers(cluster_run):
+    """The trainer's processes are actors, each in a worker of its own: the workers Ray otherwise
+    prestarts at start-up (one per CPU, before any job) sit idle, each a Python start-up and a
+    Ray import taken from the run's CPUs (2 of 5 workers of a 3-actor cluster). Here one task
+    ran, in a worker started for the driver's job."""
+    jobs = cluster_run["worker_jobs"]
+    assert jobs and "ffffffff" not in jobs, jobs

@@ -1,7 +1,7 @@
 """`torchrun --nproc-per-node 2 -m megatron_dapo.train` on CPU: two Megatron ranks (TP=2) as SPMD
 processes, rank 0 driving the HF engine in its own process: steps with ~0 trainer/engine log-prob
-mismatch, a SIGTERM to both ranks that ends in a saved checkpoint and exit 0, and a resume that
-continues the same metrics file with the engine brought to the trained weights."""
+mismatch, a SIGTERM to the whole job that ends in a saved checkpoint with every rank exiting 0,
+and a resume that continues the same metrics file with the engine brought to the trained weights."""
 
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def _run_until_first_step_then_sigterm(cmd, run: Path) -> str:
-    """Start `cmd`; once a step is logged, SIGTERM every rank (as a scheduler does); its output."""
+    """Start `cmd`; once a step is logged, SIGTERM every process of the job at once (Slurm's
+    preemption: torchrun's agent then forwards it to the workers a second time); its output."""
     import psutil
 
     proc = subprocess.Popen(
@@ -101,23 +102,28 @@ def _run_until_first_step_then_sigterm(cmd, run: Path) -> str:
             assert proc.poll() is None, f"run ended early:\n{proc.stdout.read()[-4000:]}"
             assert time.monotonic() < deadline, "no step finished in time"
             time.sleep(0.1)
-        workers = psutil.Process(proc.pid).children()
+        agent = psutil.Process(proc.pid)
+        workers = agent.children()
         assert len(workers) == 2
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        for p in [agent, *workers]:
+            p.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, out[-4000:]
     return out
 
 
 def test_steps_sigterm_and_resume_under_torchrun(assets, tmp_path):
     run = tmp_path / "tr"
-    # 1. a 50-step run stopped by SIGTERM to both ranks once step 1 is logged: rank 0 finishes the
-    #    step in flight, saves, and every rank exits 0 (the others ignored the signal for the save)
-    _run_until_first_step_then_sigterm(_cmd(assets, tmp_path, "tr", 50), run)
+    # 1. a 50-step run stopped by SIGTERM to the job once step 1 is logged: rank 0 finishes the
+    #    step in flight, saves, and every rank exits 0 (the others ignored the signal for the save;
+    #    the agent's second delivery is not taken for a forced stop); torchrun itself then reports
+    #    the signal it got, so only the ranks' exits are checked (no failure in its summary)
+    out = _run_until_first_step_then_sigterm(_cmd(assets, tmp_path, "tr", 50), run)
+    assert "second" not in out, out[-4000:]
+    assert "failed" not in out, out[-4000:]
+    assert _our_tracebacks(out) == 0, out[-6000:]
     summary = json.loads((run / "summary.json").read_text())
     stopped = summary["step"]
     assert summary["stopped_by"] == "SIGTERM" and 1 <= stopped < 50
@@ -224,14 +230,14 @@ def test_a_rank_killed_under_torchrun_stops_the_run_with_one_line(assets, tmp_pa
 
 @pytest.mark.parametrize(
     ("sig", "whole_job"),
-    [(signal.SIGTERM, True), (signal.SIGINT, False)],
-    ids=["SIGTERM-job", "SIGINT-agent"],
+    [(signal.SIGINT, False)],
+    ids=["SIGINT-agent"],
 )
 def test_a_signal_to_torchrun_saves_and_stops_every_rank(assets, tmp_path, sig, whole_job):
-    """SIGTERM to every process of the job at once (Slurm's preemption: torchrun's agent then
-    forwards it to the workers a second time), or SIGINT to the agent alone (Ctrl-C: the workers
-    run in sessions of their own): rank 0 checkpoints its last finished step and every rank exits
-    0; torchrun itself then reports the signal it got."""
+    """SIGINT to the agent alone (Ctrl-C: the workers run in sessions of their own): rank 0
+    checkpoints its last finished step and every rank exits 0; torchrun itself then reports the
+    signal it got. (SIGTERM to every process of the job at once, Slurm's preemption, is
+    test_steps_sigterm_and_resume_under_torchrun's stop.)"""
     import psutil
 
     run, log = tmp_path / "s", tmp_path / "s.log"
