@@ -6,6 +6,7 @@ offline here (its files under the run directory), with the step loop's stand-in 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 from test_trainer_stop_resume import StoppingManager
@@ -25,8 +26,12 @@ WANDB = {
 
 
 def _offline_ids(run: RunDir) -> list[str]:
-    """The run ids of the offline W&B runs under the run directory, oldest first."""
-    return [p.name.rsplit("-", 1)[-1] for p in sorted((run.root / "wandb").glob("offline-run-*"))]
+    """The run ids of the offline W&B runs under the run directory, oldest first. A folder is
+    ``offline-run-DATE_TIME-ID``, with ``-N`` after it when a run of the same id started in the
+    same second (a quick resume); runs of one second are ordered by when each was last written
+    (they run one after another), not by name."""
+    folders = sorted((run.root / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime_ns)
+    return [re.match(r"offline-run-\d{8}_\d{6}-([^-]+)", p.name).group(1) for p in folders]
 
 
 class ResumingRanks(FakeRanks):

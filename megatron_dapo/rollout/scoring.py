@@ -111,6 +111,9 @@ class GroupScoring:
         output never is), with the whole episode in ``extra_info["turns"]`` (role and text per
         turn) and ``extra_info["tool_calls"]``: verl's reward signature, so existing reward
         functions see what they always saw."""
+        broken = self._broken(result)
+        if broken is not None:
+            return broken
         prompt, text, extra, whole = self._inputs(unit, request_id, result)
         if self.model is None:
             r = self.scorer.score_many([(prompt.data_source, text, prompt.ground_truth, extra)])[0]
@@ -135,6 +138,10 @@ class GroupScoring:
         if submit is None:
             return pool.submit(self.reward, unit, request_id, result, outcomes)
         out: Future = Future()
+        broken = self._broken(result)
+        if broken is not None:
+            out.set_result(broken)
+            return out
 
         def prepare() -> None:
             try:
@@ -165,13 +172,16 @@ class GroupScoring:
         limit = getattr(self.model, "step_timeout_s", None)
         self._deadline = None if limit is None else time.monotonic() + float(limit)
 
+    def _broken(self, result: GenerationResult) -> SampleReward | None:
+        """An episode whose token check failed: its tokens are not what was sampled or rendered,
+        so it is scored by no one and leaves its group (every token of it is masked)."""
+        if result.episode is None or not result.episode.broken:
+            return None
+        text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        return SampleReward(float("nan"), False, "", None, BROKEN_EPISODE, text=text)
+
     def _inputs(self, unit: Unit, request_id: str, result: GenerationResult):
         prompt = unit.groups[unit.position(request_id) // self.cfg.n].prompt
-        if result.episode is not None and result.episode.broken:
-            # the token check failed: its tokens are not what was sampled or rendered, so it is
-            # scored by no one and leaves its group (every token of it is masked)
-            text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-            return SampleReward(float("nan"), False, "", None, BROKEN_EPISODE, text=text)
         text, extra = reward_input(result, self.tokenizer, prompt.extra_info)
         whole = (
             text
