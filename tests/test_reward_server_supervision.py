@@ -126,6 +126,19 @@ def test_the_client_told_a_server_is_lost_stops_the_run_and_counts_restarts(stan
         model.close()
 
 
+def test_a_server_event_after_the_client_closed_is_dropped_not_a_traceback(stand_in):
+    """The run ends (the client closes) while the supervisor restarts a server: its events find
+    no loop, and the supervisor's thread must not die on it (seen in a crash-loop run: "Event
+    loop is closed" on the console)."""
+    s = stand_in()
+    model = BlockingRewardModel(served_settings(kind="judge", url=s.url, timeout_s=5.0))
+    model.close()
+    model.server_down(s.url)
+    model.server_back(s.url)
+    model.server_lost("gone")
+    assert model.restarts == 1
+
+
 def test_restarts_are_a_step_metric():
     from rollout_fakes import MIXED, Dataset, Scorer, ScriptedEngine, Tokenizer, manager_config
     from test_reward_model_metrics import ScriptedJudge

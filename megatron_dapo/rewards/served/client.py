@@ -258,13 +258,21 @@ class BlockingRewardModel:
 
     def server_down(self, url: str) -> None:
         self.restarts += 1
-        self._loop.call_soon_threadsafe(self.model.pool.mark_down, url, "restarting after it died")
+        self._on_loop(self.model.pool.mark_down, url, "restarting after it died")
 
     def server_back(self, url: str) -> None:
-        self._loop.call_soon_threadsafe(self.model.pool.mark_restarted, url)
+        self._on_loop(self.model.pool.mark_restarted, url)
 
     def server_lost(self, message: str) -> None:
-        self._loop.call_soon_threadsafe(self.model.pool.mark_lost, message)
+        self._on_loop(self.model.pool.mark_lost, message)
+
+    def _on_loop(self, fn, *args) -> None:
+        """Hand a supervision event to the client's loop; once the client is closed (the run is
+        ending while a server restarts) there is no one left to tell, and the event is dropped."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed
+            pass
 
     def peak_in_flight(self) -> dict[str, int]:
         return self.model.pool.peak_in_flight()
