@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -269,10 +270,8 @@ class BlockingRewardModel:
     def _on_loop(self, fn, *args) -> None:
         """Hand a supervision event to the client's loop; once the client is closed (the run is
         ending while a server restarts) there is no one left to tell, and the event is dropped."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed
             self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed
-            pass
 
     def peak_in_flight(self) -> dict[str, int]:
         return self.model.pool.peak_in_flight()
