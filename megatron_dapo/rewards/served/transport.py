@@ -21,6 +21,7 @@ the pool one is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import email.utils
 import json
@@ -130,6 +131,7 @@ class ServerPool:
         self.what = what
         self.lost: str | None = None  # why the run must stop (mark_lost)
         self.servers = [_Server(u.rstrip("/"), asyncio.Semaphore(int(max_in_flight))) for u in urls]
+        self._back = asyncio.Event()  # set when the supervisor reports a server restarted
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # connections are bounded by the semaphores, not by httpx's pool (its wait would count
         # against the timeout); and spread over clients of at most _PER_CLIENT requests each:
@@ -165,6 +167,7 @@ class ServerPool:
         for s in self.servers:
             if s.url == url.rstrip("/"):
                 s.down_since, s.down_failures, s.retry_at = None, 0, 0.0
+        self._back.set()
 
     def mark_down(self, url: str, why: str) -> None:
         """The caller is restarting the server at ``url``: route nothing to it (while another
@@ -178,6 +181,7 @@ class ServerPool:
     def mark_lost(self, message: str) -> None:
         """A server is gone for good (restarted too often): :meth:`check_down` raises ``message``."""
         self.lost = message
+        self._back.set()
 
     def check_down(self) -> None:
         """Raise :class:`RewardServerDown` when some server has been down past the grace, or
@@ -203,6 +207,7 @@ class ServerPool:
         down past the grace; ``sample`` names the sample in those lines."""
         failure: Failure | None = None
         throttled = 0
+        await self._wait_while_restarting()
         for attempt in range(self.max_retries + 1):
             if attempt:
                 wait = self.backoff_s * 2 ** min(attempt - 1, 3)
@@ -220,6 +225,21 @@ class ServerPool:
             if failure.reason in ("unparseable", "too_long"):
                 break
         return failure
+
+    async def _wait_while_restarting(self) -> None:
+        """While the supervisor restarts every server (each marked down until it reports it
+        back), a request waits for one to come back instead of failing as down: a restart takes
+        seconds to a minute, and a sample failed meanwhile leaves its group, so one restart could
+        empty a step. The wait ends when a server is back, when one is lost for good, or at the
+        down grace (the request then goes on and its grace check raises RewardServerDown)."""
+        while self.lost is None and all(s.retry_at == float("inf") for s in self.servers):
+            since = min(s.down_since or time.monotonic() for s in self.servers)
+            left = self.down_grace_s - (time.monotonic() - since)
+            if left <= 0:
+                return
+            self._back.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._back.wait(), min(left, 1.0))
 
     def _pick(self) -> _Server:
         now = time.monotonic()
