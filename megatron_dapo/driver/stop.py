@@ -77,6 +77,8 @@ class StopFlag:
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
         self._previous: dict[int, object] = {}
+        self._signalled = threading.Event()  # a stop signal arrived: the watchdog's time starts
+        self._watching = False
 
     def install(self) -> StopFlag:
         """Take SIGTERM/SIGINT (again: `ray.init` replaces the SIGTERM handler with its own)."""
@@ -85,6 +87,11 @@ class StopFlag:
         for sig in STOP_SIGNALS:
             previous = signal.signal(sig, self._handle)
             self._previous.setdefault(sig, previous)
+        if self.timeout_s and not self._watching:
+            # started here, never from the signal handler: a thread started inside a handler
+            # races CPython's thread bookkeeping (a KeyError traceback in threading._bootstrap)
+            self._watching = True
+            threading.Thread(target=self._watchdog, name="stop-watchdog", daemon=True).start()
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -106,10 +113,12 @@ class StopFlag:
             else f"{name} received: stopping after a checkpoint of the last finished step\n"
         )
         sys.stderr.flush()
-        if self.timeout_s:
-            threading.Thread(target=self._watchdog, name="stop-watchdog", daemon=True).start()
+        self._signalled.set()
 
     def _watchdog(self) -> None:
+        while not self._signalled.wait(1.0):
+            if self._done.is_set():
+                return
         if self._done.wait(self.timeout_s):
             return
         line = f"stop did not finish within trainer.stop_timeout_s={self.timeout_s:g}s; exiting now"
