@@ -32,6 +32,7 @@ class StandIn:
         other: Callable[[str, dict], tuple[int, dict | str] | str] | None = None,
         model_id: str = "standin",
         max_model_len: int | None = None,
+        port: int = 0,
     ):
         self.routes = routes
         self.other = other
@@ -94,7 +95,7 @@ class StandIn:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.httpd.handle_error = lambda request, address: None  # a client that gave up
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -167,3 +167,29 @@ def test_tool_errors_and_timeouts_count_in_the_filtered_groups_too():
     cfg = SimpleNamespace(n=2, train_batch_size=1, partial=False, max_response_length=8)
     m = rollout_metrics(cfg, EnginePool([SimpleNamespace(name="e0")]), kept.samples, ledger, 1.0, 0)
     assert m["rollout/multiturn/tool_errors"] == 2.0 and m["rollout/multiturn/tool_timeouts"] == 2.0
+
+
+def test_a_partial_batch_left_by_an_unscoring_reward_model_blames_it_not_the_batch_size():
+    """With allow_partial_batch (the demo's), a reward model that leaves most groups unscored
+    made a partial batch of the few it scored, and the run then stopped on "fewer than one
+    optimizer mini-batch" (measured: a crash-looping reward server's run stopped so at step 4).
+    The step names the reward model instead."""
+    import re
+
+    class MostlyDeadJudge(ScriptedJudge):
+        def score(self, s):
+            self.asked += 1
+            group = int(re.search(r"g(\d+)", str(s.sample_id)).group(1))
+            if group == 0:  # one group scored, with spread: a partial batch of one group
+                return ScoreOutcome(s.sample_id, 1.0 if s.sample_id.endswith(("s0", "s2")) else -1.0)
+            return ScoreOutcome(s.sample_id, None, "down", "connection refused")
+
+    manager = RolloutManager(
+        [ScriptedEngine("e0")],
+        Scorer(),
+        manager_config(max_num_gen_batches=2, allow_partial_batch=True),
+        Tokenizer(),
+        reward_model=MostlyDeadJudge(),
+    )
+    with pytest.raises(RewardFunctionError, match=r"of the step's \d+ dropped groups were dropped because"):
+        manager.collect(Dataset([MIXED]), weight_version=0)

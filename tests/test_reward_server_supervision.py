@@ -12,6 +12,7 @@ import pytest
 from reward_model_fixtures import served_settings
 from test_rewards_served_failures import StandIn, samples
 
+from megatron_dapo.ports import free_port
 from megatron_dapo.rewards.served import BlockingRewardModel, RewardServerDown
 from megatron_dapo.sglang.reward_servers import RewardServer, RewardServers
 
@@ -43,6 +44,10 @@ class Events:
         self.down: list[str] = []
         self.back: list[str] = []
         self.lost: list[str] = []
+        self.watched = False
+
+    def supervised(self):
+        self.watched = True
 
     def server_down(self, url):
         self.down.append(url)
@@ -117,6 +122,46 @@ def test_while_the_only_server_restarts_scores_wait_for_it_instead_of_failing_do
             assert [o.scored for o in out] == [True, True, True] and a.posts() == 3
     finally:
         a.close()
+
+
+def test_a_server_that_dies_between_the_supervisor_s_polls_costs_no_sample():
+    """Killed between two polls of the supervisor: requests meet refused connections before it
+    notices, marks the server down and restarts it. Measured before: in a demo run whose reward
+    server was killed 45 s after each start, the samples scored in those seconds failed "down",
+    the step kept 6 of its groups, and the run stopped at the first kill. Here the requests wait
+    out the death, the restart and the probe, and every sample gets a real score."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"  # dead: nothing listens yet
+    proc = Process(dead=True)
+    servers = RewardServers(settings(max_restarts=3), [RewardServer(url, "/logs/reward_0.log", proc)], None)
+    started: list[StandIn] = []
+
+    def restart():  # the supervisor's restart: the server listens again on its port
+        proc.restarts += 1
+        proc.running = True
+        started.append(StandIn(port=port))
+        return 1
+
+    proc.restart = restart
+    model = BlockingRewardModel(served_settings(kind="judge", url=url, timeout_s=5.0, max_retries=0))
+    try:
+        servers.watch(model)  # the run's supervision: dead servers are restarted
+        servers.poll_s = 3600.0  # polled by hand below, after the requests met the dead server
+        time.sleep(0.1)
+        out = []
+        scorer = threading.Thread(target=lambda: out.extend(model.score_many(samples(4))))
+        scorer.start()
+        time.sleep(1.5)  # every request has met a refused connection by now
+        assert scorer.is_alive() and out == []  # waiting for the restart, not failed "down"
+        assert servers.poll(model)  # the supervisor notices: restarted, reported back
+        scorer.join(timeout=15)
+        assert [o.scored for o in out] == [True] * 4
+        assert started[0].posts() == 4 and model.restarts == 1
+    finally:
+        model.close()
+        servers.stop()
+        for s in started:
+            s.close()
 
 
 def test_a_crash_looping_server_stops_the_run_past_max_restarts_in_one_line():

@@ -30,12 +30,12 @@ class StandIn(judge_standin.StandIn):
     ``release``, ("drop",), ("status", code, payload[, headers]), ("garbage",). It counts requests and the
     most it held at once (``peak``)."""
 
-    def __init__(self, default=("ok",), max_model_len=None):
+    def __init__(self, default=("ok",), max_model_len=None, port=0):
         self.default = default
         self.script: deque = deque()
         self.release = threading.Event()  # ends every hang at teardown
         self._script_lock = threading.Lock()
-        super().__init__({}, other=self._act, model_id="standin-judge", max_model_len=max_model_len)
+        super().__init__({}, other=self._act, model_id="standin-judge", max_model_len=max_model_len, port=port)
 
     def _act(self, path: str, body: dict):
         with self._script_lock:

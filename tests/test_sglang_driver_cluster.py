@@ -158,6 +158,9 @@ def test_reward_servers_start_on_their_planned_nodes_and_restart_there(cluster, 
             assert node == p.node_id
 
         class Events:
+            def supervised(self):
+                pass
+
             def server_down(self, url):
                 pass
 

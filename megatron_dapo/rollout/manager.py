@@ -285,11 +285,13 @@ class RolloutManager:
         # an abandoned or failed rollout leaves it as it was
         resume = self._resumable(weight_version, ledger) if cfg.partial else []
         t0 = time.perf_counter()
+        partial_batch = False
         while ledger.cut is None:
             self._check_stop()
             if cfg.max_num_gen_batches and ledger.rounds >= cfg.max_num_gen_batches:
                 # every round ran to completion: all drawn groups are scored
                 if cfg.allow_partial_batch and ledger.prefix_kept:
+                    partial_batch = True
                     logger.warning(
                         "rollout: %d generation rounds spent with %d/%d groups kept; training on a partial batch",
                         ledger.rounds,
@@ -322,7 +324,11 @@ class RolloutManager:
         if cfg.partial and ledger.cut is not None:
             self._carry_tail(ledger)
         ledger.settle()
-        self.scoring.check_step(generated_samples(ledger), {}, ledger.unscored)
+        # a batch left partial because the reward model left its groups unscored is the reward
+        # model's failure, named as such, not a batch too small to train on; a full batch trains
+        self.scoring.check_step(
+            generated_samples(ledger), ledger.filtered if partial_batch else {}, ledger.unscored
+        )
         if ledger.scored_groups:
             self._keep_rate = max(len(ledger.kept), 1) / ledger.scored_groups
         batch_groups = ledger.kept

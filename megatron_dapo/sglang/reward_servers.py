@@ -75,6 +75,8 @@ class Supervised(Protocol):
 class ServerEvents(Protocol):
     """What supervision tells the reward model's client (``BlockingRewardModel``)."""
 
+    def supervised(self) -> None: ...  # dead servers are restarted: wait for them, not fail
+
     def server_down(self, url: str) -> None: ...  # being restarted: send it nothing
 
     def server_back(self, url: str) -> None: ...  # restarted and probed: send it work again
@@ -239,6 +241,7 @@ class RewardServers:
 
     def watch(self, client: ServerEvents) -> None:
         """Restart any server that dies, from a daemon thread, telling ``client`` (see the module)."""
+        client.supervised()
         self._thread = threading.Thread(
             target=self._watch, args=(client,), name="reward-servers", daemon=True
         )

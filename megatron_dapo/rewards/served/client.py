@@ -257,6 +257,9 @@ class BlockingRewardModel:
 
     # supervision's events (sglang/reward_servers.py ServerEvents), from its thread
 
+    def supervised(self) -> None:
+        self._on_loop(self.model.pool.mark_supervised)
+
     def server_down(self, url: str) -> None:
         self.restarts += 1
         self._on_loop(self.model.pool.mark_down, url, "restarting after it died")

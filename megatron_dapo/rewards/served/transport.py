@@ -16,6 +16,15 @@ stays down longer than ``down_grace_s`` makes the next request routed to it, or 
 raise :class:`RewardServerDown`: the run stops with one line instead of leaving every sample
 unscored. Restarting servers is the caller's business; :meth:`ServerPool.mark_restarted` tells
 the pool one is back.
+
+A *supervised* pool (the run started the servers and restarts the dead ones:
+:meth:`ServerPool.mark_supervised`) treats a refused or dropped connection as a server that is
+being restarted, not as a failed attempt: with no other server up, the request waits for one to
+come back (the supervisor's ``mark_restarted``), for one lost for good (``mark_lost``: the run
+stops) or for the down grace, and is then sent again. A server dies between two of the
+supervisor's polls; a request failed "down" in those seconds would leave its group, so every
+restart would cost a step its groups. A server given by URL has no one to restart it: its
+requests fail "down" after their retries, as before.
 """
 
 from __future__ import annotations
@@ -130,6 +139,7 @@ class ServerPool:
         self.backoff_s = float(backoff_s)
         self.what = what
         self.lost: str | None = None  # why the run must stop (mark_lost)
+        self.supervised = False  # a dead server is restarted by the run (mark_supervised)
         self.servers = [_Server(u.rstrip("/"), asyncio.Semaphore(int(max_in_flight))) for u in urls]
         self._back = asyncio.Event()  # set when the supervisor reports a server restarted
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -162,6 +172,11 @@ class ServerPool:
         for client in self._clients:
             await client.aclose()
 
+    def mark_supervised(self) -> None:
+        """The run restarts these servers when they die: a refused connection waits for the
+        restart instead of failing the sample (see the module)."""
+        self.supervised = True
+
     def mark_restarted(self, url: str) -> None:
         """The caller restarted the server at ``url``: route requests to it again at once."""
         for s in self.servers:
@@ -172,6 +187,7 @@ class ServerPool:
     def mark_down(self, url: str, why: str) -> None:
         """The caller is restarting the server at ``url``: route nothing to it (while another
         server is up) until :meth:`mark_restarted`; its down grace runs from now."""
+        self.supervised = True
         for s in self.servers:
             if s.url == url.rstrip("/"):
                 if s.down_since is None:
@@ -207,39 +223,49 @@ class ServerPool:
         down past the grace; ``sample`` names the sample in those lines."""
         failure: Failure | None = None
         throttled = 0
-        await self._wait_while_restarting()
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                wait = self.backoff_s * 2 ** min(attempt - 1, 3)
-                if failure is not None and failure.retry_after is not None:
-                    wait = failure.retry_after
-                await asyncio.sleep(wait)
+        attempt = 0
+        await self._wait_for_a_server()
+        while True:
             server = self._pick()
             result = await self._attempt(server, path, payload, sample)
             if isinstance(result, Answer):
                 result.attempts, result.throttled = attempt + 1, throttled
                 return result
             failure = result
+            if failure.reason == "down" and self.supervised:
+                # being restarted (or about to be, at the supervisor's next poll): wait for it,
+                # not an attempt spent; past the grace the next attempt raises RewardServerDown
+                await self._wait_for_a_server()
+                continue
             throttled += failure.retry_after is not None  # a 429 or 408
             failure.attempts, failure.throttled = attempt + 1, throttled
-            if failure.reason in ("unparseable", "too_long"):
-                break
-        return failure
+            attempt += 1
+            if failure.reason in ("unparseable", "too_long") or attempt > self.max_retries:
+                return failure
+            wait = self.backoff_s * 2 ** min(attempt - 1, 3)
+            if failure.retry_after is not None:
+                wait = failure.retry_after
+            await asyncio.sleep(wait)
 
-    async def _wait_while_restarting(self) -> None:
-        """While the supervisor restarts every server (each marked down until it reports it
-        back), a request waits for one to come back instead of failing as down: a restart takes
-        seconds to a minute, and a sample failed meanwhile leaves its group, so one restart could
-        empty a step. The wait ends when a server is back, when one is lost for good, or at the
-        down grace (the request then goes on and its grace check raises RewardServerDown)."""
-        while self.lost is None and all(s.retry_at == float("inf") for s in self.servers):
-            since = min(s.down_since or time.monotonic() for s in self.servers)
-            left = self.down_grace_s - (time.monotonic() - since)
+    async def _wait_for_a_server(self) -> None:
+        """In a supervised pool, while no server is up (each down since a refused connection, or
+        marked down by the supervisor while it restarts it), wait for one to come back instead of
+        failing as down: a restart takes seconds to a minute, and a sample failed meanwhile leaves
+        its group, so one restart could empty a step. The wait ends when a server may be tried
+        again (back, or its retry time come), when one is lost for good, or at the down grace
+        (the request then goes on and its grace check raises RewardServerDown)."""
+        while self.supervised and self.lost is None:
+            now = time.monotonic()
+            if any(s.usable(now) for s in self.servers):
+                return
+            since = min(s.down_since for s in self.servers if s.down_since is not None)
+            left = self.down_grace_s - (now - since)
             if left <= 0:
                 return
+            retry = min(s.retry_at for s in self.servers) - now
             self._back.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._back.wait(), min(left, 1.0))
+                await asyncio.wait_for(self._back.wait(), max(min(left, retry, 1.0), 0.01))
 
     def _pick(self) -> _Server:
         now = time.monotonic()
@@ -301,7 +327,8 @@ class ServerPool:
         server.down_failures += 1
         # the exponent is capped: a server down for long fails every request of the step quickly
         backoff = _DOWN_RETRY_FIRST_S * 2.0 ** min(server.down_failures - 1, 30)
-        server.retry_at = now + min(backoff, _DOWN_RETRY_MAX_S)
+        # a server the supervisor is restarting stays out of use until it reports it back
+        server.retry_at = max(server.retry_at, now + min(backoff, _DOWN_RETRY_MAX_S))
         server.last_error = error
         return Failure("down", f"{server.url}: {error}", server.url, 0)
 
