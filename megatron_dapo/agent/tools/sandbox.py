@@ -53,6 +53,7 @@ __all__ = [
     "bwrap_binary",
     "collect_output",
     "function_in_sandbox",
+    "function_sandbox",
     "join_output",
     "probe",
 ]
@@ -468,13 +469,21 @@ sys.stdout.write(sys.argv[6] + json.dumps(_value, default=repr))
 """
 
 
+def function_sandbox(sandbox: Sandbox, target: str) -> Sandbox:
+    """``sandbox`` with the folder of the function tool ``target`` (``/abs/file.py:fn``) readable."""
+    folder = os.path.dirname(target.rpartition(":")[0])
+    return Sandbox(sandbox.limits, sandbox.packages, (*sandbox.read, folder), sandbox.bwrap, sandbox.omit)
+
+
 def function_in_sandbox(sandbox: Sandbox, target: str, arguments: dict) -> tuple[object, str, Completed]:
     """Call the function tool ``target`` (``/abs/file.py:fn``) with ``arguments`` inside
     ``sandbox``; its folder is readable there. Returns (its return value or None, what it printed,
-    the run). Raises SandboxUnavailable when the boundary cannot be made."""
+    the run). Raises SandboxUnavailable when the boundary cannot be made. A tool worker builds its
+    sandbox once with the folder readable (``function_sandbox``); one without it is extended here."""
     path, _, fn = target.rpartition(":")
     folder, name = os.path.dirname(path), os.path.basename(path)
-    sandbox = Sandbox(sandbox.limits, sandbox.packages, (*sandbox.read, folder), sandbox.bwrap, sandbox.omit)
+    if folder not in sandbox.read:
+        sandbox = function_sandbox(sandbox, target)
     argv = ["python", "-I", "-B", "-c", _FUNCTION_RUNNER, sandbox.limits_json(), folder, PACKAGES, name, fn]
     done = sandbox.run([*argv, RESULT_MARKER], {"arguments.json": json.dumps(arguments).encode()})
     printed, marker, result = done.output.rpartition(RESULT_MARKER)

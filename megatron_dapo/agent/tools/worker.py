@@ -114,10 +114,14 @@ class ToolWorker:
         elif kind == "function" and "sandbox" in config:
             # loaded inside each call's sandbox, never here; the boundary is probed now (fail closed)
             box = config["sandbox"]
-            tool = sandbox.Sandbox(
-                self.sandbox_limits(),
-                packages=tuple(box.get("packages") or ()),
-                read=tuple(box.get("read") or ()),
+            # built once (its cgroup set-up too), not per call
+            tool = sandbox.function_sandbox(
+                sandbox.Sandbox(
+                    self.sandbox_limits(),
+                    packages=tuple(box.get("packages") or ()),
+                    read=tuple(box.get("read") or ()),
+                ),
+                target,
             )
             found = sandbox.probe(tool)
             if not found.ok:
