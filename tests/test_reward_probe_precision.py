@@ -10,7 +10,7 @@ import torch
 from judge_standin import StandIn
 from reward_model_fixtures import make_tiny_classifier, served_settings
 
-from megatron_dapo.rewards.served import RewardModelError
+from megatron_dapo.rewards.served import RewardModelError, startup_check
 from megatron_dapo.rewards.served.classifier import load_tokenizer
 from megatron_dapo.rewards.served.startup_check import (
     DEFAULT_TOLERANCE,
@@ -56,8 +56,11 @@ def test_a_bf16_checkpoint_served_auto_runs_in_bf16_and_a_float32_one_in_float16
     assert probe_tolerance(f32, "auto", override=0.5) == 0.5
 
 
-def test_training_s_probe_passes_a_bf16_server_and_still_catches_a_bias(bf16_server):
+def test_training_s_probe_passes_a_bf16_server_and_still_catches_a_bias(bf16_server, monkeypatch):
     path, server, scores, reference, offset = bf16_server
+    loads = []  # transformers' side is computed once per run, not at every restart's probe
+    real = startup_check.reference_scores
+    monkeypatch.setattr(startup_check, "reference_scores", lambda *a: loads.append(1) or real(*a))
     assert served_dtype(path, "auto") == "bfloat16"
     # bf16 against float32 transformers: past the float32 tolerance, within bf16's
     worst = max(abs(scores[k] - reference[k]) for k in scores)
@@ -65,6 +68,7 @@ def test_training_s_probe_passes_a_bf16_server_and_still_catches_a_bias(bf16_ser
     with pytest.raises(RewardModelError, match="start-up check failed"):  # the fixed 1e-4 of before
         check_classifier_server(server.url, path, tolerance=DEFAULT_TOLERANCE)
     settings = served_settings(kind="classifier", path=str(path))
+    loads.clear()
     servers = RewardServers(settings, [RewardServer(server.url, "/log", None)], str(path), dtype="auto")
     servers.check(servers.servers[0])  # a GPU server (--dtype auto) on a bf16 checkpoint starts
     offset["value"] = 0.1  # a head bias left at its random initialisation: still caught
@@ -73,3 +77,4 @@ def test_training_s_probe_passes_a_bf16_server_and_still_catches_a_bias(bf16_ser
             servers.check(servers.servers[0])
     finally:
         offset["value"] = 0.0
+    assert len(loads) == 1

@@ -114,6 +114,7 @@ class RewardServers:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.restarts = 0  # over every server, the run so far
+        self._reference: list[list[float]] | None = None  # transformers' probe scores (check)
         self.poll_s = _POLL_S
 
     @property
@@ -235,9 +236,15 @@ class RewardServers:
         server's precision (raises one line otherwise)."""
         if self.probe_model is not None:
             tolerance = probe_tolerance(self.probe_model, self.dtype, self.settings.probe_tolerance)
-            check_classifier_server(
-                server.url, self.probe_model, tolerance=tolerance, timeout_s=self.settings.timeout_s
+            # transformers' side once per run: a restart is probed without loading the model again
+            check = check_classifier_server(
+                server.url,
+                self.probe_model,
+                tolerance=tolerance,
+                timeout_s=self.settings.timeout_s,
+                reference=self._reference,
             )
+            self._reference = check.reference_logits
 
     def watch(self, client: ServerEvents) -> None:
         """Restart any server that dies, from a daemon thread, telling ``client`` (see the module)."""
@@ -268,7 +275,7 @@ class RewardServers:
                     "server that dies under load is often out of memory: lower reward.model.max_in_flight), "
                     "or raise reward.model.max_restarts"
                 )
-                log.error(message)
+                log.info(message)  # the run's failure line says it on the console
                 client.server_lost(message)
                 return False
             srv.restarts += 1

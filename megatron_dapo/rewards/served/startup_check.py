@@ -68,6 +68,8 @@ class ProbeCheck:
     model: str
     served: tuple[float, ...]
     reference: tuple[float, ...]
+    # every logit transformers gave each probe (what a later check of a restart compares with)
+    reference_logits: list[list[float]] | None = None
 
     @property
     def max_abs_diff(self) -> float:
@@ -124,22 +126,27 @@ def check_classifier_server(
     timeout_s: float = 120.0,
     api_key: str | None = None,
     tokenizer=None,
+    reference: list[list[float]] | None = None,
 ) -> ProbeCheck:
     """Compare the server at ``url`` with transformers on ``model_dir`` (the user's checkpoint);
     the comparison, or :class:`RewardModelError` in one line naming the server, the model, both
-    scores and the likely cause."""
+    scores and the likely cause. ``reference``: transformers' scores of the probes from an earlier
+    check (``ProbeCheck.reference_logits``; a restarted server is probed against them, without
+    loading the model again)."""
     url = url.rstrip("/")
     what = f"reward model {model_dir}"
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(str(model_dir), what)
     ids = probe_ids(tokenizer, what)
     served = served_scores(url, ids, timeout_s, api_key)
-    reference = reference_scores(model_dir, ids)
+    reference = reference if reference is not None else reference_scores(model_dir, ids)
     if any(len(s) != len(r) for s, r in zip(served, reference)):
         raise RewardModelError(
             f"reward model start-up check: {url} returns {len(served[0])} values per text, transformers' "
             f"model at {model_dir} {len(reference[0])}: the server loads another model"
         )
-    check = ProbeCheck(url, str(model_dir), tuple(s[0] for s in served), tuple(r[0] for r in reference))
+    check = ProbeCheck(
+        url, str(model_dir), tuple(s[0] for s in served), tuple(r[0] for r in reference), reference
+    )
     worst = max(abs(a - b) for s, r in zip(served, reference) for a, b in zip(s, r))
     if worst <= tolerance:
         return check
