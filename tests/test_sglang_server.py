@@ -254,3 +254,27 @@ def test_servers_sleep_on_idle_unless_the_config_says_not():
 
     assert "--sleep-on-idle" in command()
     assert "--sleep-on-idle" not in command("rollout.sglang.sleep_on_idle=false")
+
+
+def test_a_start_up_error_carries_the_cause_not_sglang_s_argument_dump(tmp_path):
+    """A server killed during start-up: its error line (what the console shows) names the last
+    lines that say something, not the ~15,000-character ``server_args=`` dump and the platform
+    warnings SGLang prints first (measured: one console line of 15 kB)."""
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import sys\n"
+        "print('UserWarning: Only CUDA, HIP and XPU support AWQ currently.')\n"
+        "print('  warnings.warn(f\"Only CUDA, HIP and XPU support AWQ currently.\")')\n"
+        "print('[2026-12-07 01:10:53] server_args=' + repr({f'knob_{i}': None for i in range(800)}))\n"
+        "print('[2026-12-07 01:10:54] Load weight begin. ' + 'x' * 1000)\n"
+        "print('RuntimeError: out of memory while loading the weights', flush=True)\n"
+        "raise SystemExit(3)\n"
+    )
+    cfg = SGLangServerConfig(model_path="/m", port=free_port(), log_file=str(tmp_path / "crash.log"))
+    server = SGLangServer(cfg, command=[sys.executable, str(script)], poll_s=0.1)
+    with server, pytest.raises(SGLangStartupError) as e:
+        server.wait_healthy(timeout_s=30)
+    message = str(e.value)
+    assert "out of memory while loading the weights" in message and "Load weight begin" in message
+    assert "server_args" not in message and "AWQ" not in message
+    assert len(message) < 1000

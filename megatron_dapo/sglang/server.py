@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -177,6 +178,10 @@ def server_environment(extra: dict[str, str]) -> dict[str, str]:
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# log lines a start-up error leaves out (see SGLangServer.log_tail): the argument dump, Python's
+# warning lines and the source line it echoes after each
+_NOISE = re.compile(r"server_args=|Warning: |^\s*warnings\.warn\(")
+_TAIL_LINE_CHARS = 300
 
 
 def die_with_parent() -> Callable[[], None] | None:
@@ -274,13 +279,23 @@ class SGLangServer:
             f"/health_generate: {seen.last}); last log lines of {self.log_path}:\n{self.log_tail()}"
         )
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_tail(self, lines: int = 12) -> str:
+        """The log's last ``lines`` lines that say something, each cut to ``_TAIL_LINE_CHARS``: an
+        error line carries it to the console, where SGLang's start-up dump (one ~15,000-character
+        ``server_args=`` line) and its platform warnings would bury the cause; the log has it all."""
         try:
             with self.log_path.open("rb") as f:
-                tail = deque(f, maxlen=lines)
+                tail = deque(f, maxlen=lines * 8)
         except OSError:
             return "(no log)"
-        return b"".join(tail).decode(errors="replace").rstrip()
+        kept = [
+            line
+            for line in (raw.decode(errors="replace").rstrip() for raw in tail)
+            if line.strip() and not _NOISE.search(line)
+        ][-lines:]
+        return "\n".join(
+            line if len(line) <= _TAIL_LINE_CHARS else line[:_TAIL_LINE_CHARS] + " [...]" for line in kept
+        )
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL after ``grace_s``."""
