@@ -77,6 +77,10 @@ CLASSIFIER = ("reward.model.kind=classifier", "reward.model.path=/ckpt/rm")
             "reward.model.transform applies to reward.model.kind=classifier",
         ),
         (
+            [*JUDGE, "reward.model.probe_tolerance=0.01"],
+            "reward.model.probe_tolerance applies to reward.model.kind=classifier",
+        ),
+        (
             [*JUDGE, "reward.model.parser=yes_or_no"],
             "is not one of yes_no, boxed_score .*did you mean 'yes_no'",
         ),

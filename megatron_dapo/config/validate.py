@@ -477,6 +477,11 @@ def check_reward(cfg: DictConfig) -> None:
             "reward.model.transform applies to reward.model.kind=classifier; a judge's score comes from "
             "reward.model.parser"
         )
+    if m.probe_tolerance is not None:
+        raise ConfigError(
+            "reward.model.probe_tolerance applies to reward.model.kind=classifier (its start-up probe against "
+            "transformers); a judge's verdicts are not probed: remove it"
+        )
     if m.parser not in _JUDGE_PARSERS and not _fn_spec(m.parser):
         raise ConfigError(
             f"reward.model.parser={m.parser!r} is not one of {', '.join(_JUDGE_PARSERS)} or "
