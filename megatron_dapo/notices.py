@@ -32,6 +32,10 @@ KNOWN_CPU_WARNINGS = (
     (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
     (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"),
     (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated"),
+    # a resumed run's ranks: megatron-core's dist_checkpointing loads through torch APIs that
+    # torch deprecates (the checkpoint's own format, nothing the user chose)
+    (FutureWarning, "`load_state_dict` is deprecated and will be removed in future versions"),
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor"),
 )
 
 

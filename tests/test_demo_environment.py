@@ -8,6 +8,8 @@ import re
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
 from megatron_dapo.commands.demo import bar_miss, phase_breakdown
 from megatron_dapo.demo import environment
 
@@ -45,6 +47,18 @@ def test_environment_flags_versions_that_differ_from_the_lock(tmp_path):
     written = json.loads(env.write(tmp_path / "run").read_text())
     assert written["packages"]["torch"] == env.packages["torch"]
     assert "torch threads" in env.summary()
+    # the kernels torch picked, which change the demo's figures from one CPU to another
+    assert written["cpu"].endswith(f", torch {torch.backends.cpu.get_cpu_capability()}")
+    assert written["cpu"] in env.summary()
+
+
+def test_the_cpu_model_is_read_from_cpuinfo():
+    text = (
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC  9B14\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC  9B14\n"
+    )
+    assert environment.cpu_model(text) == "AMD EPYC 9B14"
+    assert environment.cpu_model("processor\t: 0\nCPU part\t: 0xd0c\n") == ""  # Arm names none
 
 
 def test_bar_check_names_each_miss():

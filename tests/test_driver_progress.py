@@ -149,3 +149,33 @@ def test_only_the_known_warnings_are_routed(tmp_path):
     assert "a real warning stays" in proc.stderr and "a real warning stays" not in kept
     # the same words under another category are not megatron-core's notice
     assert "as a FutureWarning" in proc.stderr
+
+
+def test_a_resumed_runs_checkpoint_loading_notices_go_to_the_log(tmp_path):
+    """A resumed run's ranks load megatron-core's checkpoint through torch.distributed.checkpoint,
+    whose deprecation notices reached the console (a fresh run never loads one). Made here by the
+    real deprecated call and torch's own ShardedTensor message."""
+    log = tmp_path / "warnings.log"
+    script = (
+        "import warnings, torch; import torch.distributed.checkpoint as dcp; "
+        "from torch.distributed._shard._utils import DEPRECATE_MSG; "
+        "from megatron_dapo.driver import cpu_warnings; "
+        f"cpu_warnings.route_warnings({str(log)!r}); "
+        f"ckpt = {str(tmp_path / 'ckpt')!r}; "
+        "dcp.save({'w': torch.ones(2)}, checkpoint_id=ckpt, no_dist=True); "
+        "sd = {'w': torch.zeros(2)}; "
+        "dcp.load_state_dict(sd, dcp.FileSystemReader(ckpt), no_dist=True); "
+        "assert sd['w'].tolist() == [1.0, 1.0]; "
+        "warnings.warn(DEPRECATE_MSG, FutureWarning); "
+        "warnings.warn('a real warning stays')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    notices = ("`load_state_dict` is deprecated", "we are deprecating ShardedTensor")
+    assert [msg for msg in notices if msg in proc.stderr] == [], proc.stderr
+    kept = log.read_text()
+    assert [msg for msg in notices if msg not in kept] == [], kept
+    assert "a real warning stays" in proc.stderr and "a real warning stays" not in kept

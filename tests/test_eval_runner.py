@@ -109,3 +109,72 @@ def test_endpoint_generator_retries_and_scores(server):
     bad = [EvalProblem("b", "broken", [99], "aime", "0", {})]
     with pytest.raises(EndpointError, match="problem b failed after 3 tries"):
         gen(bad, 2)
+
+
+class RecordingScorer(ExactScorer):
+    def __init__(self):
+        self.seen = []
+
+    def score(self, data_source, solution_str, ground_truth, extra_info=None):
+        self.seen.append(solution_str)
+        return super().score(data_source, solution_str, ground_truth, extra_info)
+
+
+def test_an_unscored_completion_is_left_out_and_counted():
+    answers = {"prompt 0": ["0", "0!", "5", "0"], "prompt 1": ["1", "2", "2", "3"]}
+
+    def gen(problems, k):
+        # "0!": a broken episode whose text is the right answer "0"
+        return [
+            [
+                Completion(t.rstrip("!"), 3, False, unscored="broken_episode" if t.endswith("!") else None)
+                for t in answers[p.prompt_text]
+            ]
+            for p in problems
+        ]
+
+    scorer = RecordingScorer()
+    m = evaluate(_problems(), gen, scorer, k=4, pass_ks=(1,))
+    assert len(scorer.seen) == 7  # the broken one never reached the scorer
+    # hand-computed on the scored samples: p0 right, 5 wrong, right -> 2/3; p1 1/4
+    assert m["val/avg@4"] == pytest.approx((2 / 3 + 1 / 4) / 2)
+    assert m["val/unscored"] == 1 and m["val/unscored/broken_episode"] == 1
+    assert m["val/problems_below@4"] == 1  # p0 has 3 scored samples of 4
+    assert m["val/response_length/mean"] == 3  # an unscored response is still sampled
+
+
+def test_validation_leaves_a_broken_episode_unscored():
+    """The trainer's validation generator marks an episode whose token check broke (a prefix
+    break or a re-render mismatch), as training's scoring leaves it unscored."""
+    from megatron_dapo.driver.validation import engine_generator
+    from megatron_dapo.rollout.types import EpisodeInfo, EpisodeTurn, GenerationResult, SamplingParams
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    class Runner:
+        """Sample 0 of every problem answers "0" in an episode that broke (one a prefix break, one a
+        re-render mismatch); sample 1 answers "9" in a sound one."""
+
+        def run(self, engine, requests, cancel):
+            out = []
+            for req in requests:
+                j = int(req.request_id.rsplit("-", 1)[1])
+                text = "0" if j == 0 else "9"
+                breaks = {"prefix_breaks": 1} if "p0" in req.request_id else {"rerender_mismatches": 1}
+                info = EpisodeInfo(
+                    turns=[EpisodeTurn("assistant", 0, 1, "stop")], **(breaks if j == 0 else {})
+                )
+                out.append(GenerationResult(req.request_id, [ord(text)], [0.0], "stop", episode=info))
+            return out
+
+    problems = [EvalProblem(f"p{i}", f"prompt {i}", [1], "aime", "0", {}) for i in range(2)]
+    generate = engine_generator(
+        [object()], Tok(), SamplingParams(max_new_tokens=4), seed=0, episodes=Runner()
+    )
+    scorer = RecordingScorer()
+    m = evaluate(problems, generate, scorer, k=2)
+    assert scorer.seen == ["9", "9"]
+    assert m["val/unscored/broken_episode"] == 2 and m["val/problems_below@2"] == 2
+    assert m["val/avg@2"] == 0.0  # the right-looking "0"s were never counted

@@ -7,6 +7,8 @@ nothing about, in every Ray worker and once per run:
 - megatron-core reading ``.grad`` of a non-leaf tensor (torch's UserWarning, megatron's code);
 - torch's FutureWarnings for the collective names megatron-core calls
   (``all_gather_into_tensor``, ``reduce_scatter_tensor``);
+- on resume, torch's FutureWarnings for the checkpoint-loading calls megatron-core's
+  ``dist_checkpointing`` makes (``load_state_dict``, ``ShardedTensor``);
 - Ray's token-authentication notice at ``ray.init`` (and the token it generates on a fresh
   machine).
 Each goes to ``RUN/warnings.log`` (``log_path``) instead of the console: a Ray worker routes

@@ -20,6 +20,7 @@ from megatron_dapo.rollout.episodes import (
     sampled_length,
     tools_kwargs,
 )
+from megatron_dapo.rollout.scoring import BROKEN_EPISODE
 from megatron_dapo.rollout.types import EpisodeInfo, GenerationRequest, SamplingParams
 
 
@@ -37,7 +38,8 @@ def engine_generator(
     Seeds depend on (seed, problem id, sample index) only, so a validation is reproducible and
     the same problem gets the same samples whatever the engine count. ``episodes``: the runner a
     training rollout uses (multi-turn tool use is validated with its tools, as it trains), one turn
-    by default.
+    by default. An episode whose token check broke is unscored, as training leaves it
+    (``val/unscored/broken_episode``), never scored on tokens that are not what was sampled.
     """
     runner = episodes or SingleTurn()
 
@@ -81,6 +83,7 @@ def engine_generator(
                         r.finish_reason == "length",
                         extra_info=None if r.episode is None else extra,
                         episode=None if r.episode is None else episode_counts(r.episode),
+                        unscored=BROKEN_EPISODE if r.episode is not None and r.episode.broken else None,
                     )
                 )
             out.append(row)

@@ -6,8 +6,8 @@
 - maj@k: correct when the most common extracted answer among the first k samples is a correct
   one; ties are broken by first appearance so the result is deterministic.
 
-Unscored samples (a served reward model that timed out, failed or gave no verdict): a failed
-score is not a wrong answer, so an unscored sample is left out of its problem, never counted as
+Unscored samples (a served reward model that timed out, failed or gave no verdict; a multi-turn
+episode whose token check broke, which no one scores): a failed score is not a wrong answer, so an unscored sample is left out of its problem, never counted as
 incorrect. Every metric of a problem is computed on its *scored* samples, in the order they were
 sampled, as if they were all it had: avg@k is the mean correctness of its scored samples; pass@k
 and maj@k need k scored samples, and a problem with fewer is left out of them (counted in

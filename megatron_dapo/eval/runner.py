@@ -43,6 +43,9 @@ class Completion:
     # a multi-turn episode's model turns, the tool calls it wrote, and the calls answered by an
     # error or a time-out; None for a single-turn response
     episode: EpisodeCounts | None = None
+    # why the response is scored by no one, as training leaves it (an episode whose token check
+    # broke: "broken_episode"); None: it is scored
+    unscored: str | None = None
 
 
 @dataclass
@@ -81,9 +84,10 @@ def evaluate(
     prefix: str = "val/",
 ) -> dict[str, float]:
     """avg@k, pass@k, maj@k (and per data_source avg@k) of `generate` on `problems`; with a served
-    reward model also the unscored counts and the mean score (metrics.py says how an unscored
-    response is left out); with tool-use episodes their model turns and tool calls per episode and
-    the calls answered by an error or a time-out (``multiturn/*``)."""
+    reward model, or a completion the generator marks ``unscored`` (a broken episode, never
+    handed to the scorer), also the unscored counts (metrics.py says how an unscored response is
+    left out) and a served model's mean score; with tool-use episodes their model turns and tool
+    calls per episode and the calls answered by an error or a time-out (``multiturn/*``)."""
     problems = dedupe_problems(problems)
     completions = generate(problems, k)
     if len(completions) != len(problems) or any(len(c) != k for c in completions):
@@ -92,27 +96,31 @@ def evaluate(
             f"{len(problems)} problems; expected {k} each"
         )
     pairs = [(prob, c) for prob, comps in zip(problems, completions) for c in comps]
+    to_score = [(prob, c) for prob, c in pairs if c.unscored is None]
     served = isinstance(scorer, ServedScorer)
     if served:
-        results = scorer.score_batch(pairs)
+        scored = iter(scorer.score_batch(to_score))
     else:
-        results = [
+        scored = iter(
             scorer.score(
                 prob.data_source,
                 c.text,
                 prob.ground_truth,
                 prob.extra_info if c.extra_info is None else c.extra_info,
             )
-            for prob, c in pairs
-        ]
+            for prob, c in to_score
+        )
+    results = [None if c.unscored is not None else next(scored) for _, c in pairs]
+    # a rule scores every response it is given: unscored counts appear only when one was not
+    track = served or len(to_score) < len(pairs)
     per_problem: list[ProblemSamples] = []
     by_source: dict[str, list[ProblemSamples]] = {}
     dump = []
     voted = False
     for i, prob in enumerate(problems):
-        samples = ProblemSamples(prob.problem_id, unscored=[] if served else None)
+        samples = ProblemSamples(prob.problem_id, unscored=[] if track else None)
         for c, r in zip(completions[i], results[i * k : (i + 1) * k]):
-            unscored = r.unscored if served else None
+            unscored = c.unscored or (r.unscored if served else None)
             if unscored is not None:
                 samples.unscored.append(unscored)
             else:
@@ -130,9 +138,11 @@ def evaluate(
                     "tokens": c.num_tokens,
                     "truncated": c.truncated,
                     "acc": None if unscored else bool(r.acc),
-                    "pred": r.pred,
+                    "pred": "" if r is None else r.pred,
                 }
-                if served:
+                if r is None:
+                    row["unscored"] = unscored
+                elif served:
                     row.update(r.dump())
                 if c.episode is not None:
                     row.update(asdict(c.episode))
