@@ -16,6 +16,7 @@ from reward_model_fixtures import served_settings
 from megatron_dapo.ports import free_port
 from megatron_dapo.rewards.served import (
     BlockingRewardModel,
+    RewardModelError,
     RewardRequestError,
     RewardSample,
     RewardServerDown,
@@ -35,7 +36,9 @@ class StandIn(judge_standin.StandIn):
         self.script: deque = deque()
         self.release = threading.Event()  # ends every hang at teardown
         self._script_lock = threading.Lock()
-        super().__init__({}, other=self._act, model_id="standin-judge", max_model_len=max_model_len, port=port)
+        super().__init__(
+            {}, other=self._act, model_id="standin-judge", max_model_len=max_model_len, port=port
+        )
 
     def _act(self, path: str, body: dict):
         with self._script_lock:
@@ -435,3 +438,31 @@ def test_a_judge_that_refuses_a_prompt_as_too_long_leaves_it_unscored_not_the_ru
     with judge(s.url) as model:
         [out] = model.score_many(samples(1))
     assert out.unscored == "too_long" and "263 tokens" in out.detail and s.posts() == 1
+
+
+def test_a_judge_whose_context_cannot_hold_the_template_is_refused_at_start_up(stand_in):
+    """Measured: the demo's policy as its own judge (256-token context) took the built-in
+    template at 263 tokens before any response; every sample of step 1 came back too_long and the
+    run stopped after generating the step. The client refuses such a judge when it opens."""
+    from megatron_dapo.rewards.served.judge import JudgeClient
+
+    s = stand_in(max_model_len=32)
+
+    async def run():
+        pool = ServerPool([s.url], timeout_s=5.0, max_retries=0, max_in_flight=4, down_grace_s=60.0)
+        try:
+            template = " ".join(f"word{i}" for i in range(30)) + " {response} {ground_truth}"
+            judge = JudgeClient(
+                pool, api="sglang", tokenizer=_WordTokenizer(), prompt_template=template, max_new_tokens=16
+            )
+            await judge.resolve_server()
+            judge.check_template_fits()
+        finally:
+            await pool.aclose()
+
+    with pytest.raises(RewardModelError, match=r"empty question, response and reference is 32 tokens") as e:
+        asyncio.run(run())
+    assert "\n" not in str(e.value) and "context of 32 tokens leaves 24" in str(e.value)
+    assert s.posts() == 0
+    # a template that fits with room to spare opens as before
+    assert served_judge(s.url, max_new_tokens=4)(samples(1)[0]).scored

@@ -17,6 +17,7 @@ from megatron_dapo.config import ConfigError
 from megatron_dapo.demo import environment
 from megatron_dapo.demo.assets import prepare_demo_assets
 from megatron_dapo.demo.calculator.assets import prepare_calculator_assets
+from megatron_dapo.demo.judge import judge_overrides, prepare_demo_judge
 from megatron_dapo.driver.launch import load_for_cli, run_train
 from megatron_dapo.driver.pipeline import WAIT_METRICS
 from megatron_dapo.driver.run_dir import read_metrics
@@ -52,6 +53,12 @@ def register(p: argparse.ArgumentParser) -> None:
         default="hf",
         help="rollout engine: the in-process HF engine, or real SGLang servers on the CPU "
         "(`make setup-sglang`; sampling there is not seeded, so runs vary)",
+    )
+    p.add_argument(
+        "--judge",
+        action="store_true",
+        help="arithmetic task rewarded by a tiny generative judge served by SGLang (`make setup-sglang`; "
+        "trained first, cached in runs/demo_judge) instead of the rule: reward.model.kind=judge end to end",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the task, the warm start and the run")
     p.add_argument(
@@ -92,7 +99,12 @@ def _prepare(args: argparse.Namespace, console) -> tuple[object, Path, list[str]
         if args.no_tools:
             raise ConfigError("--no-tools is for --task calculator (the arithmetic demo has no tools)")
         assets = prepare_demo_assets(args.assets or "runs/demo_assets", seed=args.seed, console=console)
-        return assets, demo_config_path(), [], f"demo_{args.algo}"
+        if not args.judge:
+            return assets, demo_config_path(), [], f"demo_{args.algo}"
+        judge = prepare_demo_judge(f"runs/demo_judge_seed{args.seed}", seed=args.seed, console=console)
+        return assets, demo_config_path(), judge_overrides(judge), f"demo_{args.algo}_judge"
+    if args.judge:
+        raise ConfigError("--judge is for --task arithmetic (the calculator demo's reward is its rule)")
     tools = demo_config_path("tools/calculator.yaml")
     assets = prepare_calculator_assets(
         args.assets or "runs/demo_calculator_assets", tools, seed=args.seed, console=console

@@ -130,6 +130,7 @@ async def open_reward_model(
                 too_long=settings.too_long,
             )
             await scorer.resolve_server()
+            scorer.check_template_fits()
     except BaseException:
         await pool.aclose()
         raise

@@ -135,6 +135,18 @@ def load_parser(spec: str | Callable) -> tuple[str, Callable[[str], Any]]:
     )
 
 
+def judge_prompt_ids(tokenizer: Any, template: str, sample: RewardSample) -> list[int]:
+    """The ids a served judge is sent for ``sample``: the filled template as the user's message,
+    rendered by the judge's chat template with the generation prompt (what it was trained to
+    read; the demo's judge is trained on exactly these)."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": render_prompt(template, sample)}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def render_prompt(template: str, sample: RewardSample) -> str:
     """The template with ``{question}`` (the last user message), ``{response}`` and
     ``{ground_truth}`` replaced; any other text, braces included, is kept."""
@@ -212,10 +224,7 @@ class JudgeClient:
                 f"{self.pool.what}: the judge's tokenizer has no chat template; a judge is a chat model "
                 "(add its chat_template to tokenizer_config.json)"
             )
-        text = self.tokenizer.apply_chat_template(
-            self.messages(sample), tokenize=False, add_generation_prompt=True
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return judge_prompt_ids(self.tokenizer, self.prompt_template, sample)
 
     def room(self) -> tuple[int | None, int]:
         """``(the longest prompt, the verdict's tokens)``: a prompt and its verdict must fit the
@@ -288,6 +297,24 @@ class JudgeClient:
         length = card.get("max_model_len") if isinstance(card, dict) else None
         if self.context_len is None and isinstance(length, int) and length > 0:
             self.context_len = length
+
+    def check_template_fits(self) -> None:
+        """Refuse at start-up a judge whose context cannot hold the prompt template itself (an
+        empty question, response and reference): no sample could ever be scored, each would be
+        left "too_long", and the run would stop at its first step having generated it for
+        nothing. Raises :class:`RewardModelError` in one line naming the sizes and the fixes."""
+        limit, verdict = self.room()
+        if limit is None or self.api != "sglang":
+            return
+        empty = len(self.prompt_ids(RewardSample("template", [{"role": "user", "content": ""}], "", "")))
+        if empty > limit:
+            raise RewardModelError(
+                f"reward.model.prompt_template: the judge's prompt with an empty question, response and "
+                f"reference is {empty} tokens, and its context of {self.context_len} tokens leaves {limit} "
+                f"beside the verdict's {verdict} (reward.model.max_new_tokens={self.max_new_tokens}, at most "
+                "a quarter of the context), so no sample could be scored: shorten reward.model.prompt_template "
+                "or serve a judge with a longer context"
+            )
 
     async def score(self, sample: RewardSample) -> ScoreOutcome:
         start = time.monotonic()
