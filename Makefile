@@ -11,6 +11,10 @@ PYTEST_ARGS ?=
 # build once): its end-to-end runs wait on Ray, servers and checkpoints for part of their time, and
 # the unit tests use one core, so two workers keep a 2-core machine busy. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
+# OpenMP threads sleep while they wait instead of spinning: the suite's workers and a run's
+# processes share the cores, and spinning threads take them from each other
+# (tools/bench_omp_wait.py; the CLI sets the same default).
+export OMP_WAIT_POLICY ?= PASSIVE
 # Exact versions of everything the CPU path installs (README numbers were measured with it).
 # `make lock` re-resolves from pyproject.toml in a scratch venv and rewrites it.
 LOCK := requirements/cpu.lock

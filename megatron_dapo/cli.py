@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -78,6 +79,11 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> ar
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Before any command imports torch (its OpenMP reads it once): waiting threads sleep rather
+    # than spin. A run's processes (driver, ranks, engines, tool workers) share the node's cores,
+    # and on a loaded CPU spinning threads starved each other: 5-6x slower training steps in two
+    # processes on 2 cores (tools/bench_omp_wait.py). A user's own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # --debug is accepted anywhere on the line, also after the subcommand
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
