@@ -172,30 +172,30 @@ def prepare_longhand_assets(
             result = supervised_warm_start(
                 model, tokenizer, train, config, on_step=on_step, probe=probe, encode=teacher.encode
             )
+        held_out = val if eval_problems is None else val[:eval_problems]
+        with torch.no_grad(), heartbeat(console, lambda t: f"held-out check of the warm start... {t:.0f}s"):
+            acc = sampled_accuracy(
+                model,
+                tokenizer,
+                held_out,
+                k=recipe.val_k,
+                temperature=recipe.val_temperature,
+                top_p=recipe.val_top_p,
+                max_new_tokens=recipe.max_response_length,
+                seed=recipe.val_seed,
+            )
+            lengths = length_stats(
+                model,
+                tokenizer,
+                held_out,
+                k=recipe.val_k,
+                budget=recipe.max_response_length,
+                temperature=recipe.rollout_temperature,
+                top_p=1.0,
+                seed=recipe.val_seed,
+            )
     finally:
         torch.set_num_threads(threads)
-    held_out = val if eval_problems is None else val[:eval_problems]
-    with torch.no_grad(), heartbeat(console, lambda t: f"held-out check of the warm start... {t:.0f}s"):
-        acc = sampled_accuracy(
-            model,
-            tokenizer,
-            held_out,
-            k=recipe.val_k,
-            temperature=recipe.val_temperature,
-            top_p=recipe.val_top_p,
-            max_new_tokens=recipe.max_response_length,
-            seed=recipe.val_seed,
-        )
-        lengths = length_stats(
-            model,
-            tokenizer,
-            held_out,
-            k=recipe.val_k,
-            budget=recipe.max_response_length,
-            temperature=recipe.rollout_temperature,
-            top_p=1.0,
-            seed=recipe.val_seed,
-        )
     save_checkpoint(model, tokenizer, root / "hf")
     data = {
         "key": key,
