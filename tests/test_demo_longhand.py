@@ -153,3 +153,53 @@ def test_steps_of_the_longhand_task_run_into_the_budget(longhand_assets, tmp_pat
     assert first["rollout/overlong_penalty/mean"] < 0, first
     assert first["train/overlong_filtered"] > 0, first
     assert records[0]["val/truncated_ratio"] > 0, records[0]
+
+
+class _Scripted:
+    """A stand-in for an HF model's ``generate``: each row continues with the next scripted text
+    (cut at ``max_new_tokens``; EOS after it when it fits), right-padded as generate pads."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tok, self.texts = tokenizer, list(texts)
+
+    def generate(self, input_ids, max_new_tokens, pad_token_id, eos_token_id, **_):
+        import torch
+
+        rows = []
+        for _row in input_ids:
+            ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [eos_token_id]
+            ids = ids[:max_new_tokens]
+            rows.append(ids + [pad_token_id] * (max_new_tokens - len(ids)))
+        return torch.cat([input_ids, torch.tensor(rows, dtype=torch.long)], dim=1)
+
+
+def test_length_stats_measure_cut_longhand_and_correct_responses():
+    from megatron_dapo.demo.longhand.teacher import length_stats
+
+    tok = build_tokenizer()
+    a, b = _p("+", 47, 8), _p("+", 47, 2)
+    texts = [
+        solution(a, longhand=False),  # 23 tokens, right
+        solution(a, longhand=True),  # 56 tokens: cut at 40, no answer
+        solution(b, longhand=True),  # 26 tokens, right
+        solution(b, longhand=False, lazy=True),  # 23 tokens, wrong answer
+    ]
+    stats = length_stats(
+        _Scripted(tok, texts), tok, [a, b], k=2, budget=40, temperature=1.0, top_p=1.0, seed=0
+    )
+    assert stats.samples == 4
+    assert stats.mean == pytest.approx((23 + 40 + 26 + 23) / 4)
+    assert stats.p50 == pytest.approx(24.5) and stats.p90 == pytest.approx(26 + 0.7 * 14)
+    assert stats.truncated == 0.25 and stats.longhand == 0.5 and stats.accuracy == 0.5
+
+
+def test_work_accuracy_checks_each_style_after_its_forced_start():
+    from megatron_dapo.demo.longhand.teacher import work_accuracy
+
+    tok = build_tokenizer()
+    p = _p("-", 12, 4)
+    # the rows are (longhand forced with "12-", concise forced with "12 "): each continues after it
+    right = [solution(p, True)[3:], solution(p, False)[3:]]
+    assert work_accuracy(_Scripted(tok, right), tok, [p]) == 1.0
+    wrong_concise = [solution(p, True)[3:], "- 4 = 9\nAnswer: 8"]
+    assert work_accuracy(_Scripted(tok, wrong_concise), tok, [p]) == 0.5
