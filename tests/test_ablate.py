@@ -186,3 +186,45 @@ def test_dynamics_and_accuracy_at_equal_generated_tokens(tmp_path):
         )
         == ""
     )
+
+
+def test_task_reaches_every_demo_run_and_picks_its_own_output(tmp_path, monkeypatch):
+    import argparse
+    import subprocess
+
+    from megatron_dapo.commands import ablate
+
+    seen = []
+
+    def fake_run(cmd, stdout, stderr):
+        # stands in for `megatron-dapo demo`: a finished run with two evaluations
+        seen.append(cmd)
+        run_dir = Path(next(a for a in cmd if a.startswith("trainer.runs_dir=")).split("=", 1)[1])
+        name = next(a for a in cmd if a.startswith("trainer.run_name=")).split("=", 1)[1]
+        _dynamics_metrics(_mkdir(run_dir / name) / "metrics.jsonl", [0.1, 0.1], [0.2, 0.1], 50)
+        (run_dir / name / "summary.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ablate.subprocess, "run", fake_run)
+    parser = argparse.ArgumentParser()
+    ablate.register(parser)
+    assert (
+        parser.parse_args(["--task", "longhand", "--seeds", "0", "--rungs", "0,5"]).func(
+            parser.parse_args(["--task", "longhand", "--seeds", "0", "--rungs", "0,5"])
+        )
+        == 0
+    )
+    assert len(seen) == 2
+    for cmd in seen:
+        assert cmd[cmd.index("--task") + 1] == "longhand"
+        assert cmd[cmd.index("--assets") + 1] == str(Path("runs/ablate_longhand/assets_seed0"))
+    report = (tmp_path / "runs/ablate_longhand/ablation.md").read_text()
+    assert "| + dynamic sampling (DAPO) |" in report and "zero-advantage groups" in report
+    assert (tmp_path / "runs/ablate_longhand/ablation.png").is_file()
+    assert not (tmp_path / "runs/ablate").exists()  # the arithmetic ladder's runs are not reused
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
