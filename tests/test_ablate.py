@@ -209,12 +209,8 @@ def test_task_reaches_every_demo_run_and_picks_its_own_output(tmp_path, monkeypa
     monkeypatch.setattr(ablate.subprocess, "run", fake_run)
     parser = argparse.ArgumentParser()
     ablate.register(parser)
-    assert (
-        parser.parse_args(["--task", "longhand", "--seeds", "0", "--rungs", "0,5"]).func(
-            parser.parse_args(["--task", "longhand", "--seeds", "0", "--rungs", "0,5"])
-        )
-        == 0
-    )
+    args = parser.parse_args(["--task", "longhand", "--seeds", "0", "--rungs", "0,5"])
+    assert args.func(args) == 0
     assert len(seen) == 2
     for cmd in seen:
         assert cmd[cmd.index("--task") + 1] == "longhand"
