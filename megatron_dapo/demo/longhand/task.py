@@ -20,11 +20,11 @@ budget and RL has to learn to be concise on the long problems, on the reward alo
 response scores -1 like a wrong one): where overlong filtering, soft overlong punishment and
 token-level loss act.
 
-Measured (the warm starts of seeds 0, 1, 2; 200 held-out problems x 4 responses sampled as the
-rollouts sample, T=1.0, top_p=1.0, within the 40-token budget): mean 28.8 / 29.4 / 28.4 tokens,
-p50 23 / 23 / 23, p90 40 / 40 / 40, 26.8% / 30.1% / 23.6% cut at the budget, 48% / 50% / 45%
-longhand; held-out avg@4 (top_p 0.7) 48.9% / 44.2% / 50.8% (docs/results.md, the DAPO ladder on
-the longhand task).
+Measured (the warm starts of seeds 0, 1, 2, 3; 200 held-out problems x 4 responses sampled as
+the rollouts sample, T=1.0, top_p=1.0, within the 40-token budget): mean 28.8 / 29.4 / 28.4 /
+29.6 tokens, p50 23 / 23 / 23 / 23.5, p90 40 on every seed, 26.8% / 30.1% / 23.6% / 31.8% cut at
+the budget, 48% / 50% / 45% / 54% longhand; held-out avg@4 (top_p 0.7) 48.9% / 44.2% / 50.8% /
+41.1% (docs/results.md, the DAPO ladder on the longhand task).
 """
 
 from __future__ import annotations
