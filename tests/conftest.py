@@ -212,3 +212,16 @@ LONG_FILES_FIRST = (
 def pytest_collection_modifyitems(config, items):
     first = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))
+
+
+@pytest.fixture(scope="session")
+def longhand_assets(tmp_path_factory):
+    """The longhand demo's model and data (`megatron-dapo demo --task longhand`) after a short warm
+    start (150 steps, no probe), built once per session: enough to write both styles, so that the
+    long problems' counted-out responses run into the budget, which is what its end-to-end test
+    needs; not enough to be a good policy."""
+    from megatron_dapo.demo.longhand.assets import prepare_longhand_assets
+
+    return _demo_assets_shared_by_workers(
+        tmp_path_factory, "longhand_assets", build=prepare_longhand_assets, sft_steps=150, eval_problems=8
+    )

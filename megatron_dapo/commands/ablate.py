@@ -1,4 +1,4 @@
-"""`megatron-dapo ablate`: the DAPO paper's ladder (its Table 1) on the demo task.
+"""`megatron-dapo ablate`: the DAPO paper's ladder (its Table 1) on a demo task (`--task`).
 
 Each rung adds one technique to the one before, from GRPO to full DAPO:
 GRPO -> +overlong filtering -> +clip-higher -> +soft overlong punishment -> +token-level loss
@@ -7,7 +7,9 @@ instead of the clipped token ratio (`algorithm.policy_loss`), a KL loss to the r
 (`actor.use_kl_loss`), and the RLOO or REINFORCE++-baseline advantages (`algorithm.adv_estimator`). Every rung runs on each seed as `megatron-dapo demo` (same task, warm
 start and held-out protocol; the warm start is built once per seed and shared). The table gives
 the mean and spread of held-out accuracy at equal steps (the last step) and at equal wall time
-(the shortest rung's training time; the last evaluation reached by then), and a PNG shows the
+(the shortest rung's training time; the last evaluation reached by then). A second table gives,
+per rung, what the paper plots beside accuracy (policy entropy, mean response length, truncation
+rate, share of zero-advantage groups) and the accuracy at equal generated tokens. A PNG shows the
 curves. Outputs: OUT/ablation.md, OUT/ablation.json, OUT/ablation.png, one run directory per
 rung and seed.
 """
@@ -20,7 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # Each rung's overrides of configs/demo.yaml (which is full DAPO), cumulative down the ladder.
@@ -95,6 +97,20 @@ def rung_overrides(index: int) -> dict[str, str]:
     return out
 
 
+# The per-step quantities the DAPO paper plots beside accuracy, as the trainer logs them: the
+# policy's entropy on the batch it trains on, and of every response generated that step (the
+# groups dynamic sampling dropped included) the mean length, the share cut at the budget, and the
+# share of groups whose responses all scored alike, whose samples carry zero advantage.
+DYNAMICS: dict[str, str] = {
+    "entropy": "actor/entropy",
+    "length": "rollout/response_length/mean",
+    "truncation": "rollout/truncation_rate",
+    "zero_adv": "rollout/zero_spread_fraction",
+}
+# Steps averaged for a run's "final" dynamics: one step's rollout metrics move by several points.
+FINAL_STEPS = 3
+
+
 @dataclass
 class Curve:
     rung: str
@@ -102,25 +118,47 @@ class Curve:
     steps: list[int]  # evaluation steps, 0 first
     accuracy: list[float]  # held-out avg@k at those steps
     seconds: list[float]  # training wall time (sum of timing/step) at those steps
+    tokens: list[float] = field(default_factory=list)  # tokens generated for training by those steps
+    # per training step (1, 2, ...): the DYNAMICS series, NaN where a step did not log one
+    train_steps: list[int] = field(default_factory=list)
+    dynamics: dict[str, list[float]] = field(default_factory=dict)
+
+    def final(self, name: str) -> float:
+        """The mean of ``name`` over the run's last FINAL_STEPS training steps that logged it."""
+        values = [v for v in self.dynamics.get(name, []) if v == v][-FINAL_STEPS:]
+        return statistics.fmean(values) if values else float("nan")
 
 
 def read_curve(metrics_path: Path, rung: str, seed: int, key: str) -> Curve:
-    steps, acc, secs, elapsed = [], [], [], 0.0
+    steps, acc, secs, toks, elapsed, generated = [], [], [], [], 0.0, 0.0
+    train_steps: list[int] = []
+    dynamics: dict[str, list[float]] = {name: [] for name in DYNAMICS}
     for line in metrics_path.read_text().splitlines():
         r = json.loads(line)
         elapsed += float(r.get("timing/step", 0.0))
+        generated += float(r.get("rollout/tokens_generated", 0.0))
+        if "timing/step" in r:
+            train_steps.append(int(r["step"]))
+            for name, metric in DYNAMICS.items():
+                dynamics[name].append(float(r.get(metric, float("nan"))))
         if key in r:
             steps.append(int(r["step"]))
             acc.append(float(r[key]))
             secs.append(elapsed)
+            toks.append(generated)
     if not steps:
         raise ValueError(f"{metrics_path} has no {key}: did the run evaluate (trainer.test_freq)?")
-    return Curve(rung, seed, steps, acc, secs)
+    return Curve(rung, seed, steps, acc, secs, toks, train_steps, dynamics)
 
 
 def accuracy_at_time(curve: Curve, seconds: float) -> float:
     """The last held-out accuracy measured within ``seconds`` of training."""
     return [a for a, s in zip(curve.accuracy, curve.seconds) if s <= seconds + 1e-9][-1]
+
+
+def accuracy_at_tokens(curve: Curve, tokens: float) -> float:
+    """The last held-out accuracy measured within ``tokens`` generated tokens."""
+    return [a for a, t in zip(curve.accuracy, curve.tokens) if t <= tokens + 1e-9][-1]
 
 
 def _spread(values: list[float]) -> tuple[float, float]:
@@ -152,9 +190,30 @@ def summarise(curves: list[Curve]) -> list[dict]:
                 "at_equal_time": timed,
                 "at_equal_time_std": timed_sd,
                 "train_seconds": statistics.fmean(max(c.seconds) for c in mine),
+                **_tokens_and_dynamics(curves, mine),
             }
         )
     return rows
+
+
+def _tokens_and_dynamics(curves: list[Curve], mine: list[Curve]) -> dict:
+    """The equal-generated-tokens accuracy (at the fewest tokens any run generated in all) and the
+    final DYNAMICS of one rung, mean and standard deviation over its seeds, and per seed."""
+    out: dict = {}
+    if all(c.tokens and c.tokens[-1] > 0 for c in curves):
+        budget = min(c.tokens[-1] for c in curves)
+        out["equal_tokens"] = budget
+        out["at_equal_tokens"], out["at_equal_tokens_std"] = _spread(
+            [accuracy_at_tokens(c, budget) for c in mine]
+        )
+        out["tokens"] = statistics.fmean(c.tokens[-1] for c in mine)
+    for name in DYNAMICS:
+        finals = [c.final(name) for c in sorted(mine, key=lambda c: c.seed)]
+        if all(v == v for v in finals):
+            out[f"final_{name}"], out[f"final_{name}_std"] = _spread(finals)
+            out[f"final_{name}_by_seed"] = finals
+    out["end_by_seed"] = [c.accuracy[-1] for c in sorted(mine, key=lambda c: c.seed)]
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -174,31 +233,86 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(curves: list[Curve], path: Path) -> Path:
+def dynamics_table(rows: list[dict]) -> str:
+    """At the last step: the paper's other curves (entropy, length, truncation, zero-advantage
+    share; each the mean of the last FINAL_STEPS steps) and accuracy at equal generated tokens.
+    Empty when the runs logged none of them."""
+    if not rows or "final_entropy" not in rows[0]:
+        return ""
+    tokens = rows[0].get("equal_tokens")
+    head = f"at {tokens / 1e3:.0f}k generated tokens" if tokens else "at equal tokens"
+    lines = [
+        f"Last {FINAL_STEPS} steps' mean (per seed in brackets); accuracy also at equal generated tokens "
+        "(the fewest any run generated):",
+        "",
+        f"| rung | end accuracy (per seed) | {head} | entropy | mean length | truncated | zero-advantage groups "
+        "| tokens generated |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(r: dict, name: str, fmt: str) -> str:
+        if f"final_{name}" not in r:
+            return "-"
+        seeds = " ".join(format(v, fmt) for v in r[f"final_{name}_by_seed"])
+        return f"{r[f'final_{name}']:{fmt}} ± {r[f'final_{name}_std']:{fmt}} ({seeds})"
+
+    for r in rows:
+        ends = " ".join(f"{v:.1%}" for v in r["end_by_seed"])
+        at_tokens = (
+            f"{r['at_equal_tokens']:.1%} ± {r['at_equal_tokens_std']:.1%}" if "at_equal_tokens" in r else "-"
+        )
+        generated = f"{r['tokens'] / 1e3:.0f}k" if "tokens" in r else "-"
+        lines.append(
+            f"| {r['rung']} | {r['end']:.1%} ({ends}) | {at_tokens} | {cell(r, 'entropy', '.3f')} "
+            f"| {cell(r, 'length', '.1f')} | {cell(r, 'truncation', '.1%')} | {cell(r, 'zero_adv', '.0%')} "
+            f"| {generated} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: list[Curve], path: Path, title: str = "the demo task") -> Path:
+    """Held-out accuracy against steps, training time and generated tokens, then the DYNAMICS
+    against steps: one line per run, one colour per rung."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    panels = [
+        ("entropy", "policy entropy (nats/token)", 1.0),
+        ("length", "mean response length (tokens)", 1.0),
+        ("truncation", "responses cut at the budget (%)", 100.0),
+        ("zero_adv", "groups with zero advantage (%)", 100.0),
+    ]
     for i, (rung, _) in enumerate(RUNGS):
+        color = colors[i % len(colors)]
         for j, c in enumerate(x for x in curves if x.rung == rung):
             label = rung if j == 0 else None
-            axes[0].plot(
-                c.steps, [a * 100 for a in c.accuracy], color=colors[i % len(colors)], label=label, alpha=0.8
-            )
-            axes[1].plot(c.seconds, [a * 100 for a in c.accuracy], color=colors[i % len(colors)], alpha=0.8)
-    axes[0].set_xlabel("step")
-    axes[1].set_xlabel("training wall time (s)")
-    for ax in axes:
+            acc = [a * 100 for a in c.accuracy]
+            axes[0, 0].plot(c.steps, acc, color=color, label=label, alpha=0.8)
+            axes[0, 1].plot(c.seconds, acc, color=color, alpha=0.8)
+            if c.tokens:
+                axes[0, 2].plot([t / 1e3 for t in c.tokens], acc, color=color, alpha=0.8)
+            for ax, (name, _, scale) in zip(axes[1], panels):
+                if c.dynamics.get(name):
+                    ax.plot(c.train_steps, [v * scale for v in c.dynamics[name]], color=color, alpha=0.8)
+    for ax, xlabel in zip(axes[0, :3], ("step", "training wall time (s)", "generated tokens (thousands)")):
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out avg@4 (%)")
+    for ax, (_, ylabel, _) in zip(axes[1], panels):
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("DAPO ladder and loss variants on the demo task (one line per seed)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    axes[0, 3].axis("off")
+    axes[0, 3].legend(handles, labels, loc="center", fontsize=9)
+    fig.suptitle(f"DAPO ladder on {title} (one line per seed)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
@@ -212,7 +326,14 @@ def register(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated rung numbers: 0-{len(LADDER) - 1} the ladder, {len(LADDER)}-{len(RUNGS) - 1} "
         "the loss variants (default: all)",
     )
-    p.add_argument("--out", default="runs/ablate", help="output directory")
+    p.add_argument(
+        "--task",
+        choices=["arithmetic", "longhand"],
+        default="arithmetic",
+        help="the demo task the ladder runs on (`megatron-dapo demo --task`); longhand: responses that "
+        "overrun the budget, where the length pieces act",
+    )
+    p.add_argument("--out", default=None, help="output directory (default runs/ablate, runs/ablate_longhand)")
     p.add_argument(
         "overrides", nargs="*", help="key=value overrides applied to every run (e.g. trainer.total_steps=40)"
     )
@@ -220,7 +341,7 @@ def register(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+    out = Path(args.out or ("runs/ablate" if args.task == "arithmetic" else f"runs/ablate_{args.task}"))
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     rungs = [int(r) for r in args.rungs.split(",") if r.strip()] or list(range(len(RUNGS)))
     bad = [r for r in rungs if not 0 <= r < len(RUNGS)]
@@ -236,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
                 t0 = time.perf_counter()
                 overrides = [f"{k}={v}" for k, v in rung_overrides(r).items()]
                 cmd = [
-                    sys.executable, "-m", "megatron_dapo.cli", "demo", "--seed", str(seed),
+                    sys.executable, "-m", "megatron_dapo.cli", "demo", "--task", args.task, "--seed", str(seed),
                     "--assets", str(out / f"assets_seed{seed}"), "--bar-gain", "0", "--bar-final", "0",
                     f"trainer.runs_dir={out / 'runs'}", f"trainer.run_name={run_name}",
                     "trainer.resume=never", "logging.plots_at_end=false", *overrides, *args.overrides,
@@ -259,8 +380,9 @@ def run(args: argparse.Namespace) -> int:
     (out / "ablation.json").write_text(
         json.dumps({"rows": rows, "curves": [asdict(c) for c in curves]}, indent=2) + "\n"
     )
-    (out / "ablation.md").write_text(table(rows))
-    png = plot(curves, out / "ablation.png")
-    print(table(rows))
+    report = table(rows) + ("\n" + dynamics_table(rows) if dynamics_table(rows) else "")
+    (out / "ablation.md").write_text(report)
+    png = plot(curves, out / "ablation.png", title=f"the {args.task} demo task")
+    print(report)
     print(f"written: {out / 'ablation.md'}, {out / 'ablation.json'}, {png}")
     return 0

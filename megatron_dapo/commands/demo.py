@@ -3,7 +3,9 @@
 engine, weight sync, dynamic sampling, overlong shaping). `--algo grpo` runs the same budget
 with GRPO settings for comparison. `--task calculator`: the model learns to use a tool, multi-turn
 episodes with a calculator on products it cannot compute; `--no-tools` runs the same budget
-without the tool for comparison."""
+without the tool for comparison. `--task longhand`: the arithmetic problems with a warm start that
+counts out half of its solutions, longer than the response budget on the long problems, so that
+DAPO's length pieces act (configs/demo_longhand.yaml)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from megatron_dapo.demo import environment
 from megatron_dapo.demo.assets import prepare_demo_assets
 from megatron_dapo.demo.calculator.assets import prepare_calculator_assets
 from megatron_dapo.demo.judge import judge_overrides, prepare_demo_judge
+from megatron_dapo.demo.longhand.assets import prepare_longhand_assets
 from megatron_dapo.driver.launch import load_for_cli, run_train
 from megatron_dapo.driver.pipeline import WAIT_METRICS
 from megatron_dapo.driver.run_dir import read_metrics
@@ -37,10 +40,12 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algo", choices=["dapo", "grpo"], default="dapo")
     p.add_argument(
         "--task",
-        choices=["arithmetic", "calculator"],
+        choices=["arithmetic", "calculator", "longhand"],
         default="arithmetic",
         help="arithmetic: 2-digit +- 1-digit, single turn; calculator: 3-digit x 2-digit products with a "
-        "calculator tool, multi-turn episodes (configs/demo_calculator.yaml)",
+        "calculator tool, multi-turn episodes (configs/demo_calculator.yaml); longhand: the arithmetic "
+        "problems with a warm start whose counted-out solutions overrun the response budget "
+        "(configs/demo_longhand.yaml)",
     )
     p.add_argument(
         "--no-tools",
@@ -64,7 +69,8 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--assets",
         default=None,
-        help="where the tiny model and data are cached (default runs/demo_assets, runs/demo_calculator_assets)",
+        help="where the tiny model and data are cached (default runs/demo_assets, runs/demo_calculator_assets, "
+        "runs/demo_longhand_assets)",
     )
     p.add_argument(
         "--bar-gain",
@@ -81,7 +87,8 @@ def register(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "overrides",
         nargs="*",
-        help="key=value overrides of configs/demo.yaml (demo_calculator.yaml: --task calculator)",
+        help="key=value overrides of configs/demo.yaml (demo_calculator.yaml: --task calculator, "
+        "demo_longhand.yaml: --task longhand)",
     )
     p.set_defaults(func=run)
 
@@ -95,16 +102,21 @@ def demo_config_path(name: str = "demo.yaml") -> Path:
 
 def _prepare(args: argparse.Namespace, console) -> tuple[object, Path, list[str], str]:
     """The task's assets, config file, overrides and run name."""
+    if args.task != "calculator" and args.no_tools:
+        raise ConfigError(f"--no-tools is for --task calculator (the {args.task} demo has no tools)")
     if args.task == "arithmetic":
-        if args.no_tools:
-            raise ConfigError("--no-tools is for --task calculator (the arithmetic demo has no tools)")
         assets = prepare_demo_assets(args.assets or "runs/demo_assets", seed=args.seed, console=console)
         if not args.judge:
             return assets, demo_config_path(), [], f"demo_{args.algo}"
         judge = prepare_demo_judge(f"runs/demo_judge_seed{args.seed}", seed=args.seed, console=console)
         return assets, demo_config_path(), judge_overrides(judge), f"demo_{args.algo}_judge"
     if args.judge:
-        raise ConfigError("--judge is for --task arithmetic (the calculator demo's reward is its rule)")
+        raise ConfigError(f"--judge is for --task arithmetic (the {args.task} demo's reward is its rule)")
+    if args.task == "longhand":
+        assets = prepare_longhand_assets(
+            args.assets or "runs/demo_longhand_assets", seed=args.seed, console=console
+        )
+        return assets, demo_config_path("demo_longhand.yaml"), [], f"demo_longhand_{args.algo}"
     tools = demo_config_path("tools/calculator.yaml")
     assets = prepare_calculator_assets(
         args.assets or "runs/demo_calculator_assets", tools, seed=args.seed, console=console
