@@ -198,7 +198,9 @@ class HFEngine:
     def _run(self, rows: list[tuple[_Job, int]]) -> None:
         """Decode one batch (under the engine lock: a weight load waits for it) and answer its rows."""
         with self._lock:
-            epoch = self._abort_epoch
+            # the epoch the rows were taken in: an abort while the batch waited for the model
+            # (a weight load) stops it at its first step
+            epoch = rows[0][0].epoch
             t0 = time.perf_counter()
             try:
                 results = self._generate_batch(
