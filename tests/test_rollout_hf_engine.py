@@ -377,3 +377,30 @@ def test_a_weight_load_waits_for_the_batch_in_flight(model):
         gate.remove()
     assert out[0][0].weight_version == 0 and engine.weight_version == 5
     assert engine.generate([_one(1)])[0].weight_version == 5
+
+
+def test_generate_apart_queues_its_requests_as_calls_of_their_own(model):
+    """What a Ray host does with episodes' later turns: several one-request calls in one call,
+    batched with the other one-request calls pending (one batch of 3 rows after the held one),
+    each the response it gets alone."""
+    alone = [HFEngine(model=model).generate([_one(i)])[0] for i in range(3)]
+    engine = HFEngine(model=model)
+    gate = Gate(model)
+    try:
+        out, threads = _in_threads(engine, [[_one(5)], [_one(0)]])
+        threads[0].start()
+        assert gate.started.wait(timeout=120)
+        threads[1].start()
+        _wait_queued(engine, 1)
+        apart = {}
+        t = threading.Thread(target=lambda: apart.setdefault("r", engine.generate_apart([_one(1), _one(2)])))
+        t.start()
+        _wait_queued(engine, 3)
+        gate.open.set()
+        for x in [*threads, t]:
+            x.join(timeout=120)
+    finally:
+        gate.remove()
+    assert engine.stats["batches"] == 2 and gate.rows[-1] == 3
+    got = [out[1][0], *apart["r"]]
+    assert [r.output_ids for r in got] == [r.output_ids for r in alone]

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -45,6 +46,10 @@ class EngineHost:
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         return self.engine.generate(requests)
+
+    def generate_apart(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Several one-request calls in one message (``HFEngine.generate_apart``)."""
+        return self.engine.generate_apart(requests)
 
     def generate_each(self, requests: Sequence[GenerationRequest]) -> Iterator[tuple[str, Any]]:
         """``generate`` as a Ray streaming generator: ``("some", [results])`` as requests finish
@@ -107,12 +112,24 @@ class EngineHost:
 
 
 class RemoteEngine:
-    """Driver-side `RolloutEngine` over an `EngineHost` actor handle."""
+    """Driver-side `RolloutEngine` over an `EngineHost` actor handle.
+
+    One-request calls (episodes' later turns, sent one by one as their tools answer) cross to the
+    actor together: while one message of them is out, the calls made meanwhile wait on the driver
+    and go in the next, so a step's thousands of turns cost tens of Ray calls instead of
+    thousands, and they reach the engine's batcher as one group (``HFEngine.generate_apart``:
+    each decoded as a call of its own). An abort answers the ones still waiting here "abort"
+    with no tokens, as the engine answers its own queue."""
 
     def __init__(self, name: str, handle: Any, timeout_s: float):
         self.name = name
         self.handle = handle
         self.timeout_s = timeout_s
+        self._cv = threading.Condition()
+        self._waiting: list[tuple[GenerationRequest, int, Future]] = []  # (request, abort epoch, answer)
+        self._sending = False  # a caller's thread is sending messages
+        self._epoch = 0
+        self._version: int | None = None  # the weights of the last turn answered (for an abort here)
 
     def _get(self, ref, what: str):
         import ray
@@ -133,6 +150,8 @@ class RemoteEngine:
         self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
     ) -> list[GenerationResult]:
         what = f"generate ({len(requests)} requests)"
+        if on_result is None and len(requests) == 1:
+            return [self._one(requests[0])]
         if on_result is None:
             return self._get(self.handle.generate.remote(list(requests)), what)
         import ray
@@ -154,7 +173,50 @@ class RemoteEngine:
             for result in value:
                 on_result(result)
 
+    def _one(self, request: GenerationRequest) -> GenerationResult:
+        """A one-request call: queued here, sent with the others (the class doc)."""
+        answer: Future = Future()
+        with self._cv:
+            self._waiting.append((request, self._epoch, answer))
+            while not answer.done() and self._sending:
+                self._cv.wait()
+            send = not answer.done()
+            self._sending |= send
+        if send:
+            try:
+                while not answer.done():
+                    self._send_waiting()
+            finally:
+                with self._cv:
+                    self._sending = False
+                    self._cv.notify_all()
+        return answer.result()
+
+    def _send_waiting(self) -> None:
+        """One message: every one-request call waiting (those an abort reached answered here)."""
+        with self._cv:
+            batch, self._waiting = self._waiting, []
+            stale = [(q, f) for q, epoch, f in batch if epoch != self._epoch]
+            batch = [(q, f) for q, epoch, f in batch if epoch == self._epoch]
+        for q, f in stale:
+            f.set_result(GenerationResult(q.request_id, [], [], "abort", self._version))
+        if batch:
+            try:
+                results = self._get(
+                    self.handle.generate_apart.remote([q for q, _ in batch]), f"generate ({len(batch)} turns)"
+                )
+                for (_, f), r in zip(batch, results):
+                    self._version = r.weight_version
+                    f.set_result(r)
+            except BaseException as e:  # noqa: BLE001 - each waiting call raises it
+                for _, f in batch:
+                    f.set_exception(e)
+        with self._cv:
+            self._cv.notify_all()
+
     def abort(self) -> None:
+        with self._cv:
+            self._epoch += 1
         self._get(self.handle.abort.remote(), "abort")
 
     def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:

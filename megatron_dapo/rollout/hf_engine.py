@@ -127,31 +127,54 @@ class HFEngine:
         requests = list(requests)
         for r in requests:
             self._check_prompt(r)
-        job = _Job(requests, on_result, self._abort_epoch)  # a call waiting for a batch is in flight
         if not requests:
             return []
-        with self._cv:
-            self._pending.append(job)
-            while not job.done and self._serving:
-                self._cv.wait()
-            serve = not job.done
-            self._serving |= serve
-        if serve:
-            try:
-                while not job.done:
-                    with self._cv:
-                        rows = self._next_batch()
-                    if rows:
-                        self._run(rows)
-                    elif not job.done:
-                        raise RuntimeError(f"engine {self.name}: a call's requests were never batched")
-            finally:
-                with self._cv:
-                    self._serving = False
-                    self._cv.notify_all()
+        job = _Job(requests, on_result, self._abort_epoch)  # a call waiting for a batch is in flight
+        self._serve([job])
         if job.error is not None:
             raise job.error
         return job.results
+
+    def generate_apart(
+        self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
+    ) -> list[GenerationResult]:
+        """Each request as a call of its own, all queued at once: what concurrent one-request
+        calls would be (batched with every one-request call pending), in one call. A Ray host
+        takes episodes' later turns this way, so that they cross to it in one message."""
+        requests = list(requests)
+        for r in requests:
+            self._check_prompt(r)
+        epoch = self._abort_epoch
+        jobs = [_Job([r], on_result, epoch) for r in requests]
+        self._serve(jobs)
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+        return [job.results[0] for job in jobs]
+
+    def _serve(self, jobs: list[_Job]) -> None:
+        """Queue ``jobs`` and return once they are answered; while no other caller's thread runs
+        batches, this one does (until its own jobs are answered, then it hands over)."""
+        with self._cv:
+            self._pending.extend(jobs)
+            while not all(j.done for j in jobs) and self._serving:
+                self._cv.wait()
+            serve = not all(j.done for j in jobs)
+            self._serving |= serve
+        if not serve:
+            return
+        try:
+            while not all(j.done for j in jobs):
+                with self._cv:
+                    rows = self._next_batch()
+                if rows:
+                    self._run(rows)
+                elif not all(j.done for j in jobs):
+                    raise RuntimeError(f"engine {self.name}: a call's requests were never batched")
+        finally:
+            with self._cv:
+                self._serving = False
+                self._cv.notify_all()
 
     def abort(self) -> None:
         """Stop in-flight calls at their next decode step (calls still waiting for a batch too)."""
