@@ -1,6 +1,6 @@
 """A Ray-hosted HF engine's one-request calls (episodes' later turns) cross to the actor together:
-while one message is out, the calls made meanwhile wait on the driver and go in the next, and an
-abort answers the waiting ones "abort" without sending them. The actor is a stand-in handle whose
+the first waits ``gather_s`` for the calls made meanwhile, a message never waits for the one out
+before it, and an abort answers the waiting ones "abort" without sending them. The actor is a stand-in handle whose
 messages the test holds and counts (the object refs are real)."""
 
 from __future__ import annotations
@@ -69,38 +69,53 @@ def _queued(engine, n):
     raise AssertionError(f"{n} calls never queued")
 
 
-def test_one_request_calls_made_while_a_message_is_out_go_together_in_the_next(ray_local):
+def test_one_request_calls_made_within_the_gather_time_cross_in_one_message(ray_local):
+    host = Host()
+    host.gate.set()
+    engine = RemoteEngine("hf-0", host, timeout_s=60)
+    engine.gather_s = 2.0  # far longer than the threads take to start
+    out, threads = _calls(engine, ["a", "bb", "ccc"])
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(host.messages) == 1 and sorted(host.messages[0]) == ["a", "bb", "ccc"]  # alone: three
+    assert {rid: [(r.request_id, len(r.output_ids)) for r in res] for rid, res in out.items()} == {
+        rid: [(rid, len(rid))] for rid in ["a", "bb", "ccc"]
+    }
+
+
+def test_a_message_does_not_wait_for_the_one_out_before_it(ray_local):
     host = Host()
     engine = RemoteEngine("hf-0", host, timeout_s=60)
-    out, threads = _calls(engine, ["a", "bb", "ccc", "dddd"])
+    engine.gather_s = 0.01
+    out, threads = _calls(engine, ["a", "bb"])
     threads[0].start()
-    assert host.holding.wait(timeout=60)
-    for t in threads[1:]:
-        t.start()
-    _queued(engine, 3)
+    assert host.holding.wait(timeout=60)  # a's message is out and held
+    threads[1].start()
+    for _ in range(6000):
+        if len(host.messages) == 2:
+            break
+        threading.Event().wait(0.01)
+    assert host.messages == [["a"], ["bb"]]
     host.gate.set()
     for t in threads:
         t.join(timeout=60)
-    assert host.messages[0] == ["a"] and sorted(host.messages[1]) == ["bb", "ccc", "dddd"]
-    assert len(host.messages) == 2  # one call at a time: four messages
-    assert {rid: [(r.request_id, len(r.output_ids)) for r in res] for rid, res in out.items()} == {
-        rid: [(rid, len(rid))] for rid in ["a", "bb", "ccc", "dddd"]
-    }
+    assert [r.finish_reason for rid in ("a", "bb") for r in out[rid]] == ["stop", "stop"]
 
 
 def test_an_abort_answers_the_calls_waiting_on_the_driver_without_sending_them(ray_local):
     host = Host()
+    host.gate.set()
     engine = RemoteEngine("hf-0", host, timeout_s=60)
-    out, threads = _calls(engine, ["a", "bb"])
+    engine.gather_s = 2.0
+    out, threads = _calls(engine, ["bb"])
     threads[0].start()
-    assert host.holding.wait(timeout=60)
-    threads[1].start()
     _queued(engine, 1)
     engine.abort()
-    host.gate.set()
-    for t in threads:
-        t.join(timeout=60)
-    assert host.messages == [["a"]]
+    threads[0].join(timeout=60)
+    assert host.messages == []
     (late,) = out["bb"]
     assert (late.finish_reason, late.output_ids) == ("abort", [])
+    engine.gather_s = 0.0
     assert engine.generate([_turn("e")])[0].finish_reason == "stop"  # a call after the abort runs

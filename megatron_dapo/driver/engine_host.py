@@ -115,11 +115,14 @@ class RemoteEngine:
     """Driver-side `RolloutEngine` over an `EngineHost` actor handle.
 
     One-request calls (episodes' later turns, sent one by one as their tools answer) cross to the
-    actor together: while one message of them is out, the calls made meanwhile wait on the driver
-    and go in the next, so a step's thousands of turns cost tens of Ray calls instead of
-    thousands, and they reach the engine's batcher as one group (``HFEngine.generate_apart``:
-    each decoded as a call of its own). An abort answers the ones still waiting here "abort"
-    with no tokens, as the engine answers its own queue."""
+    actor together: the first waits ``gather_s`` (10 ms, a fraction of one decode batch) for the
+    calls made meanwhile, and they go as one message (``HFEngine.generate_apart``: each still a
+    call of its own in the engine's batcher), so a step's turns cost a Ray call per 10 ms rather
+    than one each. Messages do not wait for each other: the engine's queue gathers them for its
+    next batch. An abort answers the ones still waiting here "abort" with no tokens, as the
+    engine answers its own queue."""
+
+    gather_s = 0.01
 
     def __init__(self, name: str, handle: Any, timeout_s: float):
         self.name = name
@@ -127,7 +130,6 @@ class RemoteEngine:
         self.timeout_s = timeout_s
         self._cv = threading.Condition()
         self._waiting: list[tuple[GenerationRequest, int, Future]] = []  # (request, abort epoch, answer)
-        self._sending = False  # a caller's thread is sending messages
         self._epoch = 0
         self._version: int | None = None  # the weights of the last turn answered (for an abort here)
 
@@ -174,22 +176,15 @@ class RemoteEngine:
                 on_result(result)
 
     def _one(self, request: GenerationRequest) -> GenerationResult:
-        """A one-request call: queued here, sent with the others (the class doc)."""
+        """A one-request call: the first of a message waits ``gather_s`` for others to join it,
+        then sends them all and answers each; the others wait for their answer."""
         answer: Future = Future()
         with self._cv:
             self._waiting.append((request, self._epoch, answer))
-            while not answer.done() and self._sending:
-                self._cv.wait()
-            send = not answer.done()
-            self._sending |= send
-        if send:
-            try:
-                while not answer.done():
-                    self._send_waiting()
-            finally:
-                with self._cv:
-                    self._sending = False
-                    self._cv.notify_all()
+            gather = len(self._waiting) == 1
+        if gather:
+            time.sleep(self.gather_s)
+            self._send_waiting()
         return answer.result()
 
     def _send_waiting(self) -> None:
@@ -200,19 +195,19 @@ class RemoteEngine:
             batch = [(q, f) for q, epoch, f in batch if epoch == self._epoch]
         for q, f in stale:
             f.set_result(GenerationResult(q.request_id, [], [], "abort", self._version))
-        if batch:
-            try:
-                results = self._get(
-                    self.handle.generate_apart.remote([q for q, _ in batch]), f"generate ({len(batch)} turns)"
-                )
-                for (_, f), r in zip(batch, results):
-                    self._version = r.weight_version
-                    f.set_result(r)
-            except BaseException as e:  # noqa: BLE001 - each waiting call raises it
-                for _, f in batch:
-                    f.set_exception(e)
-        with self._cv:
-            self._cv.notify_all()
+        if not batch:
+            return
+        try:
+            results = self._get(
+                self.handle.generate_apart.remote([q for q, _ in batch]), f"generate ({len(batch)} turns)"
+            )
+        except BaseException as e:  # noqa: BLE001 - each call of the message raises it
+            for _, f in batch:
+                f.set_exception(e)
+            return
+        for (_, f), r in zip(batch, results):
+            self._version = r.weight_version
+            f.set_result(r)
 
     def abort(self) -> None:
         with self._cv:
