@@ -523,7 +523,7 @@ class _TemplateEngine:
     def __init__(self, bridge, texts):
         self.bridge, self.texts = bridge, texts
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         out = []
         for q in requests:
             ids = self.bridge._encode(self.texts[int(q.request_id.rsplit("/t", 1)[1])])

@@ -129,7 +129,7 @@ class DemoScripted:
     def __init__(self, tokenizer, script):
         self.tokenizer, self.script = tokenizer, script
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         out = []
         for q in requests:
             rid, turn = q.request_id.rsplit("/t", 1)

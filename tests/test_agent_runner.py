@@ -6,6 +6,7 @@ and prefix breaks."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -115,7 +116,7 @@ class Scripted:
     def __init__(self, script, abort_turn=None):
         self.script, self.sent, self.abort_turn = script, [], abort_turn
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         self.sent.append(requests)
         out = []
         for q in requests:
@@ -173,29 +174,90 @@ def test_two_turn_episode_tokens_mask_and_turns():
     assert tools.calls == [("e0", "up", "ab")] and tools.released == ["e0"]
 
 
-def test_episodes_of_a_call_go_in_lockstep_one_engine_call_per_turn():
+def test_the_first_turns_go_as_one_engine_call_and_every_later_turn_alone():
     engine = Scripted({"a": ["[up:x]$", "X$"], "b": ["done$"], "c": ["[up:y]$", "[up:z]$", "Z$"]})
     results = runner().run(engine, [request("a"), request("b"), request("c")], threading.Event())
-    assert [[q.request_id for q in call] for call in engine.sent] == [
-        ["a/t0", "b/t0", "c/t0"],
-        ["a/t1", "c/t1"],
-        ["c/t2"],
-    ]
+    sent = [[q.request_id for q in call] for call in engine.sent]
+    assert sent[0] == ["a/t0", "b/t0", "c/t0"]  # a unit's first turns batch as a single-turn call's
+    assert sorted(sent[1:]) == [["a/t1"], ["c/t1"], ["c/t2"]]
+    assert sent.index(["c/t1"]) < sent.index(["c/t2"])
     assert [r.episode.end for r in results] == ["stop", "stop", "stop"]
     assert results[1].loss_mask == [1] * 5 and len(results[1].episode.turns) == 1
 
 
+class Held(Tools):
+    """``hold`` answers once ``gate`` opens (or after ``wait_s``, saying so); every call's
+    start and answer are timed."""
+
+    def __init__(self, wait_s=3.0):
+        super().__init__()
+        self.gate, self.wait_s, self.times = threading.Event(), wait_s, {}
+
+    def call(self, episode_id, call, *, tools_kwargs=None):
+        start = time.monotonic()
+        if call.name == "hold":
+            opened = self.gate.wait(self.wait_s)
+            self.times[episode_id] = (start, time.monotonic())
+            return Answer("opened" if opened else "waited", "ok")
+        return super().call(episode_id, call, tools_kwargs=tools_kwargs)
+
+
+class Timed(Scripted):
+    """Scripted, and when each turn was sent."""
+
+    def __init__(self, script, **kw):
+        super().__init__(script, **kw)
+        self.at = {}
+
+    def generate(self, requests, on_result=None):
+        for q in requests:
+            self.at[q.request_id] = time.monotonic()
+        return super().generate(requests, on_result)
+
+
+def test_an_episode_waiting_on_a_slow_tool_holds_no_other_episode_back():
+    """a's tool answers only once b and c have ended (or after 3 s): b and c take all their turns
+    (b three, with two tool calls) while a's call runs, and are handed over before a's second turn
+    is even sent. A loop that sends a call's turns together waits for a's tool at every turn."""
+    engine = Timed({"a": ["[hold:x]$", "X$"], "b": ["[up:y]$", "[up:z]$", "Z$"], "c": ["[up:q]$", "Q$"]})
+    tools = Held()
+    handed = []
+
+    def on_result(result):
+        handed.append((result.request_id, time.monotonic()))
+        if {"b", "c"} <= {rid for rid, _ in handed}:
+            tools.gate.set()
+
+    results = runner(tools).run(
+        engine, [request("a"), request("b"), request("c")], threading.Event(), on_result
+    )
+    assert [r.episode.end for r in results] == ["stop", "stop", "stop"]
+    assert results[0].output_ids == toks("[hold:x]$\n<opened>\nX$")  # the gate opened: no time-out
+    held_from, held_to = tools.times["a"]
+    assert [rid for rid, _ in handed] in (["b", "c", "a"], ["c", "b", "a"])
+    ended = dict(handed)
+    # every turn of b and c was sent, and both ended, while a's tool held its answer
+    for turn in ("b/t1", "b/t2", "c/t1"):
+        assert held_from <= engine.at[turn] <= held_to, turn
+    assert max(ended["b"], ended["c"]) <= held_to <= engine.at["a/t1"] <= ended["a"]
+
+
 def test_each_episode_is_handed_over_when_it_ends_while_the_others_still_run():
-    """``on_result`` gets an episode the moment it ends: b (one turn) before a's and c's second
-    turn is generated, a before c's third; each exactly once, equal to the call's result."""
+    """``on_result`` gets an episode the moment it ends: b (one turn) before any second turn is
+    sent, a after its second turn and c after its third; each exactly once, equal to the call's
+    result."""
     engine = Scripted({"a": ["[up:x]$", "X$"], "b": ["done$"], "c": ["[up:y]$", "[up:z]$", "Z$"]})
     handed = []
 
     def on_result(result):
-        handed.append((result.request_id, len(engine.sent)))  # engine calls made so far
+        sent = [q.request_id for call in engine.sent for q in call]
+        handed.append((result.request_id, sent))
 
     results = runner().run(engine, [request("a"), request("b"), request("c")], threading.Event(), on_result)
-    assert handed == [("b", 1), ("a", 2), ("c", 3)]
+    assert sorted(rid for rid, _ in handed) == ["a", "b", "c"]
+    by_id = dict(handed)
+    assert by_id["b"] == ["a/t0", "b/t0", "c/t0"]
+    assert "a/t1" in by_id["a"] and "c/t2" in by_id["c"]
     assert [r.request_id for r in results] == ["a", "b", "c"] and all(
         r.finish_reason == "stop" for r in results
     )
@@ -255,15 +317,34 @@ def test_refused_failed_and_timed_out_calls_are_answered_and_counted():
 
 
 def test_an_abort_stops_new_turns_but_finishes_the_calls_made():
-    engine = Scripted({"a": ["[up:x]$", "XX$"], "b": ["[up:y]$", "YY$"]}, abort_turn=1)
+    # mid-turn: the engine aborted the turn; it comes back unfinished with its tokens so far
+    engine = Scripted({"a": ["[up:x]$", "XX$"]}, abort_turn=1)
     tools = Tools()
-    results = runner(tools).run(engine, [request("a"), request("b")], threading.Event())
-    for r, up in zip(results, "XY"):
-        assert r.finish_reason == "abort" and r.episode.end is None
-        last = r.episode.turns[-1]
-        assert last.role == "assistant" and last.finish_reason is None and last.end - last.start == 2
-        assert r.output_ids[-2:] == toks(up * 2)
+    (r,) = runner(tools).run(engine, [request("a")], threading.Event())
+    assert r.finish_reason == "abort" and r.episode.end is None
+    last = r.episode.turns[-1]
+    assert last.role == "assistant" and last.finish_reason is None and last.end - last.start == 2
+    assert r.output_ids[-2:] == toks("XX")
     assert tools.released == []  # unfinished: its tools' instances live on
+    # right after a tool answer: b's call runs on after the call's stop is set (by a's turn 1,
+    # as the manager sets it before aborting the engine), its answer is kept, no turn follows
+    stop = threading.Event()
+    tools = Held()
+    tools.gate = stop
+
+    class Stopping(Scripted):
+        def generate(self, requests, on_result=None):
+            if any(q.request_id == "a/t1" for q in requests):
+                stop.set()
+            return super().generate(requests, on_result)
+
+    engine = Stopping({"a": ["[up:x]$", "XX$"], "b": ["[hold:y]$", "YY$"]}, abort_turn=1)
+    a, b = runner(tools).run(engine, [request("a"), request("b")], stop)
+    assert a.finish_reason == b.finish_reason == "abort"
+    assert a.output_ids[-2:] == toks("XX") and a.episode.turns[-1].finish_reason is None
+    assert [t.role for t in b.episode.turns] == ["assistant", "tool"]
+    assert b.output_ids == toks("[hold:y]$\n<opened>\n")
+    assert "b/t1" not in [q.request_id for call in engine.sent for q in call]
     # a stop set before the call: nothing runs, every episode comes back unfinished and empty
     engine = Scripted({"a": ["[up:x]$"]})
     stop = threading.Event()

@@ -63,7 +63,7 @@ class _CallThenStop:
 
     name = "scripted"
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         out = []
         for q in requests:
             text = "[w]$" if q.request_id.endswith("/t0") else "ok$"
@@ -300,7 +300,7 @@ class _Turns:
         self.go = threading.Event()
         self.waiting = threading.Event()
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         out = []
         for q in requests:
             if q.request_id.endswith("/t0"):

@@ -195,7 +195,7 @@ class ScriptedEngine:
             self.turns[tuple(ep.prompt)] = ep.call
             self.turns[tuple(ep.prompt + ep.call + ep.tool)] = ep.reply
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         out = []
         for r in requests:
             ids = self.turns[tuple(r.prompt_ids)]

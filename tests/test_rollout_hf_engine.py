@@ -229,3 +229,178 @@ def test_load_from_disk_and_from_path(tiny_hf_checkpoint):
     assert [r.output_ids for r in engine.generate(requests())] == [
         r.output_ids for r in from_path.generate(requests())
     ]
+
+
+# -- the dynamic batcher: concurrent calls share decode batches ---------------------------------
+
+
+class Gate:
+    """A forward pre-hook that records each forward's rows and holds the first one until
+    ``release``: calls made meanwhile queue for the next batch."""
+
+    def __init__(self, model):
+        self.rows, self.started, self.open = [], threading.Event(), threading.Event()
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        self.rows.append(kwargs["input_ids"].shape[0])
+        self.started.set()
+        assert self.open.wait(timeout=120), "the test never released the first forward"
+
+    def remove(self):
+        self.open.set()
+        self.handle.remove()
+
+
+def _one(i, tokens=6):
+    return GenerationRequest(
+        f"q{i}", [5 + i] * (2 + i), SamplingParams(0.9, max_new_tokens=tokens, seed=300 + i)
+    )
+
+
+def _in_threads(engine, calls):
+    out = [None] * len(calls)
+
+    def go(k):
+        out[k] = engine.generate(calls[k])
+
+    threads = [threading.Thread(target=go, args=(k,)) for k in range(len(calls))]
+    return out, threads
+
+
+def _wait_queued(engine, n):
+    """Until ``n`` calls wait for a batch (the engine's queue)."""
+    for _ in range(12000):
+        if len(engine._pending) >= n:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{n} calls never queued")
+
+
+def test_calls_pending_when_a_batch_starts_are_decoded_together(model):
+    """One-request calls made while a batch decodes go in the next batch together: 2 batches for
+    3 calls, the second of 2 rows (one call at a time: 3 batches of 1). Each response is the one
+    it gets alone (its own seed): the same tokens, log-probs equal up to float rounding."""
+    alone = [HFEngine(model=model).generate([_one(i)])[0] for i in range(3)]
+    serial = HFEngine(model=model)
+    for i in range(3):
+        serial.generate([_one(i)])
+    assert serial.stats["batches"] == 3
+
+    engine = HFEngine(model=model)
+    gate = Gate(model)
+    try:
+        out, threads = _in_threads(engine, [[_one(0)], [_one(1)], [_one(2)]])
+        threads[0].start()
+        assert gate.started.wait(timeout=120)
+        for t in threads[1:]:
+            t.start()
+        _wait_queued(engine, 2)
+        gate.open.set()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        gate.remove()
+    assert gate.rows[0] == 1 and gate.rows[-1] == 2 and engine.stats["batches"] == 2
+    got = [o[0] for o in out]
+    assert [r.output_ids for r in got] == [r.output_ids for r in alone]
+    for r, a in zip(got, alone):
+        assert r.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert engine.stats["requests"] == 3 and engine.stats["tokens"] == 18
+
+
+def test_a_call_of_several_requests_is_decoded_alone_and_an_abort_reaches_queued_calls(model):
+    """A call of several requests (a unit) is not mixed with one-request calls: its batch is
+    exactly what it would be alone, so its responses are bitwise those of a call made alone.
+    An abort answers every call in flight, the ones still waiting for a batch included, "abort"
+    with what they had; a call made after it runs."""
+    unit = [_one(3), _one(4), _one(5)]
+    reference = HFEngine(model=model).generate(unit)
+    engine = HFEngine(model=model)
+    gate = Gate(model)
+    try:
+        out, threads = _in_threads(engine, [[_one(0)], unit, [_one(1)], [_one(2)]])
+        threads[0].start()
+        assert gate.started.wait(timeout=120)
+        for k in (1, 2, 3):
+            threads[k].start()
+            _wait_queued(engine, k)
+        gate.open.set()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        gate.remove()
+    # the batches: the first call, the unit alone, then the two one-request calls together
+    assert engine.stats["batches"] == 3
+    assert [(r.output_ids, r.logprobs) for r in out[1]] == [(r.output_ids, r.logprobs) for r in reference]
+    sizes = [n for n in gate.rows if n > 1]
+    assert sizes[0] == 3 and sizes[-1] == 2
+
+    engine = HFEngine(model=model)
+    gate = Gate(model)
+    try:
+        long = GenerationRequest("long", [3, 4, 5], SamplingParams(max_new_tokens=100, seed=1))
+        out, threads = _in_threads(engine, [[long], [_one(1)], unit])
+        threads[0].start()
+        assert gate.started.wait(timeout=120)
+        for k in (1, 2):
+            threads[k].start()
+            _wait_queued(engine, k)
+        engine.abort()
+        gate.open.set()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        gate.remove()
+    assert out[0][0].finish_reason == "abort" and len(out[0][0].output_ids) < 100
+    assert [(r.finish_reason, r.output_ids) for r in out[1] + out[2]] == [("abort", [])] * 4
+    assert engine.stats["batches"] == 1 and engine.stats["aborted"] == 5
+    assert engine.generate([_one(1)])[0].finish_reason == "length"
+
+
+def test_a_weight_load_waits_for_the_batch_in_flight(model):
+    engine = HFEngine(model=model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gate = Gate(model)
+    try:
+        out, threads = _in_threads(engine, [[_one(0)]])
+        threads[0].start()
+        assert gate.started.wait(timeout=120)
+        load = threading.Thread(target=engine.load_weights, args=([state], 5))
+        load.start()
+        load.join(timeout=0.2)
+        assert load.is_alive() and engine.weight_version == 0  # the batch holds the model
+        gate.open.set()
+        threads[0].join(timeout=120)
+        load.join(timeout=120)
+    finally:
+        gate.remove()
+    assert out[0][0].weight_version == 0 and engine.weight_version == 5
+    assert engine.generate([_one(1)])[0].weight_version == 5
+
+
+def test_generate_apart_queues_its_requests_as_calls_of_their_own(model):
+    """What a Ray host does with episodes' later turns: several one-request calls in one call,
+    batched with the other one-request calls pending (one batch of 3 rows after the held one),
+    each the response it gets alone."""
+    alone = [HFEngine(model=model).generate([_one(i)])[0] for i in range(3)]
+    engine = HFEngine(model=model)
+    gate = Gate(model)
+    try:
+        out, threads = _in_threads(engine, [[_one(5)], [_one(0)]])
+        threads[0].start()
+        assert gate.started.wait(timeout=120)
+        threads[1].start()
+        _wait_queued(engine, 1)
+        apart = {}
+        t = threading.Thread(target=lambda: apart.setdefault("r", engine.generate_apart([_one(1), _one(2)])))
+        t.start()
+        _wait_queued(engine, 3)
+        gate.open.set()
+        for x in [*threads, t]:
+            x.join(timeout=120)
+    finally:
+        gate.remove()
+    assert engine.stats["batches"] == 2 and gate.rows[-1] == 3
+    got = [out[1][0], *apart["r"]]
+    assert [r.output_ids for r in got] == [r.output_ids for r in alone]

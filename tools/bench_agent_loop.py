@@ -226,7 +226,7 @@ class TimedHF:
         return True
 
     def busy_s(self) -> float:
-        """The seconds the HF engine spent in calls (it runs one at a time)."""
+        """The seconds the HF engine spent decoding (its batches run one at a time)."""
         return self.engine.stats["busy_s"]
 
     def close(self):
@@ -336,6 +336,7 @@ def run(args) -> dict:
     batch = manager.collect(Prompts(bridge), weight_version=0)
     wall = time.perf_counter() - t0
     measured_busy = engine.busy_s() if hasattr(engine, "busy_s") else None
+    batches = engine.engine.stats.get("batches") if hasattr(engine, "busy_s") else None
     engine.close()
     runner.close()
 
@@ -357,6 +358,7 @@ def run(args) -> dict:
         "chain_s": chain,
         "busy_s": busy,
         "measured_busy_s": measured_busy,
+        "batches": batches,
         "tokens": tokens,
         "tool_calls": sum(len(p.tool_s) for p in plans.by_tag.values()),
         "tool_s": tool_total,
@@ -455,7 +457,7 @@ def main(argv=None) -> None:
     )
     print(f"ideal: longest episode's chain {r['chain_s']:.2f} s, engine busy {r['busy_s']:.2f} s")
     if r["measured_busy_s"] is not None:
-        print(f"the engine was in calls {r['measured_busy_s']:.2f} s of the rollout")
+        print(f"the engine decoded {r['measured_busy_s']:.2f} s of the rollout in {r['batches']} batches")
     print(
         f"agent loop: rollout {r['rollout_s']:.2f} s, ideal {ideal:.2f} s, ratio {r['rollout_s'] / ideal:.2f}"
     )

@@ -75,7 +75,7 @@ class _Engine:
 
     name = "bench"
 
-    def generate(self, requests):
+    def generate(self, requests, on_result=None):
         out = []
         for q in requests:
             ids = [ord(c) for c in ("[w]$" if q.request_id.endswith("/t0") else "ok$")]

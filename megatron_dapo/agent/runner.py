@@ -1,11 +1,16 @@
 """The episode loop: one engine call of the rollout manager, run as multi-turn tool-use episodes.
 
-Each request of the call is an episode. Turns go in lockstep over the call's live episodes: one
-``engine.generate`` with every live episode's next model turn (the HF engine batches within a call,
-SGLang across calls; a call sticks to one engine, whose prefix cache then holds the episode), then
-the tool calls those turns made, all at once on the tool processes, then the next turn. A turn's
-request is the episode's context as token ids: the prompt, every earlier turn's sampled tokens and
-every tool answer's tokens, never re-rendered from text (``TurnBridge``).
+Each request of the call is an episode, and each episode goes on its own: its next model turn is
+sent the moment its own tool answers are in, and its tool calls start the moment its turn ends; no
+episode waits for another's turns or tools (``_Flight``). The call's first turns go to the engine
+together, as one ``generate`` (as a single-turn call sends its unit; the engine hands each turn
+over as it finishes), every later turn as a ``generate`` of one request, on the same engine: the
+manager sent the unit to the least-loaded engine, and its episodes stay there (its prefix cache
+holds them). The engine batches what is pending: SGLang across requests, the HF engine the
+requests pending when a decode batch starts. The tool calls of every episode share the runner's
+pool, ``tool_workers`` at a time. A turn's request is the episode's context as token ids: the
+prompt, every earlier turn's sampled tokens and every tool answer's tokens, never re-rendered from
+text (``TurnBridge``).
 
 The token check, on what does not come from the code that built the ids: (a) each request must be
 the episode's ids (what is trained on) and extend the previous request's ids plus the ids the engine
@@ -25,14 +30,18 @@ it, its calls still counted (a tool turn of no tokens). Calls written inside ``<
 unless ``calls_in_think``.
 
 Seeds: turn ``k`` of an episode samples with ``turn_seed(seed, k)``, so a turn's draws do not depend
-on how long the earlier turns were; a turn continued after an abort skips the draws it already
-spent (``SamplingParams.seed_offset``), so with the same weights the HF engine continues exactly as
-the uninterrupted episode would have.
+on how long the earlier turns were, nor on which other turns share its batch; a turn continued after
+an abort skips the draws it already spent (``SamplingParams.seed_offset``), so with the same weights
+the HF engine continues exactly as the uninterrupted episode would have. (Which turns share an HF
+decode batch after the first now depends on when each episode's tools answered: a response is the
+same up to float rounding of the batched forward.)
 
-Aborts: when the engine aborted a turn (the manager's abort: the batch is full, a weight-sync
-pause) or the call's ``stop`` is set, no new turn starts; the tool calls already made still run
-(each is bounded by its time-out), so an episode stops either mid-turn or right after a tool
-answer, and ``GenerationRequest.episode`` resumes it from exactly there.
+Aborts: once the engine aborted one of the call's turns (the manager's abort: the batch is full, a
+weight-sync pause) or the call's ``stop`` is set, no new turn of the call starts; the turns in
+flight come back aborted with their tokens so far, and the tool calls already made still run (each
+is bounded by its time-out), so an episode stops either mid-turn or right after a tool answer, and
+``GenerationRequest.episode`` resumes it from exactly there. An engine call or a tool call that
+raises also stops new turns; ``run`` raises it once nothing of the call is in flight.
 """
 
 from __future__ import annotations
@@ -40,9 +49,10 @@ from __future__ import annotations
 import difflib
 import hashlib
 import logging
+import queue
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -493,71 +503,186 @@ class MultiTurn:
         on_result: OnResult | None = None,
     ) -> list[GenerationResult]:
         episodes = [_Episode(r, self.settings, self.bridge, self._decode) for r in requests]
-        ended: dict[int, GenerationResult] = {}
-
-        def report_ended() -> None:
-            """Hand on each episode that ended since the last look (its reward can start now)."""
-            for i, e in enumerate(episodes):
-                if i not in ended and e.info.end is not None:
-                    ended[i] = e.result()
-                    self._log_broken(e)
-                    if on_result is not None:
-                        on_result(ended[i])
-
-        stopping = False
-        while True:
-            report_ended()
-            live = [e for e in episodes if e.live]
-            if not live:
-                break
-            if stopping or stop.is_set():
-                for e in live:
-                    e.aborted = True
-                break
-            batch = [(e, e.next_request(list(self._eot))) for e in live]
-            batch = [(e, q) for e, q in batch if q is not None]
-            report_ended()  # a budget spent before the turn ends its episode here
-            if not batch:
-                continue
-            results = engine.generate([q for _, q in batch])
-            _check_turn(engine, [q for _, q in batch], results)
-            for (e, _), r in zip(batch, results):
-                e.take_turn(r, self.parser, self._decode)
-                stopping |= r.finish_reason == "abort"
-            self._answer([e for e, _ in batch if e.pending])
-        report_ended()
+        results = _Flight(self, engine, episodes, stop, on_result).run()
         for e in episodes:
             if e.info.end is not None:
                 self.tools.release(e.info.key)
-        return [ended.get(i) or e.result() for i, e in enumerate(episodes)]
-
-    def _answer(self, episodes: list[_Episode]) -> None:
-        """Run every pending call of ``episodes`` at once; append each episode's answers in order."""
-        limit = self.settings.max_parallel_calls
-        jobs = []
-        for e in episodes:
-            for i, call in enumerate(e.pending):
-                if i >= limit:
-                    refusal = ToolOutcome(
-                        f"Error: at most {limit} tool calls per turn (rollout.multi_turn.max_parallel_calls); "
-                        f"call {i + 1} was not run",
-                        "error",
-                    )
-                    done: Future = Future()
-                    done.set_result(refusal)
-                    jobs.append((e, done))
-                else:
-                    jobs.append((e, self._pool.submit(self._call, e.info.key, call, e.request.tools_kwargs)))
-        answers: dict[int, list[ToolOutcome]] = {}
-        for e, fut in jobs:
-            answers.setdefault(id(e), []).append(fut.result())
-        for e in episodes:
-            e.take_answers(answers[id(e)], self.bridge, self._eot)
+        return results
 
     def _call(self, key: str, call: Any, tools_kwargs: dict | None) -> ToolOutcome:
         # verl's contract: each verl class tool's create() gets its create_kwargs from the sample
         result = self.tools.call(key, call, tools_kwargs=tools_kwargs)
         return ToolOutcome(result.text, result.status)
+
+
+class _Flight:
+    """One engine call's episodes, each on its own, driven by the events of what it waits for.
+
+    The call's first turns go to the engine as one ``generate`` (a unit's requests together, as a
+    single-turn call sends them, so the HF engine batches them as it batches those), whose
+    ``on_result`` hands over each finished turn at once; from then on an episode's next turn is
+    one ``generate`` of its own, sent the moment its own tool answers are in, and its tool calls
+    go to the runner's pool (shared by every episode, ``tool_workers`` at a time) the moment its
+    turn ends. Every change to an episode happens on the thread that called ``run``: the engine's
+    and the tools' threads only post what came back (``_events``), so the episodes need no locks
+    and ``on_result`` is called from one thread. At most one turn per episode is in flight, so
+    the threads that wait on the engine are bounded by the call's episodes."""
+
+    def __init__(
+        self,
+        runner: MultiTurn,
+        engine: Any,
+        episodes: list[_Episode],
+        stop: threading.Event,
+        on_result: OnResult | None,
+    ):
+        self.runner, self.engine, self.episodes = runner, engine, episodes
+        self.stop, self.on_result = stop, on_result
+        self.eot = list(runner._eot)
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight = 0  # engine calls and tool calls not yet answered
+        self._turns: dict[str, _Episode] = {}  # a turn's request id -> its episode, until answered
+        self._answers: dict[int, list[ToolOutcome | None]] = {}  # id(episode) -> its calls' answers
+        self._ended: dict[int, GenerationResult] = {}
+        self._stopping = False  # an engine abort reached a turn: no new turn starts
+        self._error: BaseException | None = None
+        self._threads = ThreadPoolExecutor(max_workers=max(1, len(episodes)), thread_name_prefix="turn")
+
+    def run(self) -> list[GenerationResult]:
+        try:
+            for e in self.episodes:
+                self._report(e)  # a continuation broken from the start
+            if self.stop.is_set():
+                first = []
+            else:
+                first = [(e, q) for e in self.episodes if e.live and (q := self._request(e)) is not None]
+            if first:
+                self._send(first, on_result=True)
+            while self._in_flight:
+                self._take(self._events.get())
+        finally:
+            self._threads.shutdown(wait=False)
+        if self._error is not None:
+            raise self._error
+        for e in self.episodes:
+            if e.live:
+                e.aborted = True  # stopped before its next turn: continued from here
+            self._report(e)
+        return [self._ended.get(id(e)) or e.result() for e in self.episodes]
+
+    # -- what the run thread does -------------------------------------------------------------
+    def _request(self, e: _Episode) -> GenerationRequest | None:
+        """The episode's next turn, or None when it ended (a budget spent, a broken request)."""
+        q = e.next_request(self.eot)
+        if q is None:
+            self._report(e)
+        return q
+
+    def _send(self, turns: list[tuple[_Episode, GenerationRequest]], on_result: bool = False) -> None:
+        sent = [q for _, q in turns]
+        for e, q in turns:
+            self._turns[q.request_id] = e
+        self._in_flight += 1
+        if on_result:  # each finished turn handed over while the call's others still decode
+            fut = self._threads.submit(self.engine.generate, sent, on_result=self._hand_over)
+        else:
+            fut = self._threads.submit(self.engine.generate, sent)
+        fut.add_done_callback(lambda f: self._events.put(("call", (sent, f))))
+
+    def _hand_over(self, result: GenerationResult) -> None:
+        """The engine's ``on_result``, on its thread: only posted, taken by the run thread."""
+        self._events.put(("turn", result))
+
+    def _take(self, event: tuple[str, Any]) -> None:
+        kind, what = event
+        if kind == "turn":
+            self._turn(what)
+            return
+        self._in_flight -= 1
+        if kind == "call":
+            sent, fut = what
+            try:
+                results = fut.result()
+                _check_turn(self.engine, sent, results)
+            except BaseException as e:  # noqa: BLE001 - raised from run() once nothing is in flight
+                self._fail(e)
+                return
+            for r in results:
+                self._turn(r)
+        else:  # a tool call's answer
+            e, index, fut = what
+            try:
+                outcome = fut.result()
+            except BaseException as error:  # noqa: BLE001 - as above
+                self._fail(error)
+                return
+            answers = self._answers[id(e)]
+            answers[index] = outcome
+            if all(a is not None for a in answers):
+                del self._answers[id(e)]
+                e.take_answers(answers, self.runner.bridge, self.runner._eot)
+                self._next(e)
+
+    def _turn(self, result: GenerationResult) -> None:
+        """A model turn came back (by ``on_result``, or with its call: each is taken once)."""
+        e = self._turns.pop(result.request_id, None)
+        if e is None:
+            return
+        e.take_turn(result, self.runner.parser, self.runner._decode)
+        self._stopping |= result.finish_reason == "abort"
+        if e.pending and self._error is None:
+            self._call_tools(e)
+        elif e.pending:
+            e.pending, e.aborted = [], True
+        else:
+            self._report(e)
+
+    def _next(self, e: _Episode) -> None:
+        """After the episode's tool answers: its next turn, unless it ended or the call stops."""
+        if not e.live:
+            self._report(e)
+        elif self._stopping or self._error is not None or self.stop.is_set():
+            e.aborted = True  # right after a tool answer: continued from here
+        elif (q := self._request(e)) is not None:
+            self._send([(e, q)])
+
+    def _call_tools(self, e: _Episode) -> None:
+        """Every call of the episode's last turn, on the shared tool pool; past
+        ``max_parallel_calls`` a call is answered with an error instead of run."""
+        limit = self.runner.settings.max_parallel_calls
+        calls, e.pending = e.pending, []
+        answers: list[ToolOutcome | None] = [None] * len(calls)
+        self._answers[id(e)] = answers
+        for i, call in enumerate(calls):
+            if i >= limit:
+                answers[i] = ToolOutcome(
+                    f"Error: at most {limit} tool calls per turn (rollout.multi_turn.max_parallel_calls); "
+                    f"call {i + 1} was not run",
+                    "error",
+                )
+                continue
+            self._in_flight += 1
+            fut = self.runner._pool.submit(self.runner._call, e.info.key, call, e.request.tools_kwargs)
+            fut.add_done_callback(lambda f, e=e, i=i: self._events.put(("answer", (e, i, f))))
+        if all(a is not None for a in answers):  # every call refused (none to wait for)
+            del self._answers[id(e)]
+            e.take_answers(answers, self.runner.bridge, self.runner._eot)
+            self._next(e)
+
+    def _fail(self, error: BaseException) -> None:
+        """An engine call or a tool call raised: no new turn starts; ``run`` raises it once the
+        calls in flight are back (so nothing still runs for the call's episodes after it)."""
+        if self._error is None:
+            self._error = error
+
+    def _report(self, e: _Episode) -> None:
+        """Hand on an episode that ended (its reward can start now), once."""
+        if e.info.end is None or id(e) in self._ended:
+            return
+        self._ended[id(e)] = e.result()
+        self.runner._log_broken(e)
+        if self.on_result is not None and self._error is None:
+            self.on_result(self._ended[id(e)])
 
 
 def _digest(ids: list[int]) -> str:

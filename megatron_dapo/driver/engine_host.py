@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -45,6 +46,10 @@ class EngineHost:
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         return self.engine.generate(requests)
+
+    def generate_apart(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Several one-request calls in one message (``HFEngine.generate_apart``)."""
+        return self.engine.generate_apart(requests)
 
     def generate_each(self, requests: Sequence[GenerationRequest]) -> Iterator[tuple[str, Any]]:
         """``generate`` as a Ray streaming generator: ``("some", [results])`` as requests finish
@@ -107,12 +112,26 @@ class EngineHost:
 
 
 class RemoteEngine:
-    """Driver-side `RolloutEngine` over an `EngineHost` actor handle."""
+    """Driver-side `RolloutEngine` over an `EngineHost` actor handle.
+
+    One-request calls (episodes' later turns, sent one by one as their tools answer) cross to the
+    actor together: the first waits ``gather_s`` (10 ms, a fraction of one decode batch) for the
+    calls made meanwhile, and they go as one message (``HFEngine.generate_apart``: each still a
+    call of its own in the engine's batcher), so a step's turns cost a Ray call per 10 ms rather
+    than one each. Messages do not wait for each other: the engine's queue gathers them for its
+    next batch. An abort answers the ones still waiting here "abort" with no tokens, as the
+    engine answers its own queue."""
+
+    gather_s = 0.01
 
     def __init__(self, name: str, handle: Any, timeout_s: float):
         self.name = name
         self.handle = handle
         self.timeout_s = timeout_s
+        self._cv = threading.Condition()
+        self._waiting: list[tuple[GenerationRequest, int, Future]] = []  # (request, abort epoch, answer)
+        self._epoch = 0
+        self._version: int | None = None  # the weights of the last turn answered (for an abort here)
 
     def _get(self, ref, what: str):
         import ray
@@ -133,6 +152,8 @@ class RemoteEngine:
         self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
     ) -> list[GenerationResult]:
         what = f"generate ({len(requests)} requests)"
+        if on_result is None and len(requests) == 1:
+            return [self._one(requests[0])]
         if on_result is None:
             return self._get(self.handle.generate.remote(list(requests)), what)
         import ray
@@ -154,7 +175,43 @@ class RemoteEngine:
             for result in value:
                 on_result(result)
 
+    def _one(self, request: GenerationRequest) -> GenerationResult:
+        """A one-request call: the first of a message waits ``gather_s`` for others to join it,
+        then sends them all and answers each; the others wait for their answer."""
+        answer: Future = Future()
+        with self._cv:
+            self._waiting.append((request, self._epoch, answer))
+            gather = len(self._waiting) == 1
+        if gather:
+            time.sleep(self.gather_s)
+            self._send_waiting()
+        return answer.result()
+
+    def _send_waiting(self) -> None:
+        """One message: every one-request call waiting (those an abort reached answered here)."""
+        with self._cv:
+            batch, self._waiting = self._waiting, []
+            stale = [(q, f) for q, epoch, f in batch if epoch != self._epoch]
+            batch = [(q, f) for q, epoch, f in batch if epoch == self._epoch]
+        for q, f in stale:
+            f.set_result(GenerationResult(q.request_id, [], [], "abort", self._version))
+        if not batch:
+            return
+        try:
+            results = self._get(
+                self.handle.generate_apart.remote([q for q, _ in batch]), f"generate ({len(batch)} turns)"
+            )
+        except BaseException as e:  # noqa: BLE001 - each call of the message raises it
+            for _, f in batch:
+                f.set_exception(e)
+            return
+        for (_, f), r in zip(batch, results):
+            self._version = r.weight_version
+            f.set_result(r)
+
     def abort(self) -> None:
+        with self._cv:
+            self._epoch += 1
         self._get(self.handle.abort.remote(), "abort")
 
     def load_weights(self, buckets: Iterable[dict[str, torch.Tensor]], version: int) -> None:

@@ -264,7 +264,10 @@ class Placement:
             name = f"hf-{i}"
             handle = host_cls.options(
                 num_cpus=1,
-                max_concurrency=8,
+                # every turn in flight is a call (an episode's later turns, one request each, meet
+                # in the engine's batches) and abort must still find a thread: one per request the
+                # manager may have in flight on it, and some for abort, health and the weights
+                max_concurrency=int(cfg.rollout.max_concurrency_per_engine) + 16,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=bundle_offset + i
                 ),

@@ -3,9 +3,16 @@
 The manager schedules engine calls (units of ``groups_per_call`` groups) and never looks inside
 them; what a call does with its engine is the runner's. A single-turn response is the one-turn
 episode: ``SingleTurn`` asks the engine once. Multi-turn tool use (``rollout.multi_turn``) is
-``agent.runner.MultiTurn``: model turns on the same engine (its prefix cache holds the episode),
-tool calls in between, built by the driver and handed to the manager, so there is one scheduler
-for both.
+``agent.runner.MultiTurn``: each episode goes on its own (its next model turn sent the moment its
+own tool answers are in, never waiting for another episode's turns or tools), built by the driver
+and handed to the manager, so there is one scheduler for both.
+
+Routing is the manager's and nothing else's: a unit goes to the least-loaded engine (the fewest
+calls in flight, within its concurrency limit), and every turn of its episodes goes to that same
+engine while the call runs (sticky: its prefix cache holds the episodes, and a group shares its
+prompt). A call that ends before its episodes do (its engine failed, went down or hung, or a
+pause aborted it) has its unit re-issued like any other, to the least-loaded engine then, each
+episode continued from the tokens it holds (``rollout.partial``) or started over.
 
 ``stop`` is set when the manager aborts the engine for this call (the batch is full, a weight-sync
 pause, a time-out): the engine returns what it has as "abort", and a runner that would start

@@ -29,6 +29,7 @@ import inspect
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -55,6 +56,16 @@ class HFEngine:
         dtype: parameter dtype when loading from ``model_path``.
         max_batch_size: requests decoded together; larger calls are split.
         seed: seed of the generator used by requests without their own seed.
+
+    A dynamic batcher: concurrent ``generate`` calls wait in one queue, and each decode batch
+    takes what is pending when it starts. A call of several requests (a unit of the rollout
+    manager: a single-turn call, an episode call's first turns) is decoded alone,
+    ``max_batch_size`` requests at a time, in order, as it would be with no other call in flight,
+    so its responses never depend on timing. Calls of one request each (an episode's later turns,
+    sent as its tool answers arrive) pending at a batch's start are decoded together, up to
+    ``max_batch_size``. No thread of its own: the thread of one waiting call runs the batches
+    until its own call is answered, then hands over to another. Weight loads take the model
+    between batches. ``stats["batches"]`` counts the decode batches run.
 
     A plain class, so a Ray driver can wrap it as an actor (``ray.remote(HFEngine)``).
     """
@@ -84,7 +95,7 @@ class HFEngine:
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.weight_version: int | None = 0
-        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "busy_s": 0.0}
+        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "busy_s": 0.0, "batches": 0}
         cfg = self.model.config
         self.eos_token_ids = _eos_ids(self.model)
         pad = getattr(cfg, "pad_token_id", None)
@@ -92,7 +103,10 @@ class HFEngine:
             int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         )
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the model: a decode batch or a weight load at a time
+        self._cv = threading.Condition()  # the calls waiting for a batch, and who runs batches
+        self._pending: deque[_Job] = deque()
+        self._serving = False  # a caller's thread is running batches
         self._abort_epoch = 0
         self._rng = torch.Generator(device="cpu").manual_seed(seed)
         self._healthy = True
@@ -108,38 +122,133 @@ class HFEngine:
         self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
     ) -> list[GenerationResult]:
         """Sample one response per request, in request order (see the module doc for semantics);
-        ``on_result`` gets each row's result at the decode step it stops."""
-        epoch = self._abort_epoch  # calls waiting for the lock count as in flight
-        results: list[GenerationResult] = []
-        with self._lock:
-            t0 = time.perf_counter()
-            try:
-                for start in range(0, len(requests), self.max_batch_size):
-                    chunk = list(requests[start : start + self.max_batch_size])
-                    if self._abort_epoch != epoch:
-                        results.extend(self._aborted(r, [], []) for r in chunk)
-                        continue
-                    results.extend(self._generate_batch(chunk, epoch, on_result))
-            finally:
-                self.stats["busy_s"] += time.perf_counter() - t0
-        return results
+        ``on_result`` gets each row's result at the decode step it stops. Concurrent calls share
+        decode batches (the class doc); the thread of one of them runs each batch."""
+        requests = list(requests)
+        for r in requests:
+            self._check_prompt(r)
+        if not requests:
+            return []
+        job = _Job(requests, on_result, self._abort_epoch)  # a call waiting for a batch is in flight
+        self._serve([job])
+        if job.error is not None:
+            raise job.error
+        return job.results
+
+    def generate_apart(
+        self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
+    ) -> list[GenerationResult]:
+        """Each request as a call of its own, all queued at once: what concurrent one-request
+        calls would be (batched with every one-request call pending), in one call. A Ray host
+        takes episodes' later turns this way, so that they cross to it in one message."""
+        requests = list(requests)
+        for r in requests:
+            self._check_prompt(r)
+        epoch = self._abort_epoch
+        jobs = [_Job([r], on_result, epoch) for r in requests]
+        self._serve(jobs)
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+        return [job.results[0] for job in jobs]
+
+    def _serve(self, jobs: list[_Job]) -> None:
+        """Queue ``jobs`` and return once they are answered; while no other caller's thread runs
+        batches, this one does (until its own jobs are answered, then it hands over)."""
+        with self._cv:
+            self._pending.extend(jobs)
+            while not all(j.done for j in jobs) and self._serving:
+                self._cv.wait()
+            serve = not all(j.done for j in jobs)
+            self._serving |= serve
+        if not serve:
+            return
+        try:
+            while not all(j.done for j in jobs):
+                with self._cv:
+                    rows = self._next_batch()
+                if rows:
+                    self._run(rows)
+                elif not all(j.done for j in jobs):
+                    raise RuntimeError(f"engine {self.name}: a call's requests were never batched")
+        finally:
+            with self._cv:
+                self._serving = False
+                self._cv.notify_all()
 
     def abort(self) -> None:
-        """Stop in-flight calls at their next decode step."""
+        """Stop in-flight calls at their next decode step (calls still waiting for a batch too)."""
         self._abort_epoch += 1
+
+    def _check_prompt(self, r: GenerationRequest) -> None:
+        if not r.prompt_ids:
+            raise ValueError(f"request {r.request_id}: empty prompt_ids")
+        if len(r.prompt_ids) >= self.max_positions:
+            raise ValueError(
+                f"request {r.request_id}: prompt of {len(r.prompt_ids)} tokens does not fit the model's "
+                f"max_position_embeddings={self.max_positions}"
+            )
+
+    def _next_batch(self) -> list[tuple[_Job, int]]:
+        """The rows of the next decode batch (under ``_cv``): the next ``max_batch_size`` requests
+        of the first call of several, alone (so a call's batches are what they would be with no
+        other call: a single-turn call's responses do not depend on timing); else every call of
+        one request pending (an episode's later turn), up to ``max_batch_size``. Calls an abort
+        reached before their batch are answered "abort" without decoding."""
+        for job in [j for j in self._pending if j.epoch != self._abort_epoch]:
+            self._pending.remove(job)
+            for i in range(job.taken, len(job.requests)):
+                job.answer(i, self._aborted(job.requests[i], [], []))
+            self._cv.notify_all()
+        if not self._pending:
+            return []
+        head = self._pending[0]
+        if len(head.requests) > 1:
+            rows = [
+                (head, i)
+                for i in range(head.taken, min(head.taken + self.max_batch_size, len(head.requests)))
+            ]
+            head.taken += len(rows)
+            if head.taken == len(head.requests):
+                self._pending.popleft()
+            return rows
+        singles = [j for j in self._pending if len(j.requests) == 1][: self.max_batch_size]
+        for job in singles:
+            self._pending.remove(job)
+            job.taken = 1
+        return [(job, 0) for job in singles]
+
+    def _run(self, rows: list[tuple[_Job, int]]) -> None:
+        """Decode one batch (under the engine lock: a weight load waits for it) and answer its rows."""
+        with self._lock:
+            # the epoch the rows were taken in: an abort while the batch waited for the model
+            # (a weight load) stops it at its first step
+            epoch = rows[0][0].epoch
+            t0 = time.perf_counter()
+            try:
+                results = self._generate_batch(
+                    [job.requests[i] for job, i in rows], epoch, [job.on_result for job, _ in rows]
+                )
+            except BaseException as e:  # every call with a row in the batch fails with it
+                with self._cv:
+                    for job, _ in rows:
+                        job.fail(e)
+                        if job in self._pending:
+                            self._pending.remove(job)
+                    self._cv.notify_all()
+                return
+            finally:
+                self.stats["busy_s"] += time.perf_counter() - t0
+                self.stats["batches"] += 1
+        with self._cv:
+            for (job, i), result in zip(rows, results):
+                job.answer(i, result)
+            self._cv.notify_all()
 
     @torch.no_grad()
     def _generate_batch(
-        self, reqs: list[GenerationRequest], epoch: int, on_result: OnResult | None = None
+        self, reqs: list[GenerationRequest], epoch: int, on_results: list[OnResult | None]
     ) -> list[GenerationResult]:
-        for r in reqs:
-            if not r.prompt_ids:
-                raise ValueError(f"request {r.request_id}: empty prompt_ids")
-            if len(r.prompt_ids) >= self.max_positions:
-                raise ValueError(
-                    f"request {r.request_id}: prompt of {len(r.prompt_ids)} tokens does not fit the model's "
-                    f"max_position_embeddings={self.max_positions}"
-                )
         n = len(reqs)
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
@@ -193,8 +302,8 @@ class HFEngine:
                     finish[b] = "length"
                 if finish[b] is not None:  # a finished row is never fed again: its result is whole
                     results[b] = self._finished(r, out_ids[b], out_lps[b], finish[b], routed, b)
-                    if on_result is not None:
-                        on_result(results[b])
+                    if on_results[b] is not None:
+                        on_results[b](results[b])
             if all(f is not None for f in finish):
                 break
             feed = torch.tensor(
@@ -328,6 +437,28 @@ class HFEngine:
     def health(self, check_process: bool = True) -> bool:
         """Whether it serves (in process: there is no separate process to check)."""
         return self._healthy
+
+
+class _Job:
+    """One ``generate`` call: its requests, the abort epoch it was made in, its results so far."""
+
+    def __init__(self, requests: list[GenerationRequest], on_result: OnResult | None, epoch: int):
+        self.requests, self.on_result, self.epoch = requests, on_result, epoch
+        self.results: list[GenerationResult | None] = [None] * len(requests)
+        self.taken = 0  # requests handed to a batch (a call's requests go in order)
+        self.left = len(requests)
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0 or self.error is not None
+
+    def answer(self, i: int, result: GenerationResult) -> None:
+        self.results[i] = result
+        self.left -= 1
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
 
 
 def _per_expert_views(name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
