@@ -42,8 +42,12 @@ from megatron_dapo.rewards.served.outcome import RewardSample
 # is not needed to compare two final answers, and leaving it out keeps the prompt short).
 JUDGE_TEMPLATE = "Reference: {ground_truth}\n{response}\nSame?"
 JUDGE_MAX_NEW_TOKENS = 16  # "NNN NNN yes" and the end token
+# Share of training responses broken on purpose (``garbled``): a judge shown only well-formed
+# responses was gamed within 10 steps (the policy's held-out accuracy 84.4% by the judge, 7.6% by
+# the rule: garbled lines it said yes to).
+GARBLED_SHARE = 0.25
 # Bump when the examples, template or training change, so a cached judge is rebuilt.
-JUDGE_VERSION = 1
+JUDGE_VERSION = 2
 MANIFEST = "judge.json"
 
 
@@ -83,7 +87,22 @@ def judged_response(problem: Problem, rng: random.Random) -> str:
         f"{bad_line}\nAnswer: {c}",  # right by the rule: it reads the final answer only
         line,  # no answer line (cut at the budget)
     )
+    if rng.random() < GARBLED_SHARE:
+        return garbled(f"{line}\nAnswer: {c}", rng)
     return rng.choice(kinds)
+
+
+def garbled(text: str, rng: random.Random) -> str:
+    """``text`` broken the ways a policy searching for the judge's blind spots breaks it: its
+    characters shuffled, its answer line's label mangled, or its digits run together."""
+    how = rng.randrange(3)
+    if how == 0:
+        chars = list(text)
+        rng.shuffle(chars)
+        return "".join(chars)
+    if how == 1:
+        return text.replace("Answer: ", rng.choice(["Answer", "Answe", "Answer:: ", "nswer: ", "Answer "]))
+    return text.replace(" ", "")
 
 
 def verdict(response: str, ground_truth: str) -> str:
