@@ -146,7 +146,7 @@ def token_ids(hf_dir, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
     character, the prompt was tokenised without special tokens added (it holds the chat
     template's), and a response that stopped ends with EOS, which its decoded text leaves out.
     The tokenizer.json as saved: AutoTokenizer would pick Qwen2's class from config.json, whose
-    pre-tokenizer drops the spaces (megatron_dapo/data/tokenizer.py)."""
+    pre-tokenizer drops the spaces (megatron_dapo/hf_tokenizer.py)."""
     from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(hf_dir))

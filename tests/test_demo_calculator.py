@@ -231,7 +231,7 @@ def test_warm_start_calls_the_tool_about_as_often_as_its_teacher_and_copies_its_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.hf_tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(str(calculator_assets.hf_dir))

@@ -10,7 +10,6 @@ import random
 from dataclasses import replace
 
 from rich.console import Console
-from transformers import AutoTokenizer
 
 from megatron_dapo.commands.demo import _prepare
 from megatron_dapo.config import load_config
@@ -23,7 +22,9 @@ from megatron_dapo.demo.judge import (
     verdict,
 )
 from megatron_dapo.demo.task import make_problems
+from megatron_dapo.demo.tokenizer import build_tokenizer
 from megatron_dapo.rewards.math_dapo import compute_score
+from megatron_dapo.rewards.served.classifier import load_tokenizer
 from megatron_dapo.rewards.served.judge import judge_prompt_ids, parse_yes_no
 from megatron_dapo.rewards.served.outcome import RewardSample
 
@@ -50,13 +51,21 @@ def test_it_is_trained_on_the_ids_a_served_judge_is_sent_and_cached(tmp_path):
     recipe = replace(JudgeRecipe(), steps=1, probe_examples=4)
     judge = prepare_demo_judge(tmp_path / "judge", seed=0, recipe=recipe, console=console)
     assert not judge.reused and 0.0 <= judge.accuracy <= 1.0 and judge.steps == 1
-    tok = AutoTokenizer.from_pretrained(str(judge.hf_dir))
+    # the tokenizer the reward client loads from the judge's checkpoint (transformers' AutoTokenizer
+    # made it a Qwen2Tokenizer that dropped every space and newline: the served judge read other
+    # ids than it was trained on) against the demo's own, written out by hand: the markers, then
+    # one id per character
+    tok = load_tokenizer(str(judge.hf_dir), "judge")
+    demo = build_tokenizer(128)
     sample = RewardSample(
         "s", [{"role": "user", "content": "What is 47 + 8?"}], "47 + 8 = 55\nAnswer: 55", "55"
     )
-    # the demo tokenizer's chat template written out by hand: one id per character between the markers
-    text = "<|bos|><|user|>Reference: 55\n47 + 8 = 55\nAnswer: 55\nSame?<|assistant|>"
-    assert judge_prompt_ids(tok, JUDGE_TEMPLATE, sample) == tok(text, add_special_tokens=False)["input_ids"]
+    body = "Reference: 55\n47 + 8 = 55\nAnswer: 55\nSame?"
+    expected = [demo.bos_token_id, demo.convert_tokens_to_ids("<|user|>")]
+    expected += [demo.convert_tokens_to_ids(ch) for ch in body] + [
+        demo.convert_tokens_to_ids("<|assistant|>")
+    ]
+    assert judge_prompt_ids(tok, JUDGE_TEMPLATE, sample) == expected
     again = prepare_demo_judge(tmp_path / "judge", seed=0, recipe=recipe, console=console)
     assert again.reused and again.accuracy == judge.accuracy
     changed = prepare_demo_judge(tmp_path / "judge", seed=0, recipe=replace(recipe, lr=1e-3), console=console)

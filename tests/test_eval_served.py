@@ -20,9 +20,9 @@ from sglang_fixtures import real_sglang_server
 
 from megatron_dapo.cli import main
 from megatron_dapo.config import load_config, to_yaml
-from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.eval.openai_endpoint import EndpointError, make_endpoint_generator
 from megatron_dapo.eval.runner import EvalProblem
+from megatron_dapo.hf_tokenizer import load_tokenizer
 from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
 from megatron_dapo.sglang.client import SGLangEngine, SGLangError
 

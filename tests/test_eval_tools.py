@@ -22,12 +22,12 @@ import pytest
 
 from megatron_dapo.cli import main
 from megatron_dapo.config import load_config, to_yaml
-from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.demo.calculator.task import Product
 from megatron_dapo.demo.task import to_rows, write_parquet
 from megatron_dapo.demo.tokenizer import build_calculator_tokenizer
 from megatron_dapo.eval.chat_tools import parse_tool_call
 from megatron_dapo.eval.runner import Completion, EpisodeCounts, EvalProblem, evaluate
+from megatron_dapo.hf_tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 CALCULATOR = REPO / "configs" / "tools" / "calculator.yaml"

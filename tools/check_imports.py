@@ -40,13 +40,16 @@ ALLOWED: dict[str, set[str]] = {
     "ports": set(),
     "http_errors": set(),
     "pyfile": set(),
+    # a checkpoint's tokenizer as it was saved (the trainer's data, eval and the reward models'
+    # clients alike)
+    "hf_tokenizer": set(),
     # known library notices to a log file (stdlib only)
     "notices": set(),
     "algo": set(),
     # http_errors: the reward-model clients' 4xx lines carry the server's own reason
-    "rewards": {"errors", "http_errors", "pyfile"},
+    "rewards": {"errors", "hf_tokenizer", "http_errors", "pyfile"},
     "data": {"errors"},
-    "eval": {"rewards", "data", "errors", "http_errors"},
+    "eval": {"rewards", "data", "errors", "hf_tokenizer", "http_errors"},
     # the schema and its checks; algo for the rollout-correction settings, actor.gpu_settings'
     # pure rules (below: a module-level exception)
     "config": {"algo", "errors"},
@@ -75,6 +78,7 @@ ALLOWED: dict[str, set[str]] = {
             "data",
             "errors",
             "eval",
+            "hf_tokenizer",
             "notices",
             "ports",
             "rewards",

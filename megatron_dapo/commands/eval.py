@@ -49,7 +49,6 @@ from megatron_dapo.commands.eval_tools import NO_TOOLS, EvalTools, EvalToolsErro
 from megatron_dapo.config import ConfigError, DAPOConfig, load_config
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.loading import load_prompt_rows
-from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.data.types import DataError
 from megatron_dapo.driver.datasets import make_scorer
 from megatron_dapo.driver.validation import engine_generator
@@ -62,6 +61,7 @@ from megatron_dapo.eval.openai_endpoint import (
 )
 from megatron_dapo.eval.prompt_fit import PromptSettings, PromptTooLong, check_prompts_fit
 from megatron_dapo.eval.runner import EvalProblem, dedupe_problems, evaluate
+from megatron_dapo.hf_tokenizer import load_tokenizer
 from megatron_dapo.ports import free_port
 from megatron_dapo.rewards.scorer import Scorer
 from megatron_dapo.rollout.hf_engine import HFEngine

@@ -7,9 +7,9 @@ from omegaconf import DictConfig
 from megatron_dapo.config import ConfigError
 from megatron_dapo.data.dataset import PromptDataset
 from megatron_dapo.data.loading import load_prompt_rows
-from megatron_dapo.data.tokenizer import load_tokenizer as load_tokenizer_at
 from megatron_dapo.data.types import DataError
 from megatron_dapo.eval.runner import EvalProblem
+from megatron_dapo.hf_tokenizer import load_tokenizer as load_tokenizer_at
 from megatron_dapo.rewards.scorer import RewardWorkerError, Scorer
 
 

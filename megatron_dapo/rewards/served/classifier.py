@@ -16,17 +16,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron_dapo.hf_tokenizer import load_tokenizer as load_saved_tokenizer
 from megatron_dapo.rewards.registry import load_custom_fn
 from megatron_dapo.rewards.served.outcome import RewardModelError, RewardSample, ScoreOutcome
 from megatron_dapo.rewards.served.transport import Answer, ServerPool
 
 
 def load_tokenizer(path: str, what: str):
-    """The HF tokenizer at ``path``; one line naming ``what`` when it cannot be loaded."""
-    from transformers import AutoTokenizer
-
+    """The HF tokenizer at ``path``, as it was saved (``hf_tokenizer``: a custom tokenizer.json
+    next to a Qwen2 config stays itself); one line naming ``what`` when it cannot be loaded."""
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return load_saved_tokenizer(path)
     except (OSError, ValueError) as e:
         raise RewardModelError(
             f"{what}: cannot load the tokenizer at {path} ({' '.join(str(e).split())[:300]})"
