@@ -3,8 +3,8 @@ HF rollout engine) scored by a reward model the run serves itself through the re
 server.
 
 - A judge (a tiny chat LM, a user verdict parser), killed with SIGKILL while it scores step 1: the
-  run restarts it, the step completes, and every response scored while it was down is unscored
-  (left out of its group, never scored 0); the rest carry the parser's +-1.
+  run restarts it, the responses being scored meanwhile wait for the restart (a server the run
+  supervises), the step completes with every response scored, never 0, and the restart counted.
 - A classifier (a tiny random Qwen2ForSequenceClassification, no score.bias): served from the
   corrected copy, the start-up check passes, every response of both steps is scored by it.
 """
@@ -102,8 +102,9 @@ def test_a_judge_killed_mid_step_is_restarted_and_no_sample_is_scored_0(assets, 
     assert set(records) >= {1, 2}
     # the Ray-hosted HF engines streamed each response to the driver as its row stopped
     assert records[1]["reward/early_fraction"] == records[2]["reward/early_fraction"] == 1.0
-    assert records[1]["reward/unscored"] >= 1, "responses scored while the judge was down"
-    assert records[1].get("reward/unscored_down", 0) >= 1
+    # the responses in flight when it died waited out its restart: none unscored, the restart counted
+    assert records[1]["reward/server_restarts"] == 1
+    assert records[1].get("reward/unscored", 0) == 0, "responses failed while the judge restarted"
     for step in (1, 2):
         for row in _dumped(run, step):
             if row.get("unscored"):
