@@ -278,3 +278,35 @@ def test_a_start_up_error_carries_the_cause_not_sglang_s_argument_dump(tmp_path)
     assert "out of memory while loading the weights" in message and "Load weight begin" in message
     assert "server_args" not in message and "AWQ" not in message
     assert len(message) < 1000
+
+
+def test_stopping_a_server_whose_process_died_kills_the_children_it_left(tmp_path):
+    """A server killed during start-up (measured: SIGKILL of the launch process of a reward server
+    being started): its detokenizer child lived on for the rest of the session, orphaned, after the
+    run had stopped. Stopping the server takes its process group, leader dead or not."""
+    script = tmp_path / "leader.py"
+    pidfile = tmp_path / "child.pid"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n"
+        "raise SystemExit(9)\n"
+    )
+    cfg = SGLangServerConfig(model_path="/m", port=free_port(), log_file=str(tmp_path / "s.log"))
+    server = SGLangServer(cfg, command=[sys.executable, str(script)], poll_s=0.1)
+    with server, pytest.raises(SGLangStartupError):
+        server.wait_healthy(timeout_s=30)
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(child):
+        time.sleep(0.05)
+    assert not _running(child), "the dead server's child is still running"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by whoever is PID 1, perhaps late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -298,7 +298,12 @@ class SGLangServer:
         )
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the process group, SIGKILL after ``grace_s``."""
+        """SIGTERM the process group, SIGKILL after ``grace_s``. A server whose own process already
+        died (killed, or crashed during start-up) may have left children in its group (SGLang's
+        scheduler and detokenizer): they are killed too, never left running."""
+        if self.proc is not None and self.proc.poll() is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
