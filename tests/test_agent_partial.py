@@ -113,6 +113,7 @@ def test_an_episode_aborted_mid_turn_and_continued_equals_the_uninterrupted_one(
     assert any(0 in r.loss_mask for r in whole), "tool answers inside the responses"
     first_turn = max(t.end - t.start for r in whole for t in r.episode.turns[:1])
     where = set()  # (assistant turn, tokens into it) at which an episode was cut
+    cuts = 0
     for abort_at in range(2, first_turn + 6):  # forwards: inside turn 0, then inside turn 1
         forwards = []
 
@@ -124,7 +125,9 @@ def test_an_episode_aborted_mid_turn_and_continued_equals_the_uninterrupted_one(
         handle = model.register_forward_hook(hook)
         cut = _runner(tools).run(engine, _requests(), threading.Event())
         handle.remove()
-        assert any(r.finish_reason == "abort" for r in cut)
+        # an abort reaches the turns in flight; one that lands on the forward in which the last
+        # of them stops (the others waiting for their tools) cuts nothing, and the run goes on
+        cuts += any(r.finish_reason == "abort" for r in cut)
         for r in cut:
             if r.finish_reason == "abort" and r.episode.turns[-1].role == "assistant":
                 turn = r.episode.turns[-1]
@@ -141,6 +144,7 @@ def test_an_episode_aborted_mid_turn_and_continued_equals_the_uninterrupted_one(
             _same(joined, w)
     # cut inside the first and the second model turn, after some of the turn's tokens
     assert {t for t, n in where if n > 0} >= {0, 1}, where
+    assert cuts >= (first_turn + 4) // 2, cuts
 
 
 class _Prompts:

@@ -59,16 +59,17 @@ def test_hf_generation_stopped_at_a_sync_and_continued_equals_the_uninterrupted_
     ]
     whole = engine.generate(reqs)
 
-    # stop every request after exactly 4 tokens: the abort lands during the 5th forward (prefill
-    # + 4 decode steps), and the engine checks it before sampling the next token
-    forwards = []
+    # stop every request after exactly 4 tokens: the abort lands during the 3rd decode step (a
+    # prefill draws each row's first token, each step one more), and the engine checks it before
+    # the next step
+    steps = []
 
-    def abort_at_fifth(*_):
-        forwards.append(1)
-        if len(forwards) == 5:
+    def abort_at_third_step(_module, args, kwargs, _out):
+        steps.append(kwargs["input_ids"].shape[1] == 1)
+        if sum(steps) == 3:
             engine.abort()
 
-    hook = model.register_forward_hook(abort_at_fifth)
+    hook = model.register_forward_hook(abort_at_third_step, with_kwargs=True)
     stopped = engine.generate(reqs)
     hook.remove()
     assert [(len(r.output_ids), r.finish_reason) for r in stopped] == [(4, "abort")] * 3

@@ -231,12 +231,12 @@ def test_load_from_disk_and_from_path(tiny_hf_checkpoint):
     ]
 
 
-# -- the dynamic batcher: concurrent calls share decode batches ---------------------------------
+# -- continuous batching: rows join and leave the decode at any step -----------------------------
 
 
 class Gate:
     """A forward pre-hook that records each forward's rows and holds the first one until
-    ``release``: calls made meanwhile queue for the next batch."""
+    ``release``: calls made meanwhile queue for the next step."""
 
     def __init__(self, model):
         self.rows, self.started, self.open = [], threading.Event(), threading.Event()
@@ -269,75 +269,86 @@ def _in_threads(engine, calls):
 
 
 def _wait_queued(engine, n):
-    """Until ``n`` calls wait for a batch (the engine's queue)."""
+    """Until ``n`` rows wait for a slot (the engine's queue)."""
     for _ in range(12000):
         if len(engine._pending) >= n:
             return
         threading.Event().wait(0.01)
-    raise AssertionError(f"{n} calls never queued")
+    raise AssertionError(f"{n} rows never queued")
 
 
-def test_calls_pending_when_a_batch_starts_are_decoded_together(model):
-    """One-request calls made while a batch decodes go in the next batch together: 2 batches for
-    3 calls, the second of 2 rows (one call at a time: 3 batches of 1). Each response is the one
-    it gets alone (its own seed): the same tokens, log-probs equal up to float rounding."""
-    alone = [HFEngine(model=model).generate([_one(i)])[0] for i in range(3)]
-    serial = HFEngine(model=model)
-    for i in range(3):
-        serial.generate([_one(i)])
-    assert serial.stats["batches"] == 3
+def _bits(results):
+    return [(r.output_ids, r.logprobs, r.finish_reason) for r in results]
 
-    engine = HFEngine(model=model)
+
+def test_a_response_is_bitwise_the_same_alone_in_a_batch_and_joining_one_mid_way(model):
+    """Batch invariance: prompts of different lengths (a left-padded batch rounds each row
+    differently from its decode alone), a batch with them, and rows joining a decode that is
+    under way: every response is bitwise the one it gets alone, log-probs included. This is what
+    keeps a seeded multi-turn run reproducible when its turns meet in the engine by timing."""
+    reqs = [_one(i, tokens=12) for i in range(6)]
+    alone = [HFEngine(model=model, frame=64).generate([q])[0] for q in reqs]
+    assert len({len(q.prompt_ids) for q in reqs}) == 6
+    assert _bits(HFEngine(model=model, frame=64).generate(reqs)) == _bits(alone)
+    assert _bits(HFEngine(model=model, frame=64).generate(reqs[::-1])) == _bits(alone[::-1])
+
+    engine = HFEngine(model=model, frame=64)
+    long = GenerationRequest("long", [9] * 7, SamplingParams(0.9, max_new_tokens=30, seed=11))
+    long_alone = HFEngine(model=model, frame=64).generate([long])[0]
     gate = Gate(model)
     try:
-        out, threads = _in_threads(engine, [[_one(0)], [_one(1)], [_one(2)]])
-        threads[0].start()
-        assert gate.started.wait(timeout=120)
-        for t in threads[1:]:
-            t.start()
-        _wait_queued(engine, 2)
-        gate.open.set()
-        for t in threads:
-            t.join(timeout=120)
-    finally:
-        gate.remove()
-    assert gate.rows[0] == 1 and gate.rows[-1] == 2 and engine.stats["batches"] == 2
-    got = [o[0] for o in out]
-    assert [r.output_ids for r in got] == [r.output_ids for r in alone]
-    for r, a in zip(got, alone):
-        assert r.logprobs == pytest.approx(a.logprobs, abs=1e-5)
-    assert engine.stats["requests"] == 3 and engine.stats["tokens"] == 18
-
-
-def test_a_call_of_several_requests_is_decoded_alone_and_an_abort_reaches_queued_calls(model):
-    """A call of several requests (a unit) is not mixed with one-request calls: its batch is
-    exactly what it would be alone, so its responses are bitwise those of a call made alone.
-    An abort answers every call in flight, the ones still waiting for a batch included, "abort"
-    with what they had; a call made after it runs."""
-    unit = [_one(3), _one(4), _one(5)]
-    reference = HFEngine(model=model).generate(unit)
-    engine = HFEngine(model=model)
-    gate = Gate(model)
-    try:
-        out, threads = _in_threads(engine, [[_one(0)], unit, [_one(1)], [_one(2)]])
+        out, threads = _in_threads(engine, [[long], reqs[:3], [reqs[3]], reqs[4:]])
         threads[0].start()
         assert gate.started.wait(timeout=120)
         for k in (1, 2, 3):
             threads[k].start()
-            _wait_queued(engine, k)
+        _wait_queued(engine, 6)
         gate.open.set()
         for t in threads:
             t.join(timeout=120)
     finally:
         gate.remove()
-    # the batches: the first call, the unit alone, then the two one-request calls together
-    assert engine.stats["batches"] == 3
-    assert [(r.output_ids, r.logprobs) for r in out[1]] == [(r.output_ids, r.logprobs) for r in reference]
-    sizes = [n for n in gate.rows if n > 1]
-    assert sizes[0] == 3 and sizes[-1] == 2
+    assert _bits(out[0]) == _bits([long_alone])
+    assert _bits(out[1] + out[2] + out[3]) == _bits(alone)
 
+
+def test_a_call_made_while_others_decode_joins_at_the_next_step(model):
+    """An episode's later turn sent while a long response decodes is answered while that one is
+    still decoding (it does not wait for the batch to end): the engine's forwards are the long
+    row's plus one prefill, not the sum of both calls'."""
+    engine = HFEngine(model=model)
+    long = GenerationRequest(
+        "long", [3, 4, 5], SamplingParams(0.9, max_new_tokens=40, seed=1, ignore_eos=True)
+    )
+    short = GenerationRequest("short", [7, 8], SamplingParams(0.9, max_new_tokens=3, seed=2, ignore_eos=True))
+    short_done, long_left = threading.Event(), {}
+    gate = Gate(model)
+    try:
+        out, threads = _in_threads(engine, [[long]])
+        threads[0].start()
+        assert gate.started.wait(timeout=120)
+        t = threading.Thread(target=lambda: (engine.generate([short]), short_done.set()))
+        t.start()
+        _wait_queued(engine, 1)
+        gate.open.set()
+        assert short_done.wait(timeout=120)
+        long_left["alive"] = threads[0].is_alive()
+        threads[0].join(timeout=120)
+        t.join(timeout=120)
+    finally:
+        gate.remove()
+    assert long_left["alive"], "the short call waited for the long one"
+    assert len(out[0][0].output_ids) == 40
+    # 40 forwards for the long row (a prefill, 39 steps), one prefill for the short row
+    assert engine.stats["prefills"] == 2 and engine.stats["steps"] == 39
+
+
+def test_an_abort_reaches_rows_in_flight_and_queued(model):
+    """An abort answers every row in flight "abort" with what it sampled, and every queued one
+    "abort" with nothing; a call made after it runs."""
     engine = HFEngine(model=model)
     gate = Gate(model)
+    unit = [_one(3), _one(4), _one(5)]
     try:
         long = GenerationRequest("long", [3, 4, 5], SamplingParams(max_new_tokens=100, seed=1))
         out, threads = _in_threads(engine, [[long], [_one(1)], unit])
@@ -345,20 +356,22 @@ def test_a_call_of_several_requests_is_decoded_alone_and_an_abort_reaches_queued
         assert gate.started.wait(timeout=120)
         for k in (1, 2):
             threads[k].start()
-            _wait_queued(engine, k)
+        _wait_queued(engine, 4)
         engine.abort()
         gate.open.set()
         for t in threads:
             t.join(timeout=120)
     finally:
         gate.remove()
-    assert out[0][0].finish_reason == "abort" and len(out[0][0].output_ids) < 100
+    assert out[0][0].finish_reason == "abort" and 0 < len(out[0][0].output_ids) < 100
     assert [(r.finish_reason, r.output_ids) for r in out[1] + out[2]] == [("abort", [])] * 4
-    assert engine.stats["batches"] == 1 and engine.stats["aborted"] == 5
+    assert engine.stats["aborted"] == 5
     assert engine.generate([_one(1)])[0].finish_reason == "length"
 
 
-def test_a_weight_load_waits_for_the_batch_in_flight(model):
+def test_a_weight_load_waits_for_the_rows_in_flight(model):
+    """A load waits until the rows in flight are answered (a response comes from one version of
+    the weights), and a row queued meanwhile starts after it, on the new weights."""
     engine = HFEngine(model=model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     gate = Gate(model)
@@ -369,7 +382,7 @@ def test_a_weight_load_waits_for_the_batch_in_flight(model):
         load = threading.Thread(target=engine.load_weights, args=([state], 5))
         load.start()
         load.join(timeout=0.2)
-        assert load.is_alive() and engine.weight_version == 0  # the batch holds the model
+        assert load.is_alive() and engine.weight_version == 0  # the row in flight holds the model
         gate.open.set()
         threads[0].join(timeout=120)
         load.join(timeout=120)
@@ -381,8 +394,7 @@ def test_a_weight_load_waits_for_the_batch_in_flight(model):
 
 def test_generate_apart_queues_its_requests_as_calls_of_their_own(model):
     """What a Ray host does with episodes' later turns: several one-request calls in one call,
-    batched with the other one-request calls pending (one batch of 3 rows after the held one),
-    each the response it gets alone."""
+    decoded with the rows in flight, each bitwise the response it gets alone."""
     alone = [HFEngine(model=model).generate([_one(i)])[0] for i in range(3)]
     engine = HFEngine(model=model)
     gate = Gate(model)
@@ -401,6 +413,33 @@ def test_generate_apart_queues_its_requests_as_calls_of_their_own(model):
             x.join(timeout=120)
     finally:
         gate.remove()
-    assert engine.stats["batches"] == 2 and gate.rows[-1] == 3
-    got = [out[1][0], *apart["r"]]
-    assert [r.output_ids for r in got] == [r.output_ids for r in alone]
+    assert _bits([out[1][0], *apart["r"]]) == _bits(alone)
+    # the first row's first step, then the four together for 5 steps (one at a time: 20)
+    assert engine.stats["steps"] == 6
+
+
+def test_a_request_longer_than_the_frame_grows_it(model, caplog):
+    """A frame too small for a request grows (with a warning: rows after it round differently),
+    and the response is still the model's (log-probs against a separate forward)."""
+    engine = HFEngine(model=model, frame=8)
+    req = GenerationRequest("big", [5] * 10, SamplingParams(0.9, max_new_tokens=20, seed=4))
+    with caplog.at_level("WARNING"):
+        res = engine.generate([req])[0]
+    assert "frame grows" in caplog.text and engine._frame.width == 64
+    ref = reference_logprobs(model, req.prompt_ids, res.output_ids, 0.9)
+    torch.testing.assert_close(torch.tensor(res.logprobs), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("qwen3", "eager"), ("qwen3_moe", "sdpa")])
+def test_logprobs_match_a_separate_forward_across_families_and_attention(family, attn):
+    """The engine's frame and masks in other architectures and in eager attention (an additive
+    mask): log-probs equal a plain unpadded forward's."""
+    from helpers import random_hf_model
+
+    model = random_hf_model(tiny_hf_config(family, vocab=128), 0).eval()
+    model.config._attn_implementation = attn
+    engine = HFEngine(model=model)
+    reqs = requests(3)
+    for req, res in zip(reqs, engine.generate(reqs)):
+        ref = reference_logprobs(model, req.prompt_ids, res.output_ids, 0.9)
+        torch.testing.assert_close(torch.tensor(res.logprobs), ref, atol=1e-5, rtol=0)

@@ -226,7 +226,7 @@ class TimedHF:
         return True
 
     def busy_s(self) -> float:
-        """The seconds the HF engine spent decoding (its batches run one at a time)."""
+        """The seconds the HF engine spent decoding (its steps run one at a time)."""
         return self.engine.stats["busy_s"]
 
     def close(self):
@@ -336,7 +336,9 @@ def run(args) -> dict:
     batch = manager.collect(Prompts(bridge), weight_version=0)
     wall = time.perf_counter() - t0
     measured_busy = engine.busy_s() if hasattr(engine, "busy_s") else None
-    batches = engine.engine.stats.get("batches") if hasattr(engine, "busy_s") else None
+    forwards = (
+        engine.engine.stats["steps"] + engine.engine.stats["prefills"] if hasattr(engine, "busy_s") else None
+    )
     engine.close()
     runner.close()
 
@@ -358,7 +360,7 @@ def run(args) -> dict:
         "chain_s": chain,
         "busy_s": busy,
         "measured_busy_s": measured_busy,
-        "batches": batches,
+        "forwards": forwards,
         "tokens": tokens,
         "tool_calls": sum(len(p.tool_s) for p in plans.by_tag.values()),
         "tool_s": tool_total,
@@ -407,7 +409,7 @@ def hf_engine(args, tok, plans):
         return best / n
 
     alone, full = timed(1), timed(args.hf_batch) / args.hf_batch
-    engine.stats["busy_s"] = 0.0  # the rollout's own, from here
+    engine.stats.update(busy_s=0.0, steps=0, prefills=0)  # the rollout's own, from here
     print(
         f"hf engine: {alone * 1e3:.2f} ms a token alone, {full * 1e3:.2f} ms a token per row at batch {args.hf_batch}"
     )
@@ -457,7 +459,7 @@ def main(argv=None) -> None:
     )
     print(f"ideal: longest episode's chain {r['chain_s']:.2f} s, engine busy {r['busy_s']:.2f} s")
     if r["measured_busy_s"] is not None:
-        print(f"the engine decoded {r['measured_busy_s']:.2f} s of the rollout in {r['batches']} batches")
+        print(f"the engine decoded {r['measured_busy_s']:.2f} s of the rollout in {r['forwards']} forwards")
     print(
         f"agent loop: rollout {r['rollout_s']:.2f} s, ideal {ideal:.2f} s, ratio {r['rollout_s'] / ideal:.2f}"
     )

@@ -6,8 +6,8 @@ episode waits for another's turns or tools (``_Flight``). The call's first turns
 together, as one ``generate`` (as a single-turn call sends its unit; the engine hands each turn
 over as it finishes), every later turn as a ``generate`` of one request, on the same engine: the
 manager sent the unit to the least-loaded engine, and its episodes stay there (its prefix cache
-holds them). The engine batches what is pending: SGLang across requests, the HF engine the
-requests pending when a decode batch starts. The tool calls of every episode share the runner's
+holds them). The engine batches what is in flight: SGLang and the HF engine alike let a request
+join the decode at its next step. The tool calls of every episode share the runner's
 pool, ``tool_workers`` at a time. A turn's request is the episode's context as token ids: the
 prompt, every earlier turn's sampled tokens and every tool answer's tokens, never re-rendered from
 text (``TurnBridge``).
@@ -32,9 +32,9 @@ unless ``calls_in_think``.
 Seeds: turn ``k`` of an episode samples with ``turn_seed(seed, k)``, so a turn's draws do not depend
 on how long the earlier turns were, nor on which other turns share its batch; a turn continued after
 an abort skips the draws it already spent (``SamplingParams.seed_offset``), so with the same weights
-the HF engine continues exactly as the uninterrupted episode would have. (Which turns share an HF
-decode batch after the first now depends on when each episode's tools answered: a response is the
-same up to float rounding of the batched forward.)
+the HF engine continues exactly as the uninterrupted episode would have. Which turns share an HF
+decode step depends on when each episode's tools answered; the engine's responses do not depend
+on their batch mates (``HFEngine``), so a seeded run is reproduced bit for bit.
 
 Aborts: once the engine aborted one of the call's turns (the manager's abort: the batch is full, a
 weight-sync pause) or the call's ``stop`` is set, no new turn of the call starts; the turns in

@@ -27,6 +27,14 @@ from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 _DONE = object()
 
 
+def hf_frame(cfg: Any) -> int:
+    """An HF engine's attention frame for a run: the longest prompt plus the longest response
+    (training's or validation's budget) it can be sent. A fixed frame keeps the engine's
+    responses independent of their batch mates (``HFEngine``), so a seeded run is reproducible."""
+    val = cfg.rollout.val.max_response_length
+    return int(cfg.data.max_prompt_length) + max(int(cfg.data.max_response_length), int(val or 0))
+
+
 class EngineHost:
     def __init__(
         self,
@@ -36,10 +44,16 @@ class EngineHost:
         max_batch_size: int = 64,
         threads: int = 1,
         record_routing: bool = False,
+        frame: int | None = None,
     ):
         torch.set_num_threads(threads)
         self.engine = HFEngine(
-            model_path, name=name, seed=seed, max_batch_size=max_batch_size, record_routing=record_routing
+            model_path,
+            name=name,
+            seed=seed,
+            max_batch_size=max_batch_size,
+            record_routing=record_routing,
+            frame=frame,
         )
         self._buckets: list[dict[str, torch.Tensor]] = []
         self._version: int | None = None

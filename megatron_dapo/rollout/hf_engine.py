@@ -5,8 +5,9 @@ token under exactly the distribution SGLang reports, (2) a seed per request, so 
 not depend on which other requests share its batch, and (3) abort between decode steps. With
 ``generate`` the first needs ``output_scores`` post-processing that differs by logits-processor
 order, the second is impossible (one global generator per call), the third needs a stopping
-criteria hack. The loop is a plain KV-cached decode: prefill the left-padded batch once, then
-feed one token per row per step.
+criteria hack; and (4) continuous batching with responses that do not depend on their batch
+mates (``HFEngine``). The loop is a KV-cached decode over a fixed frame: each row's prompt is
+prefilled unpadded, then each step feeds one token per row in flight.
 
 Sampling, per row (the order SGLang's sampler uses): ``z = logits / T``; the returned
 log-prob is ``log_softmax(z)[token]`` over the full vocabulary, i.e. before top-k/top-p
@@ -15,9 +16,7 @@ truncation and renormalisation, which is what SGLang returns in ``output_token_l
 renormalised values are a separate opt-in there, ``return_sampling_mask``). The token is then
 drawn from the top-k/top-p-truncated, renormalised distribution by inverse CDF with one uniform
 number from the request's own ``torch.Generator``. T=0 is greedy with the T=1 log-prob, as in
-SGLang. Responses are independent of batch composition up to float rounding of the batched
-forward (a different batch can flip a draw only when a uniform lands within ~1e-7 of a CDF
-step).
+SGLang. The sampler works row by row, so a row's draw depends only on its own logits.
 
 CPU/GPU difference: ``release_memory``/``resume_memory`` move the model to host memory and
 back on CUDA and do nothing on CPU (there is no device memory to give back).
@@ -25,12 +24,13 @@ back on CUDA and do nothing on CPU (there is no device memory to give back).
 
 from __future__ import annotations
 
-import inspect
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ class WeightLoadError(EngineError):
 
 
 class HFEngine:
-    """HF transformers engine with batched, seeded, abortable sampling.
+    """HF transformers engine with seeded, abortable sampling and continuous batching.
 
     Args:
         model_path: HF checkpoint directory (ignored when ``model`` is given).
@@ -54,18 +54,24 @@ class HFEngine:
         name: engine name for logs and errors.
         device: "cpu" or a CUDA device.
         dtype: parameter dtype when loading from ``model_path``.
-        max_batch_size: requests decoded together; larger calls are split.
+        max_batch_size: rows decoded together (the slots of the frame).
         seed: seed of the generator used by requests without their own seed.
+        frame: tokens of one row's attention frame, at least the longest prompt plus response the
+            engine will be sent (the driver passes ``data.max_prompt_length +
+            data.max_response_length``). None: it grows to fit, in steps of 64 tokens.
 
-    A dynamic batcher: concurrent ``generate`` calls wait in one queue, and each decode batch
-    takes what is pending when it starts. A call of several requests (a unit of the rollout
-    manager: a single-turn call, an episode call's first turns) is decoded alone,
-    ``max_batch_size`` requests at a time, in order, as it would be with no other call in flight,
-    so its responses never depend on timing. Calls of one request each (an episode's later turns,
-    sent as its tool answers arrive) pending at a batch's start are decoded together, up to
-    ``max_batch_size``. No thread of its own: the thread of one waiting call runs the batches
-    until its own call is answered, then hands over to another. Weight loads take the model
-    between batches. ``stats["batches"]`` counts the decode batches run.
+    Continuous batching: every request is a row; rows wait in one queue (``generate`` calls and
+    ``generate_apart``'s one-request calls alike) and join the decode at the next step that has a
+    free slot, so an episode's turn sent while others decode does not wait for them to finish.
+    Batch invariance: a row's numbers do not depend on which rows share its steps. Its prompt is
+    prefilled with no padding, batched only with rows of the same length; every decode step
+    attends over the same ``frame`` keys (its own, the rest masked); the linear layers compute each
+    row alone (``tests/test_rollout_hf_engine.py`` checks that this machine's GEMM does). So a
+    seeded response is bitwise the same alone, in a batch, and joining one mid-way, and a seeded
+    run is reproducible however its episodes' turns meet in the engine. No thread of its own: the
+    thread of one waiting call runs the steps until its own rows are answered, then hands over to
+    another. A weight load waits for the rows in flight and no row starts while it waits.
+    ``stats``: ``prefills`` and ``steps`` count forwards.
 
     A plain class, so a Ray driver can wrap it as an actor (``ray.remote(HFEngine)``).
     """
@@ -81,6 +87,7 @@ class HFEngine:
         max_batch_size: int = 64,
         seed: int = 0,
         record_routing: bool = False,
+        frame: int | None = None,
     ):
         if model is None:
             if model_path is None:
@@ -95,7 +102,7 @@ class HFEngine:
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.weight_version: int | None = 0
-        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "busy_s": 0.0, "batches": 0}
+        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "busy_s": 0.0, "prefills": 0, "steps": 0}
         cfg = self.model.config
         self.eos_token_ids = _eos_ids(self.model)
         pad = getattr(cfg, "pad_token_id", None)
@@ -103,16 +110,20 @@ class HFEngine:
             int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         )
         self.max_positions = int(getattr(cfg, "max_position_embeddings", 1 << 30))
-        self._lock = threading.Lock()  # the model: a decode batch or a weight load at a time
-        self._cv = threading.Condition()  # the calls waiting for a batch, and who runs batches
-        self._pending: deque[_Job] = deque()
-        self._serving = False  # a caller's thread is running batches
+        if frame is not None and frame < 1:
+            raise ValueError(f"frame must be >= 1 tokens, got {frame}")
+        self._frame = _Frame(self.device, None if frame is None else min(frame, self.max_positions))
+        self._gemm_rows = _gemm_row_multiple(cfg, self.device)
+        self._masks = _MaskBuilder(cfg)
+        self._lock = threading.Lock()  # the model: a step or a weight load at a time
+        self._cv = threading.Condition()  # the rows' queue and slots, and who runs the steps
+        self._pending: deque[_Row] = deque()
+        self._active: list[_Row] = []  # the rows in flight; row k sits in the frame's slot k
+        self._serving = False  # a caller's thread is running the steps
+        self._loads_waiting = 0  # weight loads waiting for the rows in flight to finish
         self._abort_epoch = 0
         self._rng = torch.Generator(device="cpu").manual_seed(seed)
         self._healthy = True
-        # transformers 5.x renamed the KV-cache argument `past_key_values` -> `cache`
-        forward_args = inspect.signature(self.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
         # MoE routing replay: each result carries the experts every MoE layer chose per token.
         self._routing = _RoutingRecorder(self.model) if record_routing else None
 
@@ -122,14 +133,14 @@ class HFEngine:
         self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
     ) -> list[GenerationResult]:
         """Sample one response per request, in request order (see the module doc for semantics);
-        ``on_result`` gets each row's result at the decode step it stops. Concurrent calls share
-        decode batches (the class doc); the thread of one of them runs each batch."""
+        ``on_result`` gets each row's result at the step it stops. Concurrent calls share the
+        decode (the class doc); the thread of one of them runs each step."""
         requests = list(requests)
         for r in requests:
             self._check_prompt(r)
         if not requests:
             return []
-        job = _Job(requests, on_result, self._abort_epoch)  # a call waiting for a batch is in flight
+        job = _Job(requests, on_result, self._abort_epoch)
         self._serve([job])
         if job.error is not None:
             raise job.error
@@ -138,9 +149,9 @@ class HFEngine:
     def generate_apart(
         self, requests: Sequence[GenerationRequest], on_result: OnResult | None = None
     ) -> list[GenerationResult]:
-        """Each request as a call of its own, all queued at once: what concurrent one-request
-        calls would be (batched with every one-request call pending), in one call. A Ray host
-        takes episodes' later turns this way, so that they cross to it in one message."""
+        """Each request as a call of its own, all queued at once (what concurrent one-request
+        calls would be, in one call): a Ray host takes episodes' later turns this way, so that
+        they cross to it in one message; a failing row fails only its own call."""
         requests = list(requests)
         for r in requests:
             self._check_prompt(r)
@@ -153,10 +164,12 @@ class HFEngine:
         return [job.results[0] for job in jobs]
 
     def _serve(self, jobs: list[_Job]) -> None:
-        """Queue ``jobs`` and return once they are answered; while no other caller's thread runs
-        batches, this one does (until its own jobs are answered, then it hands over)."""
+        """Queue ``jobs``' rows and return once they are answered; while no other caller's thread
+        runs the steps, this one does (until its own rows are answered, then it hands over)."""
         with self._cv:
-            self._pending.extend(jobs)
+            for job in jobs:
+                self._pending.extend(_Row(job, i) for i in range(len(job.requests)))
+            self._cv.notify_all()
             while not all(j.done for j in jobs) and self._serving:
                 self._cv.wait()
             serve = not all(j.done for j in jobs)
@@ -165,19 +178,14 @@ class HFEngine:
             return
         try:
             while not all(j.done for j in jobs):
-                with self._cv:
-                    rows = self._next_batch()
-                if rows:
-                    self._run(rows)
-                elif not all(j.done for j in jobs):
-                    raise RuntimeError(f"engine {self.name}: a call's requests were never batched")
+                self._step()
         finally:
             with self._cv:
                 self._serving = False
                 self._cv.notify_all()
 
     def abort(self) -> None:
-        """Stop in-flight calls at their next decode step (calls still waiting for a batch too)."""
+        """Stop the rows in flight at their next step (rows still queued too)."""
         self._abort_epoch += 1
 
     def _check_prompt(self, r: GenerationRequest) -> None:
@@ -189,159 +197,182 @@ class HFEngine:
                 f"max_position_embeddings={self.max_positions}"
             )
 
-    def _next_batch(self) -> list[tuple[_Job, int]]:
-        """The rows of the next decode batch (under ``_cv``): the next ``max_batch_size`` requests
-        of the first call of several, alone (so a call's batches are what they would be with no
-        other call: a single-turn call's responses do not depend on timing); else every call of
-        one request pending (an episode's later turn), up to ``max_batch_size``. Calls an abort
-        reached before their batch are answered "abort" without decoding."""
-        for job in [j for j in self._pending if j.epoch != self._abort_epoch]:
-            self._pending.remove(job)
-            for i in range(job.taken, len(job.requests)):
-                job.answer(i, self._aborted(job.requests[i], [], []))
-            self._cv.notify_all()
-        if not self._pending:
-            return []
-        head = self._pending[0]
-        if len(head.requests) > 1:
-            rows = [
-                (head, i)
-                for i in range(head.taken, min(head.taken + self.max_batch_size, len(head.requests)))
-            ]
-            head.taken += len(rows)
-            if head.taken == len(head.requests):
-                self._pending.popleft()
-            return rows
-        singles = [j for j in self._pending if len(j.requests) == 1][: self.max_batch_size]
-        for job in singles:
-            self._pending.remove(job)
-            job.taken = 1
-        return [(job, 0) for job in singles]
-
-    def _run(self, rows: list[tuple[_Job, int]]) -> None:
-        """Decode one batch (under the engine lock: a weight load waits for it) and answer its rows."""
+    def _step(self) -> None:
+        """Answer the rows an abort reached, let queued rows into free slots, then one forward
+        for them (their prompts) and one for every row in flight (its next token)."""
+        with self._cv:
+            self._drop_aborted()
+            if self._loads_waiting and not self._active:
+                self._cv.wait()  # a weight load takes the model between rows
+                return
+            joining = []
+            if not self._loads_waiting:
+                free = self.max_batch_size - len(self._active)
+                while self._pending and len(joining) < free:
+                    joining.append(self._pending.popleft())
+            if not joining and not self._active:
+                self._cv.wait(timeout=0.1)  # nothing to decode: this caller's rows were just answered
+                return
         with self._lock:
-            # the epoch the rows were taken in: an abort while the batch waited for the model
-            # (a weight load) stops it at its first step
-            epoch = rows[0][0].epoch
             t0 = time.perf_counter()
             try:
-                results = self._generate_batch(
-                    [job.requests[i] for job, i in rows], epoch, [job.on_result for job, _ in rows]
-                )
-            except BaseException as e:  # every call with a row in the batch fails with it
+                self._advance(joining)
+            except BaseException as e:  # every row in flight fails with it: its call raises
                 with self._cv:
-                    for job, _ in rows:
-                        job.fail(e)
-                        if job in self._pending:
-                            self._pending.remove(job)
+                    for row in self._active + joining:
+                        row.job.fail(e)
+                    self._active = []
                     self._cv.notify_all()
                 return
             finally:
                 self.stats["busy_s"] += time.perf_counter() - t0
-                self.stats["batches"] += 1
         with self._cv:
-            for (job, i), result in zip(rows, results):
-                job.answer(i, result)
             self._cv.notify_all()
 
+    def _drop_aborted(self) -> None:
+        """Under ``_cv``: rows of calls made before the last abort are answered "abort" with what
+        they sampled (queued ones with nothing) and leave their slots."""
+        epoch = self._abort_epoch
+        stale = [r for r in self._pending if r.job.epoch != epoch]
+        for row in stale:
+            self._pending.remove(row)
+            row.job.answer(row.index, self._aborted(row.request, [], []))
+        if any(r.job.epoch != epoch for r in self._active):
+            for row in [r for r in self._active if r.job.epoch != epoch]:
+                row.job.answer(row.index, self._aborted(row.request, row.out_ids, row.out_lps))
+                self._release(row)
+        if stale:
+            self._cv.notify_all()
+
+    def _release(self, row: _Row) -> None:
+        """Row leaves its slot; the last row in flight moves into it (rows stay in slots 0..n-1,
+        so a step's keys are a view of the frame)."""
+        k = self._active.index(row)
+        last = self._active.pop()
+        if last is not row:
+            self._frame.move(len(self._active), k)
+            self._active[k] = last
+
     @torch.no_grad()
-    def _generate_batch(
-        self, reqs: list[GenerationRequest], epoch: int, on_results: list[OnResult | None]
-    ) -> list[GenerationResult]:
-        n = len(reqs)
-        width = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for b, r in enumerate(reqs):  # left padding: every row's next token sits at column -1
-            ids[b, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[b, width - len(r.prompt_ids) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-
-        temps = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32, device=self.device)
-        top_ps = torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32, device=self.device)
-        gens = [_request_generator(r.sampling) for r in reqs]
-        stops = [
-            set(r.sampling.stop_token_ids) | (set() if r.sampling.ignore_eos else set(self.eos_token_ids))
-            for r in reqs
-        ]
-        out_ids: list[list[int]] = [[] for _ in reqs]
-        out_lps: list[list[float]] = [[] for _ in reqs]
-        finish: list[str | None] = [None] * n
-        results: list[GenerationResult | None] = [None] * n
-
-        if self._routing:
-            self._routing.start()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        routed = self._routing.prefill([len(r.prompt_ids) for r in reqs]) if self._routing else None
-        cache = _cache_of(out)
-        logits = out.logits[:, -1, :].float()
-        vocab = logits.shape[-1]
-        top_ks = torch.tensor(
-            [vocab if r.sampling.top_k in (-1, None) else min(r.sampling.top_k, vocab) for r in reqs],
+    def _advance(self, joining: list[_Row]) -> None:
+        """Under the model lock: the joining rows' prompts, then one decode step for all rows
+        (unless an abort came meanwhile: the next step answers them)."""
+        epoch = self._abort_epoch
+        if joining:
+            for row in joining:
+                row.start(self.eos_token_ids)
+            need = max(row.frame_tokens(self.max_positions) for row in self._active + joining)
+            self._frame.fit(len(self._active), need)
+            by_length: dict[int, list[_Row]] = {}
+            for row in joining:
+                by_length.setdefault(len(row.request.prompt_ids), []).append(row)
+            for length, rows in by_length.items():
+                first = len(self._active)
+                self._active += rows
+                self._prefill(rows, first, length)
+        live = list(self._active)
+        if not live or self._abort_epoch != epoch:
+            return
+        n = len(live)
+        padded = self._rows_for(n, 1)
+        self._frame.fit(padded, 0)
+        # rows past n are fillers (the pad token at position 0 of a free slot): GEMMs then see a
+        # row count whose per-row results do not depend on it (see _gemm_row_multiple)
+        feed = torch.tensor(
+            [[r.out_ids[-1]] for r in live] + [[self.pad_token_id]] * (padded - n),
+            dtype=torch.long,
             device=self.device,
         )
-        max_new = max(r.sampling.max_new_tokens for r in reqs)
-        for step in range(max_new):
-            if self._abort_epoch != epoch:
-                break
-            tokens, lps = _sample(logits, temps, top_ks, top_ps, gens, self._rng)
-            for b, r in enumerate(reqs):
-                if finish[b] is not None:
-                    continue
-                tok = int(tokens[b])
-                out_ids[b].append(tok)
-                out_lps[b].append(float(lps[b]))
-                if tok in stops[b]:
-                    finish[b] = "stop"
-                elif (
-                    len(out_ids[b]) >= r.sampling.max_new_tokens
-                    or len(r.prompt_ids) + step + 1 >= self.max_positions
-                ):
-                    finish[b] = "length"
-                if finish[b] is not None:  # a finished row is never fed again: its result is whole
-                    results[b] = self._finished(r, out_ids[b], out_lps[b], finish[b], routed, b)
-                    if on_results[b] is not None:
-                        on_results[b](results[b])
-            if all(f is not None for f in finish):
-                break
-            feed = torch.tensor(
-                [out_ids[b][-1] if finish[b] is None else self.pad_token_id for b in range(n)],
-                dtype=torch.long,
-                device=self.device,
-            )
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(
-                input_ids=feed[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-            )
-            if routed is not None:
-                self._routing.decode(routed, [finish[b] is None for b in range(n)])
-            cache = _cache_of(out)
-            logits = out.logits[:, -1, :].float()
+        pos = torch.tensor(
+            [r.position() for r in live] + [0] * (padded - n), dtype=torch.long, device=self.device
+        )
+        self._frame.decoding(padded, pos)
+        if self._routing:
+            self._routing.start()
+        out = self.model(
+            input_ids=feed,
+            position_ids=pos[:, None],
+            attention_mask=self._masks.decode(pos, self._frame.width),
+            cache=self._frame,
+            use_cache=True,
+        )
+        self.stats["steps"] += 1
+        if self._routing:
+            self._routing.decode([r.routed for r in live], padded)
+        self._sampled(live, out.logits[:n, -1, :].float())
 
-        return [
-            self._aborted(r, out_ids[b], out_lps[b]) if results[b] is None else results[b]
-            for b, r in enumerate(reqs)
-        ]
+    def _rows_for(self, rows: int, length: int) -> int:
+        """The rows a forward runs so that its GEMMs' row count (rows x length tokens) is a
+        multiple of ``_gemm_rows``: ``rows`` and fillers."""
+        step = self._gemm_rows // math.gcd(self._gemm_rows, length)
+        return -(-rows // step) * step
 
-    def _finished(
-        self, r: GenerationRequest, ids: list[int], lps: list[float], finish: str, routed, b: int
-    ) -> GenerationResult:
+    def _prefill(self, rows: list[_Row], first: int, length: int) -> None:
+        """The prompts of ``rows`` (one length, no padding), written to slots from ``first``; their
+        first tokens drawn. Filler rows (pad tokens, free slots) round the token count up."""
+        padded = self._rows_for(len(rows), length)
+        self._frame.fit(first + padded, 0)
+        prompts = [r.request.prompt_ids for r in rows] + [[self.pad_token_id] * length] * (padded - len(rows))
+        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
+        positions = torch.arange(length, device=self.device).expand(padded, -1)
+        self._frame.prefilling(list(range(first, first + padded)))
+        if self._routing:
+            self._routing.start()
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=self._masks.prefill(padded, length, self.device),
+            cache=self._frame,
+            use_cache=True,
+        )
+        self.stats["prefills"] += 1
+        if self._routing:
+            for row, experts in zip(rows, self._routing.prefill(padded)):
+                row.routed = experts
+        self._sampled(rows, out.logits[: len(rows), -1, :].float())
+
+    def _sampled(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Draw each row's next token; a row that stops is answered (``on_result`` at once) and
+        leaves its slot."""
+        vocab = logits.shape[-1]
+        tokens, lps = _sample(
+            logits,
+            torch.tensor(
+                [r.request.sampling.temperature for r in rows], device=self.device, dtype=torch.float32
+            ),
+            torch.tensor([r.top_k(vocab) for r in rows], device=self.device),
+            torch.tensor([r.request.sampling.top_p for r in rows], device=self.device, dtype=torch.float32),
+            [r.gen for r in rows],
+            self._rng,
+        )
+        done = []
+        for b, row in enumerate(rows):
+            tok = int(tokens[b])
+            row.out_ids.append(tok)
+            row.out_lps.append(float(lps[b]))
+            finish = row.finish_after(tok, self.max_positions)
+            if finish is not None:
+                result = self._finished(row, finish)
+                if row.job.on_result is not None:
+                    row.job.on_result(result)
+                done.append((row, result))
+        if done:
+            with self._cv:
+                for row, result in done:
+                    row.job.answer(row.index, result)
+                    self._release(row)
+                self._cv.notify_all()
+
+    def _finished(self, row: _Row, finish: str) -> GenerationResult:
         self.stats["requests"] += 1
-        self.stats["tokens"] += len(ids)
+        self.stats["tokens"] += len(row.out_ids)
         return GenerationResult(
-            r.request_id,
-            ids,
-            lps,
+            row.request.request_id,
+            list(row.out_ids),
+            list(row.out_lps),
             finish,
             self.weight_version,
-            routed_experts=None if routed is None else torch.cat(routed[b]),
+            routed_experts=None if row.routed is None else torch.cat(row.routed),
         )
 
     def _aborted(self, r: GenerationRequest, ids: list[int], lps: list[float]) -> GenerationResult:
@@ -359,7 +390,7 @@ class HFEngine:
         raises :class:`WeightLoadError` naming it; the engine then reports unhealthy until a
         complete load succeeds, since its weights are a mix of two versions.
         """
-        with self._lock:
+        with self._between_rows():
             self._healthy = False
             self.weight_version = None
             targets, canonical = self._weight_targets()
@@ -388,6 +419,22 @@ class HFEngine:
                 )
             self.weight_version = version
             self._healthy = True
+
+    @contextmanager
+    def _between_rows(self):
+        """The model, once the rows in flight are answered; no row starts until it is handed back
+        (a response is sampled by one version of the weights)."""
+        with self._cv:
+            self._loads_waiting += 1
+            while self._active:
+                self._cv.wait()
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._cv:
+                self._loads_waiting -= 1
+                self._cv.notify_all()
 
     def load_from_disk(self, path: str | Path, version: int) -> bool:
         """Load every ``*.safetensors`` file of an HF checkpoint directory (one bucket per file)."""
@@ -424,14 +471,14 @@ class HFEngine:
     def release_memory(self) -> None:
         """CUDA: move the model to host memory; CPU: nothing to release."""
         if self.device.type == "cuda":
-            with self._lock:
+            with self._between_rows():
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
         """CUDA: move the model back to its device; CPU: nothing to do."""
         if self.device.type == "cuda":
-            with self._lock:
+            with self._between_rows():
                 self.model.to(self.device)
 
     def health(self, check_process: bool = True) -> bool:
@@ -445,7 +492,6 @@ class _Job:
     def __init__(self, requests: list[GenerationRequest], on_result: OnResult | None, epoch: int):
         self.requests, self.on_result, self.epoch = requests, on_result, epoch
         self.results: list[GenerationResult | None] = [None] * len(requests)
-        self.taken = 0  # requests handed to a batch (a call's requests go in order)
         self.left = len(requests)
         self.error: BaseException | None = None
 
@@ -459,6 +505,161 @@ class _Job:
 
     def fail(self, error: BaseException) -> None:
         self.error = error
+
+
+class _Row:
+    """One request being decoded: what it sampled so far, its own generator and stop ids."""
+
+    def __init__(self, job: _Job, index: int):
+        self.job, self.index = job, index
+        self.request = job.requests[index]
+        self.out_ids: list[int] = []
+        self.out_lps: list[float] = []
+        self.gen: torch.Generator | None = None
+        self.stops: set[int] = set()
+        self.routed: list[torch.Tensor] | None = None
+
+    def start(self, eos_token_ids: list[int]) -> None:
+        s = self.request.sampling
+        self.gen = _request_generator(s)
+        self.stops = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))
+
+    def top_k(self, vocab: int) -> int:
+        k = self.request.sampling.top_k
+        return vocab if k in (-1, None) else min(k, vocab)
+
+    def position(self) -> int:
+        """The frame position of the token fed next (the last one sampled)."""
+        return len(self.request.prompt_ids) + len(self.out_ids) - 1
+
+    def frame_tokens(self, max_positions: int) -> int:
+        """Frame positions it uses: its prompt and every sampled token but the last (never fed)."""
+        n = len(self.request.prompt_ids)
+        return min(n + max(self.request.sampling.max_new_tokens - 1, 0), max_positions) or 1
+
+    def finish_after(self, token: int, max_positions: int) -> str | None:
+        if token in self.stops:
+            return "stop"
+        n = len(self.out_ids)
+        if n >= self.request.sampling.max_new_tokens or len(self.request.prompt_ids) + n >= max_positions:
+            return "length"
+        return None
+
+
+class _Frame:
+    """The keys and values of the rows in flight, per layer ``[slots, kv_heads, width, head_dim]``,
+    row k in slot k; the model calls ``update`` as its KV cache. A prefill writes its rows' prompt
+    keys and attends to them alone; a decode step writes each row's new key at its position and
+    attends to the whole frame (``_MaskBuilder`` hides what is not the row's), so every step of
+    every row has the same shape whoever shares it."""
+
+    def __init__(self, device: torch.device, width: int | None):
+        self.device = device
+        self.fixed = width is not None
+        self.width = width or 0
+        self.slots = 0
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._prefill_slots: torch.Tensor | None = None
+        self._decode: tuple[int, torch.Tensor] | None = None
+
+    def fit(self, rows: int, width: int) -> None:
+        """Room for ``rows`` rows of ``width`` positions (grown: slots to a power of two, width
+        to a multiple of 64; a grown width changes later rows' rounding, hence ``frame``)."""
+        if width > self.width:
+            if self.fixed:
+                logger.warning(
+                    "HF engine: a request needs %d frame positions, more than the %d it was given; the frame "
+                    "grows (rows decoded after this differ from before it in float rounding)",
+                    width,
+                    self.width,
+                )
+                self.fixed = False
+            self.width = -(-width // 64) * 64
+        if rows > self.slots:
+            self.slots = 1 << (rows - 1).bit_length()
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                if t.shape[0] < self.slots or t.shape[2] < self.width:
+                    grown = t.new_zeros((self.slots, t.shape[1], self.width, t.shape[3]))
+                    grown[: t.shape[0], :, : t.shape[2]] = t
+                    store[layer] = grown
+
+    def move(self, src: int, dst: int) -> None:
+        for store in (self.keys, self.values):
+            for t in store.values():
+                t[dst] = t[src]
+
+    def prefilling(self, slots: list[int]) -> None:
+        self._prefill_slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self._decode = None
+
+    def decoding(self, rows: int, positions: torch.Tensor) -> None:
+        self._decode = (rows, positions)
+        self._prefill_slots = None
+
+    def _buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer not in self.keys:
+            shape = (self.slots, like.shape[1], self.width, like.shape[3])
+            self.keys[layer] = like.new_zeros(shape)
+            self.values[layer] = like.new_zeros(shape)
+        return self.keys[layer], self.values[layer]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self._buffers(layer_idx, key_states)
+        if self._prefill_slots is not None:
+            n = key_states.shape[2]
+            keys[self._prefill_slots, :, :n] = key_states
+            values[self._prefill_slots, :, :n] = value_states
+            return key_states, value_states
+        rows, positions = self._decode
+        index = torch.arange(rows, device=self.device)
+        keys[index, :, positions] = key_states[:, :, 0]
+        values[index, :, positions] = value_states[:, :, 0]
+        return keys[:rows], values[:rows]
+
+
+class _MaskBuilder:
+    """The attention masks of a prefill (causal over the prompt) and of a decode step (the row's
+    frame positions up to its own), in the form the model's attention takes: boolean for sdpa,
+    additive for eager; a dict by layer type for a model with sliding-window layers."""
+
+    def __init__(self, config):
+        self.impl = getattr(config, "_attn_implementation", None) or "eager"
+        if self.impl not in ("sdpa", "eager"):
+            raise ValueError(
+                f"the HF engine runs attn_implementation 'sdpa' or 'eager', the model has {self.impl!r}; "
+                "load it with attn_implementation='sdpa'"
+            )
+        types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        self.window = getattr(config, "sliding_window", None) if "sliding_attention" in types else None
+        self.types = sorted(types)
+
+    def _form(self, allowed: torch.Tensor, dtype: torch.dtype):
+        if self.impl == "eager":
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min
+            )
+        return allowed
+
+    def _by_type(self, full: torch.Tensor, distance: torch.Tensor, dtype: torch.dtype):
+        if self.window is None:
+            return self._form(full, dtype)
+        return {
+            "full_attention": self._form(full, dtype),
+            "sliding_attention": self._form(full & (distance < self.window), dtype),
+        }
+
+    def prefill(self, rows: int, length: int, device: torch.device, dtype=torch.float32):
+        q = torch.arange(length, device=device)
+        distance = q[:, None] - q[None, :]
+        causal = (distance >= 0)[None, None].expand(rows, 1, length, length)
+        return self._by_type(causal, distance[None, None], dtype)
+
+    def decode(self, positions: torch.Tensor, width: int, dtype=torch.float32):
+        keys = torch.arange(width, device=positions.device)
+        distance = positions[:, None] - keys[None, :]
+        return self._by_type((distance >= 0)[:, None, None, :], distance[:, None, None, :], dtype)
 
 
 def _per_expert_views(name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -510,20 +711,47 @@ class _RoutingRecorder:
     def start(self) -> None:
         self._logits.clear()
 
-    def prefill(self, prompt_lens: list[int]) -> list[list[torch.Tensor]]:
-        experts = self._topk(len(prompt_lens))
-        return [[experts[b, experts.shape[1] - n :]] for b, n in enumerate(prompt_lens)]  # left padded
+    def prefill(self, rows: int) -> list[list[torch.Tensor]]:
+        """A prefill's experts per row (its rows are unpadded prompts of one length; fillers last)."""
+        experts = self._topk(rows)
+        return [[experts[b]] for b in range(rows)]
 
-    def decode(self, routed: list[list[torch.Tensor]], fed: list[bool]) -> None:
-        experts = self._topk(len(routed))
-        for b, live in enumerate(fed):
-            if live:  # finished rows were fed padding
-                routed[b].append(experts[b])
+    def decode(self, routed: list[list[torch.Tensor]], rows: int) -> None:
+        """One decode step's experts (of its ``rows``, fillers last), appended to each row's."""
+        experts = self._topk(rows)
+        for b, row in enumerate(routed):
+            row.append(experts[b])
 
 
-def _cache_of(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+def _gemm_row_multiple(config, device: torch.device) -> int:
+    """The least row count whose multiples this machine's GEMM computes row by row alike.
+
+    A BLAS computes the rows of ``x @ W.T`` in blocks; a block short of rows (the tail of a
+    thread's share) goes through another kernel, which rounds differently (measured: oneMKL on
+    AVX-512, rows of a 1-3 row tail differ in the last bits, every multiple of 4 rows agrees). So a
+    forward whose token count is a multiple of this number gives each row the numbers it gets in
+    any other such forward. Probed on random weights of the model's hidden sizes; none found (a GPU
+    BLAS that splits the reduction by shape): 1, and rows are then equal only up to rounding."""
+    hidden = int(getattr(config, "hidden_size", 64))
+    inner = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shapes = [(hidden, hidden), (hidden, inner), (inner, hidden)]
+    weights = [torch.randn(n, k, generator=gen).to(device) for k, n in shapes]
+    x = [torch.randn(192, k, generator=gen).to(device) for k, _ in shapes]
+    whole = [torch.nn.functional.linear(a, w) for a, w in zip(x, weights)]
+    for step in (4, 8, 16, 32, 64):
+        if all(
+            torch.equal(torch.nn.functional.linear(a[:m], w), y[:m])
+            for a, w, y in zip(x, weights, whole)
+            for m in (step, 2 * step, 3 * step)
+            if m <= 192
+        ):
+            return step
+    logger.warning(
+        "HF engine: no row multiple makes this device's GEMM batch invariant; responses "
+        "depend on their batch mates in float rounding"
+    )
+    return 1
 
 
 def _eos_ids(model) -> list[int]:
