@@ -7,7 +7,7 @@ not depend on which other requests share its batch, and (3) abort between decode
 order, the second is impossible (one global generator per call), the third needs a stopping
 criteria hack; and (4) continuous batching with responses that do not depend on their batch
 mates (``HFEngine``). The loop is a KV-cached decode over a fixed frame: each row's prompt is
-prefilled unpadded, then each step feeds one token per row in flight.
+prefilled once, then each step feeds one token per row in flight.
 
 Sampling, per row (the order SGLang's sampler uses): ``z = logits / T``; the returned
 log-prob is ``log_softmax(z)[token]`` over the full vocabulary, i.e. before top-k/top-p
@@ -39,6 +39,8 @@ from megatron_dapo.rollout.engine import EngineError, OnResult
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
+# prompts are prefilled right-padded to a multiple of this many tokens (HFEngine._prefill_width)
+_PREFILL_STEP = 64
 
 
 class WeightLoadError(EngineError):
@@ -64,7 +66,7 @@ class HFEngine:
     ``generate_apart``'s one-request calls alike) and join the decode at the next step that has a
     free slot, so an episode's turn sent while others decode does not wait for them to finish.
     Batch invariance: a row's numbers do not depend on which rows share its steps. Its prompt is
-    prefilled with no padding, batched only with rows of the same length; every decode step
+    prefilled right-padded to a width its own length sets (``_prefill_width``); every decode step
     attends over the same ``frame`` keys (its own, the rest masked); the linear layers compute each
     row alone (``tests/test_rollout_hf_engine.py`` checks that this machine's GEMM does). So a
     seeded response is bitwise the same alone, in a batch, and joining one mid-way, and a seeded
@@ -263,13 +265,13 @@ class HFEngine:
                 row.start(self.eos_token_ids)
             need = max(row.frame_tokens(self.max_positions) for row in self._active + joining)
             self._frame.fit(len(self._active), need)
-            by_length: dict[int, list[_Row]] = {}
+            by_width: dict[int, list[_Row]] = {}
             for row in joining:
-                by_length.setdefault(len(row.request.prompt_ids), []).append(row)
-            for length, rows in by_length.items():
+                by_width.setdefault(self._prefill_width(len(row.request.prompt_ids)), []).append(row)
+            for width, rows in by_width.items():
                 first = len(self._active)
                 self._active += rows
-                self._prefill(rows, first, length)
+                self._prefill(rows, first, width)
         live = list(self._active)
         if not live or self._abort_epoch != epoch:
             return
@@ -307,29 +309,40 @@ class HFEngine:
         step = self._gemm_rows // math.gcd(self._gemm_rows, length)
         return -(-rows // step) * step
 
-    def _prefill(self, rows: list[_Row], first: int, length: int) -> None:
-        """The prompts of ``rows`` (one length, no padding), written to slots from ``first``; their
-        first tokens drawn. Filler rows (pad tokens, free slots) round the token count up."""
-        padded = self._rows_for(len(rows), length)
+    def _prefill_width(self, length: int) -> int:
+        """The tokens a prompt of ``length`` is prefilled in: its length rounded up to a multiple
+        of ``_PREFILL_STEP``, padded on the right. It depends on the prompt alone, so the prompt
+        gets the same numbers whichever prompts share its forward, and prompts of one width
+        share one."""
+        return min(-(-length // _PREFILL_STEP) * _PREFILL_STEP, self.max_positions)
+
+    def _prefill(self, rows: list[_Row], first: int, width: int) -> None:
+        """The prompts of ``rows`` (right-padded to ``width``), written to slots from ``first``;
+        their first tokens drawn. Filler rows (pad tokens, free slots) round the token count up."""
+        padded = self._rows_for(len(rows), width)
         self._frame.fit(first + padded, 0)
-        prompts = [r.request.prompt_ids for r in rows] + [[self.pad_token_id] * length] * (padded - len(rows))
+        lengths = [len(r.request.prompt_ids) for r in rows]
+        prompts = [r.request.prompt_ids + [self.pad_token_id] * (width - n) for r, n in zip(rows, lengths)]
+        prompts += [[self.pad_token_id] * width] * (padded - len(rows))
         ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
-        positions = torch.arange(length, device=self.device).expand(padded, -1)
+        positions = torch.arange(width, device=self.device).expand(padded, -1)
         self._frame.prefilling(list(range(first, first + padded)))
         if self._routing:
             self._routing.start()
         out = self.model(
             input_ids=ids,
             position_ids=positions,
-            attention_mask=self._masks.prefill(padded, length, self.device),
+            attention_mask=self._masks.prefill(padded, width, self.device),
             cache=self._frame,
             use_cache=True,
         )
         self.stats["prefills"] += 1
         if self._routing:
-            for row, experts in zip(rows, self._routing.prefill(padded)):
-                row.routed = experts
-        self._sampled(rows, out.logits[: len(rows), -1, :].float())
+            for row, experts, n in zip(rows, self._routing.prefill(padded), lengths):
+                row.routed = [experts[0][:n]]
+        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        logits = out.logits[torch.arange(len(rows), device=self.device), last, :].float()
+        self._sampled(rows, logits)
 
     def _sampled(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Draw each row's next token; a row that stops is answered (``on_result`` at once) and
@@ -608,9 +621,10 @@ class _Frame:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self._buffers(layer_idx, key_states)
         if self._prefill_slots is not None:
-            n = key_states.shape[2]
-            keys[self._prefill_slots, :, :n] = key_states
-            values[self._prefill_slots, :, :n] = value_states
+            # a prompt's keys past the frame are padding (the frame holds every prompt)
+            n = min(key_states.shape[2], self.width)
+            keys[self._prefill_slots, :, :n] = key_states[:, :, :n]
+            values[self._prefill_slots, :, :n] = value_states[:, :, :n]
             return key_states, value_states
         rows, positions = self._decode
         index = torch.arange(rows, device=self.device)
