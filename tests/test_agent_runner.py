@@ -520,3 +520,19 @@ def _scored(result):
     unit = Unit([Group(0, prompt)], [GenerationRequest(result.request_id, toks("Q?"), SamplingParams())])
     scoring = GroupScoring(SimpleNamespace(n=1), scorer=None, tokenizer=CharTokenizer())
     return scoring.reward(unit, result.request_id, result, [])
+
+
+def test_a_difference_in_tokens_of_the_same_text_names_their_ids():
+    """A sampled token the text does not re-encode to (a reserved token the model wrote) reads
+    the same on both sides: the difference the log shows carries the ids, and whitespace-only
+    tolerance does not excuse it."""
+    from megatron_dapo.agent.runner import _differences
+
+    text = {1: "a", 2: "<|r|>", 3: "<|", 4: "r|>", 5: "b"}
+
+    def decode(ids):
+        return "".join(text[i] for i in ids)
+
+    (diff,) = _differences([1, 2, 5], [1, 3, 4, 5], decode)
+    assert diff == ("<|r|> (ids [2])", "<|r|> (ids [3, 4])")
+    assert "".join(diff[0].split()) != "".join(diff[1].split())

@@ -692,9 +692,15 @@ def _digest(ids: list[int]) -> str:
 def _differences(a: list[int], b: list[int], decode: Any) -> list[tuple[str, str]]:
     """Where token lists ``a`` and ``b`` differ, as (text of ``a``'s span, text of ``b``'s)."""
     matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
-    return [
-        (decode(a[i1:i2]), decode(b[j1:j2])) for op, i1, i2, j1, j2 in matcher.get_opcodes() if op != "equal"
-    ]
+    out = []
+    for op, i1, i2, j1, j2 in matcher.get_opcodes():
+        if op == "equal":
+            continue
+        ours, theirs = decode(a[i1:i2]), decode(b[j1:j2])
+        if ours == theirs:  # the same text in other tokens (a sampled token the text does not re-encode to)
+            ours, theirs = f"{ours} (ids {a[i1:i2]})", f"{theirs} (ids {b[j1:j2]})"
+        out.append((ours, theirs))
+    return out
 
 
 def _check_turn(engine: Any, sent: list[GenerationRequest], results: Any) -> None:

@@ -47,6 +47,11 @@ class EngineHost:
         frame: int | None = None,
     ):
         torch.set_num_threads(threads)
+        # the weights' loading bar would reach the driver's console through Ray's log forwarding,
+        # once per engine at every start (the checkpoint is local: there is no download to show)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         self.engine = HFEngine(
             model_path,
             name=name,
