@@ -129,6 +129,17 @@ def test_library_notices_go_to_the_run_log_not_the_console(tmp_path):
     assert str(log) in text  # the console says where they went
 
 
+def _routed(script: str, log) -> tuple[subprocess.CompletedProcess, str]:
+    """``script`` run in a fresh interpreter (no PYTHONWARNINGS of ours): its result and what
+    it routed to ``log``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, log.read_text()
+
+
 def test_only_the_known_warnings_are_routed(tmp_path):
     log = tmp_path / "warnings.log"
     script = (
@@ -138,12 +149,7 @@ def test_only_the_known_warnings_are_routed(tmp_path):
         "warnings.warn('a real warning stays'); "
         "warnings.warn('Apex is not installed, but as a FutureWarning', FutureWarning)"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    kept = log.read_text()
+    proc, kept = _routed(script, log)
     for msg in ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back"):
         assert msg in kept and msg not in proc.stderr, proc.stderr
     assert "a real warning stays" in proc.stderr and "a real warning stays" not in kept
@@ -169,13 +175,8 @@ def test_a_resumed_runs_checkpoint_loading_notices_go_to_the_log(tmp_path):
         "warnings.warn(DEPRECATE_MSG, FutureWarning); "
         "warnings.warn('a real warning stays')"
     )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, kept = _routed(script, log)
     notices = ("`load_state_dict` is deprecated", "we are deprecating ShardedTensor")
     assert [msg for msg in notices if msg in proc.stderr] == [], proc.stderr
-    kept = log.read_text()
     assert [msg for msg in notices if msg not in kept] == [], kept
     assert "a real warning stays" in proc.stderr and "a real warning stays" not in kept
