@@ -141,6 +141,42 @@ def outcome_advantages(rows: list[dict], estimator: str) -> list[float]:
     return out
 
 
+# The policy losses whose step-1 value, with one mini-batch (pi_old is the current policy, so every
+# ratio is exactly 1), follows from the dumped rewards and lengths alone; each runs on an end-to-end
+# run whose own checks do not depend on the loss (test_driver_e2e).
+GSPO = {"algorithm.policy_loss": "gspo", "algorithm.loss_agg_mode": "seq-mean-token-mean"}
+SAPO = {
+    "algorithm.policy_loss": "sapo",
+    "algorithm.tau_pos": "0.5",
+    "algorithm.tau_neg": "2.0",
+    "algorithm.entropy_coeff": "0.01",
+}
+
+
+def check_one_update_loss(record: dict, rows: list[dict], loss: str) -> None:
+    """``record``: step 1's metrics of a one-mini-batch run with ``GSPO`` or ``SAPO``; ``rows``: its
+    dumped rollouts. gspo with seq-mean-token-mean: ``-mean_i A_i`` (its sequence ratio is 1); sapo:
+    ``-sum_i A_i (4 / tau_i) sigmoid(0) len_i / N`` (tau_pos for A > 0, tau_neg otherwise), with an
+    entropy bonus reported apart (``actor/entropy_loss``)."""
+    assert record["step"] == 1 and record["actor/num_updates"] == 1
+    assert record["actor/ppo_kl"] == 0.0  # one mini-batch: every ratio is 1
+    pg = record["actor/pg_loss"]
+    assert math.isfinite(pg) and 0 < record["actor/grad_norm"] < math.inf
+    lengths = [r["length"] for r in rows]
+    tokens = sum(lengths)
+    assert record["actor/tokens"] == tokens
+    adv = outcome_advantages(rows, "grpo")
+    if loss == "gspo":
+        assert pg == pytest.approx(-sum(adv) / len(adv), abs=1e-5)
+    else:
+        tau_pos, tau_neg = float(SAPO["algorithm.tau_pos"]), float(SAPO["algorithm.tau_neg"])
+        gate = [2.0 / (tau_pos if a > 0 else tau_neg) for a in adv]  # 4 / tau * sigmoid(0)
+        assert pg == pytest.approx(-sum(a * g * n for a, g, n in zip(adv, gate, lengths)) / tokens, abs=1e-5)
+        # token-mean over the one mini-batch: the bonus's entropy is the reported mean entropy
+        assert record["actor/entropy_loss"] == pytest.approx(record["actor/entropy"], rel=1e-5)
+        assert record["actor/entropy"] > 0
+
+
 def token_ids(hf_dir, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) of each dumped sample: the demo's tokenizer has one token per
     character, the prompt was tokenised without special tokens added (it holds the chat

@@ -2,7 +2,7 @@
 ``/classify``) on a tiny random Qwen2ForSequenceClassification saved by transformers (sharded, no
 ``score.bias``).
 
-In order, one server at a time, two server starts (20-40 s each on an idle 2-core machine):
+In order, on one server (a start takes 20-40 s on an idle 2-core machine):
 
 1. The original checkpoint, served as it is, fails the start-up check, whose line names the
    missing bias; its scores are off from transformers' by one constant (SGLang's head bias at its
@@ -10,8 +10,11 @@ In order, one server at a time, two server starts (20-40 s each on an idle 2-cor
 2. The same server loads the served copy (``/update_weights_from_disk``, through the same loader
    and index as a start): the check passes, and the client's scores equal transformers' within
    1e-4 for several conversations, asked by the servers' URLs and by ``reward.model.url``.
-3. A restart: a fresh server on the served copy (whose head bias is built at a new random value
-   and replaced by the checkpoint's zero again) passes and scores as transformers.
+
+A fresh server started on a served copy (whose head bias is built at a new random value and
+replaced by the checkpoint's zero again) passing the check and scoring as transformers is
+test_eval_reward_real_classifier's: `eval` writes the copy of the same sharded checkpoint and
+starts one.
 """
 
 from __future__ import annotations
@@ -77,14 +80,14 @@ def served_copy(rm, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(rm, tmp_path_factory):
-    """Started on the original checkpoint; test 3 replaces it by a fresh one on the served copy."""
-    handle = {"server": start_cpu_server(rm, tmp_path_factory.mktemp("sglang"), extra_args=EMBEDDING)}
+    """Started on the original checkpoint; test 2 loads the served copy into it."""
+    handle = start_cpu_server(rm, tmp_path_factory.mktemp("sglang"), extra_args=EMBEDDING)
     yield handle
-    stop_cpu_server(handle["server"])
+    stop_cpu_server(handle)
 
 
 def test_the_original_checkpoint_fails_the_start_up_check_naming_the_missing_bias(rm, expected, server):
-    url = server["server"].url
+    url = server.url
     with pytest.raises(RewardModelError) as e:
         check_classifier_server(url, rm)
     line = str(e.value)
@@ -103,7 +106,7 @@ def test_the_original_checkpoint_fails_the_start_up_check_naming_the_missing_bia
 
 
 def test_the_served_copy_passes_the_check_and_scores_as_transformers(rm, expected, server, served_copy):
-    url = server["server"].url
+    url = server.url
     reply = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(served_copy)}, timeout=600)
     assert reply.status_code == 200 and reply.json()["success"], reply.text
     check = check_classifier_server(url, rm)
@@ -114,14 +117,3 @@ def test_the_served_copy_passes_the_check_and_scores_as_transformers(rm, expecte
     # given by URL, the client renders with the tokenizer the server reports
     by_url = served_scores(served_settings("classifier", url=url))
     assert by_url == pytest.approx(expected, abs=TOLERANCE)
-
-
-def test_after_a_restart_on_the_served_copy_the_scores_are_still_transformers(
-    rm, expected, server, served_copy, tmp_path
-):
-    stop_cpu_server(server["server"])
-    server["server"] = start_cpu_server(served_copy, tmp_path, extra_args=EMBEDDING)
-    url = server["server"].url
-    check_classifier_server(url, rm)
-    served = served_scores(served_settings("classifier", path=str(rm)), [url])
-    assert served == pytest.approx(expected, abs=TOLERANCE)

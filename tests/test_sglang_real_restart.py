@@ -176,6 +176,10 @@ def test_server_sigkilled_mid_rollout_is_restarted_and_resynced(assets, tmp_path
         assert m["sync/buckets"] >= 1
     logs = sorted((run / "sglang").glob("engine_*.log"))
     assert [p.name for p in logs] == ["engine_0.log", "engine_1.log"]
+    # stopped at the end by a SIGTERM to each server's group, which SGLang takes for its scheduler's
+    # crash: with its crash diagnostics on it slept 5 s before exiting (sglang/server.py)
+    for log in logs:
+        assert "before crash diagnostics" not in log.read_text(errors="replace"), log
     assert "abort" not in victim.finished
     name0 = victim.engine.name
     # step 1 ran on the initial weights (a server loaded from disk reports no version): its

@@ -241,6 +241,24 @@ def test_server_does_not_inherit_the_torchrun_environment(tmp_path, monkeypatch)
     assert env["KEEP_ME"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
 
 
+def test_a_stopped_server_skips_sglang_s_crash_diagnostics_unless_the_user_asks(tmp_path, monkeypatch):
+    """stop() SIGTERMs the server's group; SGLang takes its scheduler's death for a crash and, with
+    its crash diagnostics on, sleeps 5 s (then py-spy, a CUDA core dump) before it exits: on every
+    stop. The launched process gets them off; a user's own setting is kept."""
+    monkeypatch.delenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", raising=False)
+    monkeypatch.setenv("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "1")
+    script = tmp_path / "env.py"
+    script.write_text("import json, os, sys\nprint('ENV=' + json.dumps(dict(os.environ)), flush=True)\n")
+    cfg = SGLangServerConfig(model_path="/m", port=free_port(), log_file=str(tmp_path / "env.log"))
+    server = SGLangServer(cfg, command=[sys.executable, str(script)]).start()
+    assert server.proc.wait(timeout=120) == 0
+    server.stop()
+    line = next(x for x in (tmp_path / "env.log").read_text().splitlines() if x.startswith("ENV="))
+    env = json.loads(line[4:])
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "0"
+    assert env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "1"
+
+
 def test_servers_sleep_on_idle_unless_the_config_says_not():
     """An idle SGLang scheduler polls its sockets in a loop: a CPU core per server at 100% for
     the whole actor update and sync. `--sleep-on-idle` (a real server's idle CPU is checked in

@@ -162,6 +162,40 @@ def test_the_command_prints_the_areas_and_writes_json(root, tmp_path):
     assert data["tests"]["tests/test_fake.py::test_demo"] == {"seconds": 20.0, "area": "end to end"}
 
 
+def test_the_workers_are_replayed_in_the_suite_s_file_order(tmp_path):
+    """make test's two loadfile workers: conftest's long file first, then by name; a worker takes the
+    next file when two of its tests are left. By hand: gw0 runs test_c (20 + 1 + 1 s) and ends at 22;
+    gw1 runs test_a (10, 1, 1, 1: with two tests left, at 11 s, it is sent test_b) then test_b's
+    5 s, ending at 18 and idle the last 4 s."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "conftest.py").write_text('LONG_FILES_FIRST = ("test_c.py",)\n')
+    report = tmp_path / "durations.txt"
+    times = {"a": [10, 1, 1, 1], "b": [5], "c": [20, 1, 1]}
+    report.write_text(
+        "".join(
+            f"{t:.2f}s call     tests/test_{f}.py::test_{i}\n"
+            for f, ts in times.items()
+            for i, t in enumerate(ts)
+        )
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "test_budget.py"),
+            str(report),
+            "--root",
+            str(tmp_path),
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "  gw0: 1 files, ends at 22 s (last: test_c.py)" in out.splitlines(), out
+    assert "  gw1: 2 files, ends at 18 s; then idle 4 s (last: test_b.py)" in out.splitlines(), out
+
+
 def test_a_report_without_durations_is_refused_in_one_line(tmp_path):
     report = tmp_path / "plain.txt"
     report.write_text("3 passed in 1.00s\n")

@@ -1,7 +1,8 @@
 """`torchrun --nproc-per-node 2 -m megatron_dapo.train` on CPU: two Megatron ranks (TP=2) as SPMD
 processes, rank 0 driving the HF engine in its own process: steps with ~0 trainer/engine log-prob
 mismatch, a SIGTERM to the whole job that ends in a saved checkpoint with every rank exiting 0,
-and a resume that continues the same metrics file with the engine brought to the trained weights."""
+and a resume that continues the same metrics file with the engine brought to the trained weights,
+itself stopped by a SIGINT to torchrun's agent alone (one run for the resume and the stop)."""
 
 from __future__ import annotations
 
@@ -75,14 +76,6 @@ def _env() -> dict[str, str]:
     )
 
 
-def _run(cmd, timeout=240) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return proc
-
-
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -114,7 +107,7 @@ def _run_until_first_step_then_sigterm(cmd, run: Path) -> str:
     return out
 
 
-def test_steps_sigterm_and_resume_under_torchrun(assets, tmp_path):
+def test_steps_sigterm_resume_and_sigint_under_torchrun(assets, tmp_path):
     run = tmp_path / "tr"
     # 1. a 50-step run stopped by SIGTERM to the job once step 1 is logged: rank 0 finishes the
     #    step in flight, saves, and every rank exits 0 (the others ignored the signal for the save;
@@ -142,33 +135,46 @@ def test_steps_sigterm_and_resume_under_torchrun(assets, tmp_path):
     assert (run / "hf" / f"step_{stopped}" / "config.json").is_file()
     assert "actor_world_size: 2" in (run / "config.yaml").read_text()
 
-    # 2. resume for one more step: the engine restarts from the initial HF weights and receives the
-    #    trained ones by the resume sync (without it this mismatch is ~1e-2 after one update)
-    _run(_cmd(assets, tmp_path, "tr", stopped + 1))
+    # 2. resume: the engine restarts from the initial HF weights and receives the trained ones by
+    #    the resume sync (without it this mismatch is ~1e-2 after one update). Once a step more is
+    #    logged, SIGINT to the agent alone (Ctrl-C: the workers run in sessions of their own): rank
+    #    0 checkpoints its last finished step (save_freq=0: the stop's own save) and every rank
+    #    exits 0; torchrun itself then reports the signal it got
+    log = tmp_path / "resumed.log"
+    proc = _start_until(
+        _cmd(assets, tmp_path, "tr", 50), log, lambda: len(_metrics(run)) > stopped, f"step {stopped + 1}"
+    )
+    proc.send_signal(signal.SIGINT)
+    out = _wait(proc, log, 180)
+    assert "second" not in out, out[-4000:]
+    assert "failed" not in out, out[-4000:]
+    assert _our_tracebacks(out) == 0, out[-6000:]
     records = _metrics(run)
-    assert [r["step"] for r in records] == list(range(1, stopped + 2))
+    last = records[-1]["step"]
+    assert [r["step"] for r in records] == list(range(1, last + 1)) and stopped < last < 50
     assert records[0] == first
-    assert records[-1]["actor/rollout_logprob_abs_diff"] < 1e-4
+    assert records[stopped]["actor/rollout_logprob_abs_diff"] < 1e-4  # the first resumed step
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["resumed_from"] == stopped and summary["step"] == stopped + 1
+    assert summary["resumed_from"] == stopped
+    assert summary["stopped_by"] == "SIGINT" and summary["step"] == last
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
 
 
-def _start_until_checkpoint(cmd, run: Path, log: Path) -> subprocess.Popen:
+def _start_until(cmd, log: Path, ready, what: str) -> subprocess.Popen:
     """Start torchrun in its own session, output to `log` (a pipe would hang on any process that
-    outlives it); return once a checkpoint exists and every rank is up."""
+    outlives it); return once `ready()` holds (`what` names it) and every rank is up."""
     import psutil
 
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )
     deadline = time.monotonic() + 240
-    latest = run / "checkpoints" / "latest"
-    while not latest.is_file():
+    while not ready():
         if proc.poll() is not None:
             pytest.fail(f"run ended early ({proc.returncode}):\n{log.read_text()[-4000:]}")
         if time.monotonic() > deadline:
             _kill_job(proc)
-            pytest.fail("no checkpoint was written in time")
+            pytest.fail(f"no {what} in time")
         time.sleep(0.2)
     assert len(psutil.Process(proc.pid).children()) == 2
     return proc
@@ -210,7 +216,9 @@ def test_a_rank_killed_under_torchrun_stops_the_run_with_one_line(assets, tmp_pa
     import psutil
 
     run, log = tmp_path / "k", tmp_path / "k.log"
-    proc = _start_until_checkpoint(_cmd(assets, tmp_path, "k", 50, **{"trainer.save_freq": 1}), run, log)
+    latest = run / "checkpoints" / "latest"
+    cmd = _cmd(assets, tmp_path, "k", 50, **{"trainer.save_freq": 1})
+    proc = _start_until(cmd, log, latest.is_file, "checkpoint")
     rank0, rank1 = psutil.Process(proc.pid).children()
     helpers = rank1.children(recursive=True)  # e.g. the checkpoint writer's manager process
     os.kill(rank1.pid, signal.SIGKILL)
@@ -226,34 +234,6 @@ def test_a_rank_killed_under_torchrun_stops_the_run_with_one_line(assets, tmp_pa
     # an orphan would hold torchrun's stdout open: `torchrun ... | tee log` would never end
     _, alive = psutil.wait_procs([rank0, *helpers], timeout=60)
     assert not alive, [p.pid for p in alive]
-
-
-@pytest.mark.parametrize(
-    ("sig", "whole_job"),
-    [(signal.SIGINT, False)],
-    ids=["SIGINT-agent"],
-)
-def test_a_signal_to_torchrun_saves_and_stops_every_rank(assets, tmp_path, sig, whole_job):
-    """SIGINT to the agent alone (Ctrl-C: the workers run in sessions of their own): rank 0
-    checkpoints its last finished step and every rank exits 0; torchrun itself then reports the
-    signal it got. (SIGTERM to every process of the job at once, Slurm's preemption, is
-    test_steps_sigterm_and_resume_under_torchrun's stop.)"""
-    import psutil
-
-    run, log = tmp_path / "s", tmp_path / "s.log"
-    proc = _start_until_checkpoint(_cmd(assets, tmp_path, "s", 50, **{"trainer.save_freq": 1}), run, log)
-    ranks = psutil.Process(proc.pid).children()
-    for p in [psutil.Process(proc.pid), *ranks] if whole_job else [psutil.Process(proc.pid)]:
-        p.send_signal(sig)
-    out = _wait(proc, log, 180)
-    assert "second" not in out, out[-4000:]
-    assert "failed" not in out, out[-4000:]
-    assert _our_tracebacks(out) == 0, out[-6000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["stopped_by"] == sig.name
-    last = max(r["step"] for r in _metrics(run))
-    assert summary["step"] == last and last < 50
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{last:08d}"
 
 
 def test_a_hung_rank_under_torchrun_ends_the_job_with_one_line(assets, tmp_path):

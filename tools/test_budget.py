@@ -1,7 +1,7 @@
 """The test suite's time by area, from pytest's ``--durations=0`` report.
 
     python -m pytest -q -p no:cacheprovider --durations=0 > durations.txt 2>&1
-    python tools/test_budget.py durations.txt [--files 15] [--tests tests] [--json out.json]
+    python tools/test_budget.py durations.txt [--files 15] [--tests tests] [--json out.json] [--workers 2]
 
 (``make test PYTEST_ARGS=--durations=0`` gives the same report from the two-worker run.) The same
 lines, written as each test finishes (a run stopped midway still leaves its part):
@@ -241,6 +241,60 @@ def budget(per_test: dict[str, float], classifier: Classifier) -> Budget:
     return Budget(seconds, tests, by_file)
 
 
+# pytest-xdist's --dist loadfile (make test): a worker runs whole files and is sent the next file in
+# the suite's order once at most this many of its tests are left (xdist's LoadScopeScheduling)
+XDIST_REFILL_AT = 2
+
+
+def suite_order(root: Path, files) -> list[str]:
+    """``files`` in make test's order: tests/conftest.py's ``LONG_FILES_FIRST``, then by name."""
+    first: list[str] = []
+    for node in ast.parse((root / "tests" / "conftest.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", "") == "LONG_FILES_FIRST" for t in node.targets
+        ):
+            first = list(ast.literal_eval(node.value))
+    rank = {name: i for i, name in enumerate(first)}
+    return sorted(files, key=lambda f: (rank.get(Path(f).name, len(rank)), f))
+
+
+def replay(per_test: dict[str, float], order: list[str], workers: int) -> list[tuple[float, list[str]]]:
+    """Each worker's end and files when xdist's loadfile scheduling is replayed on the tests' times:
+    an estimate (a file's tests in the report's order; the ones it hides, under 5 ms, left out)."""
+    by_file: dict[str, list[float]] = defaultdict(list)
+    for test_id, s in per_test.items():
+        by_file[test_id.partition("::")[0]].append(s)
+    queue = [f for f in order if f in by_file]
+    clock, pending = [0.0] * workers, [[] for _ in range(workers)]
+    files: list[list[str]] = [[] for _ in range(workers)]
+
+    def refill(w: int) -> None:
+        if queue:
+            files[w].append(queue[0])
+            pending[w].extend(by_file[queue.pop(0)])
+
+    for w in range(workers):
+        refill(w)
+    for w in range(workers):
+        if len(pending[w]) <= XDIST_REFILL_AT:
+            refill(w)
+    while any(pending):
+        w = min((i for i in range(workers) if pending[i]), key=lambda i: clock[i] + pending[i][0])
+        clock[w] += pending[w].pop(0)
+        if len(pending[w]) <= XDIST_REFILL_AT:
+            refill(w)
+    return list(zip(clock, files))
+
+
+def render_replay(ends: list[tuple[float, list[str]]]) -> str:
+    last = max(end for end, _ in ends)
+    lines = [f"make test's {len(ends)} workers replayed (loadfile, the suite's file order):"]
+    for i, (end, files) in enumerate(ends):
+        tail = f"; then idle {last - end:.0f} s" if last - end >= 1 else ""
+        lines.append(f"  gw{i}: {len(files)} files, ends at {end:.0f} s{tail} (last: {Path(files[-1]).name})")
+    return "\n".join(lines)
+
+
 def render(b: Budget, wall: float | None, top_files: int) -> str:
     lines = [f"{'area':<16}{'seconds':>9}{'share':>8}{'tests':>7}"]
     for name in AREA_NAMES:
@@ -269,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=15, help="list this many of the costliest files (0: none)")
     p.add_argument("--tests", action="store_true", help="also print every test with its area and seconds")
     p.add_argument("--json", help="write the areas, files and tests as JSON to this path")
+    p.add_argument(
+        "--workers", type=int, default=0, help="replay make test's scheduling on N workers: when each ends"
+    )
     args = p.parse_args(argv)
     text = sys.stdin.read() if args.report == "-" else Path(args.report).read_text()
     per_test = parse_durations(text)
@@ -278,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     classifier = Classifier(Path(args.root))
     b = budget(per_test, classifier)
     print(render(b, wall_seconds(text), args.files))
+    if args.workers:
+        files = {test_id.partition("::")[0] for test_id in per_test}
+        print()
+        print(render_replay(replay(per_test, suite_order(Path(args.root), files), args.workers)))
     if args.tests:
         print()
         for test_id, s in sorted(per_test.items(), key=lambda kv: -kv[1]):

@@ -167,14 +167,22 @@ TRAINER_LAUNCH_ENV = (
 )
 
 
+# stop() ends a server with a SIGTERM to its process group: the scheduler dies with the rest, and
+# SGLang's main process takes that for a child's crash. Its crash diagnostics then sleep 5 s
+# before a py-spy dump, and a CUDA core dump may wait 60 s more: every stop of a run's servers
+# paid it (5.9 s against 1.3 s for a CPU server stop, measured). Off unless the user sets them.
+QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
 def server_environment(extra: dict[str, str]) -> dict[str, str]:
-    """This process's environment without the trainer's launcher variables, plus ``extra``."""
+    """This process's environment without the trainer's launcher variables, plus ``extra``; SGLang's
+    crash diagnostics off (``QUIET_STOP_ENV``) unless either sets them."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in TRAINER_LAUNCH_ENV and not k.startswith("TORCHELASTIC_")
     }
-    return {**env, **extra}
+    return {**QUIET_STOP_ENV, **env, **extra}
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
