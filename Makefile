@@ -19,6 +19,23 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # `make lock` re-resolves from pyproject.toml in a scratch venv and rewrites it.
 LOCK := requirements/cpu.lock
 LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
+# Installs go through uv (a pinned copy under .uv/, fetched by pip): it resolves, unpacks and
+# compiles both venvs in a fraction of pip's time (docs/results.md, "Set-up"). uv reads none of
+# pip's configuration, so tools/uv_pip.py hands it pip's indexes, wheel folders and constraints: a
+# machine whose pip points at a private index gets the same packages. A CUDA-torch machine stays on
+# pip: uv does not count the system packages a --system-site-packages venv sees as installed
+# (astral-sh/uv#4466) and would shadow the system torch. INSTALLER=pip: pip everywhere.
+INSTALLER ?= $(if $(CUDA_TORCH),pip,uv)
+UV_VERSION := 0.13.9
+UV_DIR := .uv
+UV := $(UV_DIR)/bin/uv
+# $(call install,VENV): the install command for VENV; INSTALLER_DEP: what it needs first
+install = $(if $(filter uv,$(INSTALLER)),$(PY) tools/uv_pip.py $(UV) install --quiet --python $(1)/bin/python,$(1)/bin/python -m pip install --quiet)
+INSTALLER_DEP := $(if $(filter uv,$(INSTALLER)),$(UV),)
+# uv leaves bytecode to the first import; the suite's processes (pytest workers, Ray workers, Megatron
+# ranks, the SGLang server) would each compile again, as PYTHONDONTWRITEBYTECODE keeps them from
+# saving it: compiled once, on each venv's last install (uv compiles the whole venv), as pip does.
+COMPILE := $(if $(filter uv,$(INSTALLER)),--compile-bytecode,)
 
 .PHONY: setup setup-sglang demo test lint lock lock-sglang clean
 
@@ -30,18 +47,22 @@ VENV_MB := 2600
 SG_VENV_MB := 3200
 need_disk = @test -x $(3)/bin/python || $(PY) tools/check_disk.py --need-mb $(1) --what "$(2)" . "$${TMPDIR:-/tmp}"
 
+# The disk check comes first, before uv is fetched (uv is an order-only prerequisite of the stamps).
 $(BIN)/python:
 	$(call need_disk,$(VENV_MB),the CPU venv $(VENV),$(VENV))
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml $(LOCK)
+$(UV):
+	$(PY) -m pip install --quiet --target $(UV_DIR) uv==$(UV_VERSION)
+
+$(STAMP): $(BIN)/python pyproject.toml $(LOCK) | $(INSTALLER_DEP)
+	$(call install,$(VENV)) --upgrade pip
 	@if $(BIN)/python -c "import torch" >/dev/null 2>&1; then \
 	  echo "torch present: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
 	else \
-	  echo "installing torch==2.13.0 (CPU build)"; $(BIN)/python -m pip install --quiet $(LOCK_FLAGS) torch==2.13.0; \
+	  echo "installing torch==2.13.0 (CPU build)"; $(call install,$(VENV)) $(LOCK_FLAGS) torch==2.13.0; \
 	fi
-	$(BIN)/python -m pip install --quiet $(LOCK_FLAGS) -e ".[dev]"
+	$(call install,$(VENV)) $(COMPILE) $(LOCK_FLAGS) -e ".[dev]"
 	@touch $(STAMP)
 
 # The real SGLang server for the tests, in its own venv: its declared pins (CUDA torch, flashinfer,
@@ -55,11 +76,13 @@ SG_LOCK := requirements/sglang-cpu.txt
 
 setup-sglang: $(SG_STAMP)
 
-$(SG_STAMP): $(SG_LOCK)
+$(SG_VENV)/bin/python:
 	$(call need_disk,$(SG_VENV_MB),the SGLang test venv $(SG_VENV),$(SG_VENV))
-	test -x $(SG_VENV)/bin/python || $(PY) -m venv $(SG_VENV)
-	$(SG_VENV)/bin/python -m pip install --quiet -r $(SG_LOCK)
-	$(SG_VENV)/bin/python -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(PY) -m venv $(SG_VENV)
+
+$(SG_STAMP): $(SG_VENV)/bin/python $(SG_LOCK) | $(INSTALLER_DEP)
+	$(call install,$(SG_VENV)) -r $(SG_LOCK)
+	$(call install,$(SG_VENV)) $(COMPILE) --no-deps sglang==$(SGLANG_VERSION)
 	@touch $(SG_STAMP)
 
 demo: setup
@@ -96,4 +119,4 @@ lock-sglang:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(SG_VENV) .venv-lock .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SG_VENV) $(UV_DIR) .venv-lock .pytest_cache .ruff_cache
