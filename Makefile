@@ -29,13 +29,13 @@ INSTALLER ?= $(if $(CUDA_TORCH),pip,uv)
 UV_VERSION := 0.13.9
 UV_DIR := .uv
 UV := $(UV_DIR)/bin/uv
+# uv leaves bytecode to the first import, and each of the suite's processes (pytest workers, Ray
+# workers, Megatron ranks, the SGLang server) would compile again where PYTHONDONTWRITEBYTECODE keeps
+# them from saving it: compiled at install, as pip does (uv compiles what each call installs).
+UV_INSTALL := $(PY) tools/uv_pip.py $(UV) install --quiet --compile-bytecode
 # $(call install,VENV): the install command for VENV; INSTALLER_DEP: what it needs first
-install = $(if $(filter uv,$(INSTALLER)),$(PY) tools/uv_pip.py $(UV) install --quiet --python $(1)/bin/python,$(1)/bin/python -m pip install --quiet)
+install = $(if $(filter uv,$(INSTALLER)),$(UV_INSTALL) --python $(1)/bin/python,$(1)/bin/python -m pip install --quiet)
 INSTALLER_DEP := $(if $(filter uv,$(INSTALLER)),$(UV),)
-# uv leaves bytecode to the first import; the suite's processes (pytest workers, Ray workers, Megatron
-# ranks, the SGLang server) would each compile again, as PYTHONDONTWRITEBYTECODE keeps them from
-# saving it: compiled once, on each venv's last install (uv compiles the whole venv), as pip does.
-COMPILE := $(if $(filter uv,$(INSTALLER)),--compile-bytecode,)
 
 .PHONY: setup setup-sglang demo test lint lock lock-sglang clean
 
@@ -62,7 +62,7 @@ $(STAMP): $(BIN)/python pyproject.toml $(LOCK) | $(INSTALLER_DEP)
 	else \
 	  echo "installing torch==2.13.0 (CPU build)"; $(call install,$(VENV)) $(LOCK_FLAGS) torch==2.13.0; \
 	fi
-	$(call install,$(VENV)) $(COMPILE) $(LOCK_FLAGS) -e ".[dev]"
+	$(call install,$(VENV)) $(LOCK_FLAGS) -e ".[dev]"
 	@touch $(STAMP)
 
 # The real SGLang server for the tests, in its own venv: its declared pins (CUDA torch, flashinfer,
@@ -82,7 +82,7 @@ $(SG_VENV)/bin/python:
 
 $(SG_STAMP): $(SG_VENV)/bin/python $(SG_LOCK) | $(INSTALLER_DEP)
 	$(call install,$(SG_VENV)) -r $(SG_LOCK)
-	$(call install,$(SG_VENV)) $(COMPILE) --no-deps sglang==$(SGLANG_VERSION)
+	$(call install,$(SG_VENV)) --no-deps sglang==$(SGLANG_VERSION)
 	@touch $(SG_STAMP)
 
 demo: setup
