@@ -43,9 +43,12 @@ setup: $(STAMP)
 
 # Free disk each venv needs, measured on a fresh clone (.venv 1.9 GB, .venv-sglang 2.4 GB) plus pip's
 # unpacking room: checked first, so a full disk stops with one line instead of pip's OSError midway.
+# uv unpacks each wheel once into its cache (2.7 GB for both venvs) and hard-links the venvs' files to
+# it where the cache shares their disk (3.5 GB in all then), so the cache's disk is checked too.
 VENV_MB := 2600
 SG_VENV_MB := 3200
-need_disk = @test -x $(3)/bin/python || $(PY) tools/check_disk.py --need-mb $(1) --what "$(2)" . "$${TMPDIR:-/tmp}"
+UV_CACHE_DISK := $${UV_CACHE_DIR:-$${XDG_CACHE_HOME:-$$HOME/.cache}}
+need_disk = @test -x $(3)/bin/python || $(PY) tools/check_disk.py --need-mb $(1) --what "$(2)" . "$${TMPDIR:-/tmp}" $(if $(filter uv,$(INSTALLER)),"$(UV_CACHE_DISK)")
 
 # The disk check comes first, before uv is fetched (uv is an order-only prerequisite of the stamps).
 $(BIN)/python:
@@ -93,7 +96,8 @@ demo: setup
 test:
 	@if ! test -x $(BIN)/python && ! test -x $(SG_VENV)/bin/python; then \
 	  $(PY) tools/check_disk.py --need-mb $$(( $(VENV_MB) + $(SG_VENV_MB) )) \
-	    --what "installing .venv and .venv-sglang side by side" . "$${TMPDIR:-/tmp}"; fi
+	    --what "installing .venv and .venv-sglang side by side" . "$${TMPDIR:-/tmp}" \
+	    $(if $(filter uv,$(INSTALLER)),"$(UV_CACHE_DISK)"); fi
 	$(MAKE) -j2 setup setup-sglang
 	$(BIN)/python -m pytest -q -rs $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
