@@ -19,8 +19,9 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # `make lock` re-resolves from pyproject.toml in a scratch venv and rewrites it.
 LOCK := requirements/cpu.lock
 LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
-# Installs go through uv (a pinned copy under .uv/, fetched by pip): it resolves, unpacks and
-# compiles both venvs in a fraction of pip's time (docs/results.md, "Set-up"). uv reads none of
+# Installs go through uv (a pinned copy under .uv/, fetched by pip): it resolves, unpacks and links
+# from its cache for a small part of pip's CPU time, and byte-compiles on both cores; byte-compiling
+# is most of what is left (docs/results.md, "Set-up: both venvs from the locks"). uv reads none of
 # pip's configuration, so tools/uv_pip.py hands it pip's indexes, wheel folders and constraints: a
 # machine whose pip points at a private index gets the same packages. A CUDA-torch machine stays on
 # pip: uv does not count the system packages a --system-site-packages venv sees as installed
@@ -31,7 +32,8 @@ UV_DIR := .uv
 UV := $(UV_DIR)/bin/uv
 # uv leaves bytecode to the first import, and each of the suite's processes (pytest workers, Ray
 # workers, Megatron ranks, the SGLang server) would compile again where PYTHONDONTWRITEBYTECODE keeps
-# them from saving it: compiled at install, as pip does (uv compiles what each call installs).
+# them from saving it (4-8 CPU-seconds more per process that imports torch or starts the server,
+# docs/results.md): compiled at install, as pip does (uv compiles what each call installs).
 UV_INSTALL := $(PY) tools/uv_pip.py $(UV) install --quiet --compile-bytecode
 # $(call install,VENV): the install command for VENV; INSTALLER_DEP: what it needs first
 install = $(if $(filter uv,$(INSTALLER)),$(UV_INSTALL) --python $(1)/bin/python,$(1)/bin/python -m pip install --quiet)
@@ -91,7 +93,7 @@ $(SG_STAMP): $(SG_VENV)/bin/python $(SG_LOCK) | $(INSTALLER_DEP)
 demo: setup
 	$(BIN)/megatron-dapo demo
 
-# The two venvs install side by side (pip unpacks on one core each); on a fresh clone the disk must
+# The two venvs install side by side (each install keeps a core busy); on a fresh clone the disk must
 # hold both at once, so their sum is checked before either starts.
 test:
 	@if ! test -x $(BIN)/python && ! test -x $(SG_VENV)/bin/python; then \
