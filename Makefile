@@ -28,7 +28,8 @@ LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
 # (astral-sh/uv#4466) and would shadow the system torch. INSTALLER=pip: pip everywhere.
 INSTALLER ?= $(if $(CUDA_TORCH),pip,uv)
 UV_VERSION := 0.13.9
-UV_DIR := .uv
+# one folder per version: a new pin fetches its uv instead of keeping an older one
+UV_DIR := .uv/$(UV_VERSION)
 UV := $(UV_DIR)/bin/uv
 # uv leaves bytecode to the first import, and each of the suite's processes (pytest workers, Ray
 # workers, Megatron ranks, the SGLang server) would compile again where PYTHONDONTWRITEBYTECODE keeps
@@ -125,4 +126,4 @@ lock-sglang:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(SG_VENV) $(UV_DIR) .venv-lock .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SG_VENV) .uv .venv-lock .pytest_cache .ruff_cache
