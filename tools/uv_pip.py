@@ -115,11 +115,13 @@ def main(argv: list[str]) -> int:
         print("usage: uv_pip.py UV_BINARY SUBCOMMAND [ARGS...]", file=sys.stderr)
         return 2
     uv, sub, rest = argv[0], argv[1], argv[2:]
-    listed = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True
-    ).stdout
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    if listed.returncode != 0:
+        why = (listed.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"tools/uv_pip.py: {sys.executable} -m pip config list failed ({why})", file=sys.stderr)
+        return 1
     try:
-        args, env = uv_args_env(pip_settings(listed))
+        args, env = uv_args_env(pip_settings(listed.stdout))
     except ValueError as e:
         print(f"tools/uv_pip.py: {e}", file=sys.stderr)
         return 1
