@@ -20,9 +20,10 @@ export OMP_WAIT_POLICY ?= PASSIVE
 LOCK := requirements/cpu.lock
 LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
 # Installs go through uv (a pinned copy under .uv/, fetched by pip): it resolves, unpacks and links
-# from its cache for a small part of pip's CPU time, and byte-compiles on both cores; byte-compiling
-# is most of what is left (docs/results.md, "Set-up: both venvs from the locks"). uv reads none of
-# pip's configuration, so tools/uv_pip.py hands it pip's indexes, wheel folders and constraints: a
+# from its cache with less CPU than pip and byte-compiles on both cores: 64-237 s where pip took
+# 310-988 s on the loaded 2-core machine; byte-compiling is most of what is left (docs/results.md,
+# "Set-up: both venvs from the locks"). uv reads none of pip's configuration, so tools/uv_pip.py
+# hands it pip's indexes, wheel folders and constraints: a
 # machine whose pip points at a private index gets the same packages. A CUDA-torch machine stays on
 # pip: uv does not count the system packages a --system-site-packages venv sees as installed
 # (astral-sh/uv#4466) and would shadow the system torch. INSTALLER=pip: pip everywhere.
