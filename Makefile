@@ -20,13 +20,14 @@ export OMP_WAIT_POLICY ?= PASSIVE
 LOCK := requirements/cpu.lock
 LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
 # Installs go through uv (a pinned copy under .uv/, fetched by pip): it resolves, unpacks and links
-# from its cache with less CPU than pip and byte-compiles on both cores: 64-237 s where pip took
-# 310-988 s on the loaded 2-core machine; byte-compiling is most of what is left (docs/results.md,
-# "Set-up: both venvs from the locks"). uv reads none of pip's configuration, so tools/uv_pip.py
-# hands it pip's indexes, wheel folders and constraints: a machine whose pip points at a private
-# index gets the same packages. A CUDA-torch machine stays on pip: uv does not count the system
-# packages a --system-site-packages venv sees as installed (astral-sh/uv#4466) and would shadow the
-# system torch. INSTALLER=pip: pip everywhere.
+# from its cache in less time than pip and byte-compiles on both cores. On a quiet 2-core machine it
+# is as fast as pip (56 s against 47-59 s), under other work's load faster (64-237 s where pip took
+# 234-988 s); byte-compiling is most of the time (docs/results.md, "Set-up: both venvs from the
+# locks"). uv reads none of pip's configuration, so tools/uv_pip.py hands it pip's indexes, wheel
+# folders and constraints: a machine whose pip points at a private index gets the same packages. A
+# CUDA-torch machine stays on pip: uv does not count the system packages a --system-site-packages
+# venv sees as installed (astral-sh/uv#4466) and would shadow the system torch. INSTALLER=pip: pip
+# everywhere.
 INSTALLER ?= $(if $(CUDA_TORCH),pip,uv)
 UV_VERSION := 0.13.9
 # one folder per version: a new pin fetches its uv instead of keeping an older one
