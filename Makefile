@@ -19,6 +19,28 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # `make lock` re-resolves from pyproject.toml in a scratch venv and rewrites it.
 LOCK := requirements/cpu.lock
 LOCK_FLAGS := $(if $(CUDA_TORCH),,-c $(LOCK))
+# Installs go through uv (a pinned copy under .uv/, fetched by pip): it resolves, unpacks and links
+# from its cache in less time than pip and byte-compiles on both cores. On a quiet 2-core machine it
+# is as fast as pip (56 s against 47-59 s), under other work's load faster (64-237 s where pip took
+# 234-988 s); byte-compiling is most of the time (docs/results.md, "Set-up: both venvs from the
+# locks"). uv reads none of pip's configuration, so tools/uv_pip.py hands it pip's indexes, wheel
+# folders and constraints: a machine whose pip points at a private index gets the same packages. A
+# CUDA-torch machine stays on pip: uv does not count the system packages a --system-site-packages
+# venv sees as installed (astral-sh/uv#4466) and would shadow the system torch. INSTALLER=pip: pip
+# everywhere.
+INSTALLER ?= $(if $(CUDA_TORCH),pip,uv)
+UV_VERSION := 0.13.9
+# one folder per version: a new pin fetches its uv instead of keeping an older one
+UV_DIR := .uv/$(UV_VERSION)
+UV := $(UV_DIR)/bin/uv
+# uv leaves bytecode to the first import, and each of the suite's processes (pytest workers, Ray
+# workers, Megatron ranks, the SGLang server) would compile again where PYTHONDONTWRITEBYTECODE keeps
+# them from saving it (4-8 CPU-seconds more per process that imports torch or starts the server,
+# docs/results.md): compiled at install, as pip does (uv compiles what each call installs).
+UV_INSTALL := $(PY) tools/uv_pip.py $(UV) install --quiet --compile-bytecode
+# $(call install,VENV): the install command for VENV; INSTALLER_DEP: what it needs first
+install = $(if $(filter uv,$(INSTALLER)),$(UV_INSTALL) --python $(1)/bin/python,$(1)/bin/python -m pip install --quiet)
+INSTALLER_DEP := $(if $(filter uv,$(INSTALLER)),$(UV),)
 
 .PHONY: setup setup-sglang demo test lint lock lock-sglang clean
 
@@ -26,22 +48,29 @@ setup: $(STAMP)
 
 # Free disk each venv needs, measured on a fresh clone (.venv 1.9 GB, .venv-sglang 2.4 GB) plus pip's
 # unpacking room: checked first, so a full disk stops with one line instead of pip's OSError midway.
+# uv unpacks each wheel once into its cache (2.7 GB for both venvs) and hard-links the venvs' files to
+# it where the cache shares their disk (3.5 GB in all then), so the cache's disk is checked too.
 VENV_MB := 2600
 SG_VENV_MB := 3200
-need_disk = @test -x $(3)/bin/python || $(PY) tools/check_disk.py --need-mb $(1) --what "$(2)" . "$${TMPDIR:-/tmp}"
+UV_CACHE_DISK := $${UV_CACHE_DIR:-$${XDG_CACHE_HOME:-$$HOME/.cache}}
+need_disk = @test -x $(3)/bin/python || $(PY) tools/check_disk.py --need-mb $(1) --what "$(2)" . "$${TMPDIR:-/tmp}" $(if $(filter uv,$(INSTALLER)),"$(UV_CACHE_DISK)")
 
+# The disk check comes first, before uv is fetched (uv is an order-only prerequisite of the stamps).
 $(BIN)/python:
 	$(call need_disk,$(VENV_MB),the CPU venv $(VENV),$(VENV))
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): $(BIN)/python pyproject.toml $(LOCK)
+$(UV):
+	$(PY) -m pip install --quiet --target $(UV_DIR) uv==$(UV_VERSION)
+
+$(STAMP): $(BIN)/python pyproject.toml $(LOCK) | $(INSTALLER_DEP)
+	$(call install,$(VENV)) --upgrade pip
 	@if $(BIN)/python -c "import torch" >/dev/null 2>&1; then \
 	  echo "torch present: $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
 	else \
-	  echo "installing torch==2.13.0 (CPU build)"; $(BIN)/python -m pip install --quiet $(LOCK_FLAGS) torch==2.13.0; \
+	  echo "installing torch==2.13.0 (CPU build)"; $(call install,$(VENV)) $(LOCK_FLAGS) torch==2.13.0; \
 	fi
-	$(BIN)/python -m pip install --quiet $(LOCK_FLAGS) -e ".[dev]"
+	$(call install,$(VENV)) $(LOCK_FLAGS) -e ".[dev]"
 	@touch $(STAMP)
 
 # The real SGLang server for the tests, in its own venv: its declared pins (CUDA torch, flashinfer,
@@ -55,22 +84,25 @@ SG_LOCK := requirements/sglang-cpu.txt
 
 setup-sglang: $(SG_STAMP)
 
-$(SG_STAMP): $(SG_LOCK)
+$(SG_VENV)/bin/python:
 	$(call need_disk,$(SG_VENV_MB),the SGLang test venv $(SG_VENV),$(SG_VENV))
-	test -x $(SG_VENV)/bin/python || $(PY) -m venv $(SG_VENV)
-	$(SG_VENV)/bin/python -m pip install --quiet -r $(SG_LOCK)
-	$(SG_VENV)/bin/python -m pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(PY) -m venv $(SG_VENV)
+
+$(SG_STAMP): $(SG_VENV)/bin/python $(SG_LOCK) | $(INSTALLER_DEP)
+	$(call install,$(SG_VENV)) -r $(SG_LOCK)
+	$(call install,$(SG_VENV)) --no-deps sglang==$(SGLANG_VERSION)
 	@touch $(SG_STAMP)
 
 demo: setup
 	$(BIN)/megatron-dapo demo
 
-# The two venvs install side by side (pip unpacks on one core each); on a fresh clone the disk must
+# The two venvs install side by side (each install keeps a core busy); on a fresh clone the disk must
 # hold both at once, so their sum is checked before either starts.
 test:
 	@if ! test -x $(BIN)/python && ! test -x $(SG_VENV)/bin/python; then \
 	  $(PY) tools/check_disk.py --need-mb $$(( $(VENV_MB) + $(SG_VENV_MB) )) \
-	    --what "installing .venv and .venv-sglang side by side" . "$${TMPDIR:-/tmp}"; fi
+	    --what "installing .venv and .venv-sglang side by side" . "$${TMPDIR:-/tmp}" \
+	    $(if $(filter uv,$(INSTALLER)),"$(UV_CACHE_DISK)"); fi
 	$(MAKE) -j2 setup setup-sglang
 	$(BIN)/python -m pytest -q -rs $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
@@ -96,4 +128,4 @@ lock-sglang:
 	rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(SG_VENV) .venv-lock .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SG_VENV) .uv .venv-lock .pytest_cache .ruff_cache

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if short:
         print(
             f"make: {args.what} needs about {args.need_mb} MB free, but only {'; '.join(short)}. "
-            "Free some space (old .venv* folders, ~/.cache/pip, /tmp/ray) or point TMPDIR at a larger disk, then rerun.",
+            "Free some space (old .venv* folders, ~/.cache/pip, ~/.cache/uv, /tmp/ray) or point TMPDIR at a larger disk, then rerun.",
             file=sys.stderr,
         )
         return 1
