@@ -39,8 +39,9 @@ from megatron_dapo.rollout.engine import EngineError, OnResult
 from megatron_dapo.rollout.types import GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
-# prompts are prefilled right-padded to a multiple of this many tokens (HFEngine._prefill_width)
-_PREFILL_STEP = 64
+# prompts are prefilled right-padded to a multiple of this many tokens (HFEngine._prefill_width), and
+# the logits of a prefill's last this-many positions are computed (each prompt ends among them)
+_PREFILL_STEP = 16
 
 
 class WeightLoadError(EngineError):
@@ -122,6 +123,7 @@ class HFEngine:
         self._pending: deque[_Row] = deque()
         self._active: list[_Row] = []  # the rows in flight; row k sits in the frame's slot k
         self._serving = False  # a caller's thread is running the steps
+        self._waiters: list[tuple[list[_Job], threading.Event]] = []  # callers not running them
         self._loads_waiting = 0  # weight loads waiting for the rows in flight to finish
         self._abort_epoch = 0
         self._rng = torch.Generator(device="cpu").manual_seed(seed)
@@ -167,24 +169,39 @@ class HFEngine:
 
     def _serve(self, jobs: list[_Job]) -> None:
         """Queue ``jobs``' rows and return once they are answered; while no other caller's thread
-        runs the steps, this one does (until its own rows are answered, then it hands over)."""
+        runs the steps, this one does (until its own rows are answered, then it hands over to one
+        waiting caller). A waiting caller sleeps on its own event, set when its rows are answered
+        or the steps are handed to it: a step wakes no one whose rows did not end in it (hundreds
+        of episodes' turns may wait at once)."""
+        wake = threading.Event()
+        entry = (jobs, wake)
         with self._cv:
             for job in jobs:
+                job.wake = wake
                 self._pending.extend(_Row(job, i) for i in range(len(job.requests)))
-            self._cv.notify_all()
-            while not all(j.done for j in jobs) and self._serving:
-                self._cv.wait()
-            serve = not all(j.done for j in jobs)
-            self._serving |= serve
-        if not serve:
-            return
+            self._waiters.append(entry)
+            self._cv.notify_all()  # a serving thread idle in _step
+        while True:
+            with self._cv:
+                if all(j.done for j in jobs):
+                    self._waiters.remove(entry)
+                    return
+                if not self._serving:
+                    self._serving = True
+                    self._waiters.remove(entry)
+                    break
+                wake.clear()
+            wake.wait()
         try:
             while not all(j.done for j in jobs):
                 self._step()
         finally:
             with self._cv:
                 self._serving = False
-                self._cv.notify_all()
+                for waiting, their_wake in self._waiters:
+                    if not all(j.done for j in waiting):
+                        their_wake.set()
+                        break
 
     def abort(self) -> None:
         """Stop the rows in flight at their next step (rows still queued too)."""
@@ -228,8 +245,6 @@ class HFEngine:
                 return
             finally:
                 self.stats["busy_s"] += time.perf_counter() - t0
-        with self._cv:
-            self._cv.notify_all()
 
     def _drop_aborted(self) -> None:
         """Under ``_cv``: rows of calls made before the last abort are answered "abort" with what
@@ -243,8 +258,6 @@ class HFEngine:
             for row in [r for r in self._active if r.job.epoch != epoch]:
                 row.job.answer(row.index, self._aborted(row.request, row.out_ids, row.out_lps))
                 self._release(row)
-        if stale:
-            self._cv.notify_all()
 
     def _release(self, row: _Row) -> None:
         """Row leaves its slot; the last row in flight moves into it (rows stay in slots 0..n-1,
@@ -254,6 +267,8 @@ class HFEngine:
         if last is not row:
             self._frame.move(len(self._active), k)
             self._active[k] = last
+        if not self._active and self._loads_waiting:
+            self._cv.notify_all()  # a weight load waits for the rows in flight
 
     @torch.no_grad()
     def _advance(self, joining: list[_Row]) -> None:
@@ -297,6 +312,7 @@ class HFEngine:
             attention_mask=self._masks.decode(pos, self._frame.width),
             cache=self._frame,
             use_cache=True,
+            logits_to_keep=1,
         )
         self.stats["steps"] += 1
         if self._routing:
@@ -329,18 +345,20 @@ class HFEngine:
         self._frame.prefilling(list(range(first, first + padded)))
         if self._routing:
             self._routing.start()
+        keep = min(_PREFILL_STEP, width)  # a fixed count: the head's GEMM rows stay a multiple
         out = self.model(
             input_ids=ids,
             position_ids=positions,
             attention_mask=self._masks.prefill(padded, width, self.device),
             cache=self._frame,
             use_cache=True,
+            logits_to_keep=keep,
         )
         self.stats["prefills"] += 1
         if self._routing:
             for row, experts, n in zip(rows, self._routing.prefill(padded), lengths):
                 row.routed = [experts[0][:n]]
-        last = torch.tensor([n - 1 for n in lengths], device=self.device)
+        last = torch.tensor([n - 1 - (width - keep) for n in lengths], device=self.device)
         logits = out.logits[torch.arange(len(rows), device=self.device), last, :].float()
         self._sampled(rows, logits)
 
@@ -374,7 +392,6 @@ class HFEngine:
                 for row, result in done:
                     row.job.answer(row.index, result)
                     self._release(row)
-                self._cv.notify_all()
 
     def _finished(self, row: _Row, finish: str) -> GenerationResult:
         self.stats["requests"] += 1
@@ -507,6 +524,7 @@ class _Job:
         self.results: list[GenerationResult | None] = [None] * len(requests)
         self.left = len(requests)
         self.error: BaseException | None = None
+        self.wake: threading.Event | None = None  # its caller's, set once it is answered
 
     @property
     def done(self) -> bool:
@@ -515,9 +533,13 @@ class _Job:
     def answer(self, i: int, result: GenerationResult) -> None:
         self.results[i] = result
         self.left -= 1
+        if self.left == 0 and self.wake is not None:
+            self.wake.set()
 
     def fail(self, error: BaseException) -> None:
         self.error = error
+        if self.wake is not None:
+            self.wake.set()
 
 
 class _Row:
