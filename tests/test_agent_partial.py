@@ -114,7 +114,7 @@ def test_an_episode_aborted_mid_turn_and_continued_equals_the_uninterrupted_one(
     first_turn = max(t.end - t.start for r in whole for t in r.episode.turns[:1])
     where = set()  # (assistant turn, tokens into it) at which an episode was cut
     cuts = 0
-    for abort_at in range(2, first_turn + 6):  # forwards: inside turn 0, then inside turn 1
+    for abort_at in range(2, first_turn + 12):  # forwards: inside turn 0, then inside turn 1
         forwards = []
 
         def hook(*_, at=abort_at, forwards=forwards):
@@ -144,7 +144,7 @@ def test_an_episode_aborted_mid_turn_and_continued_equals_the_uninterrupted_one(
             _same(joined, w)
     # cut inside the first and the second model turn, after some of the turn's tokens
     assert {t for t, n in where if n > 0} >= {0, 1}, where
-    assert cuts >= (first_turn + 4) // 2, cuts
+    assert cuts >= 3, cuts
 
 
 class _Prompts:

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 # prompts are prefilled right-padded to a multiple of this many tokens (HFEngine._prefill_width), and
 # the logits of a prefill's last this-many positions are computed (each prompt ends among them)
 _PREFILL_STEP = 16
+# decode steps a queued row waits at most for others to join with it (HFEngine._admit_now)
+_ADMIT_WAIT = 4
 
 
 class WeightLoadError(EngineError):
@@ -225,10 +227,12 @@ class HFEngine:
                 self._cv.wait()  # a weight load takes the model between rows
                 return
             joining = []
-            if not self._loads_waiting:
+            if not self._loads_waiting and self._admit_now():
                 free = self.max_batch_size - len(self._active)
                 while self._pending and len(joining) < free:
                     joining.append(self._pending.popleft())
+            for row in self._pending:
+                row.waited += 1
             if not joining and not self._active:
                 self._cv.wait(timeout=0.1)  # nothing to decode: this caller's rows were just answered
                 return
@@ -245,6 +249,17 @@ class HFEngine:
                 return
             finally:
                 self.stats["busy_s"] += time.perf_counter() - t0
+
+    def _admit_now(self) -> bool:
+        """Whether queued rows join at this step: at once when nothing decodes, when they are a
+        quarter of the rows decoding, or once the first has waited ``_ADMIT_WAIT`` steps. A
+        prefill is a forward of its own, whose fixed cost on a CPU is a decode step's: turns that
+        come in one by one join a few at a time rather than one prefill each. Which step a row
+        joins changes no number of it (the class doc), only when it is answered."""
+        if not self._pending:
+            return False
+        n = len(self._active)
+        return n == 0 or 4 * len(self._pending) >= n or self._pending[0].waited >= _ADMIT_WAIT
 
     def _drop_aborted(self) -> None:
         """Under ``_cv``: rows of calls made before the last abort are answered "abort" with what
@@ -553,6 +568,7 @@ class _Row:
         self.gen: torch.Generator | None = None
         self.stops: set[int] = set()
         self.routed: list[torch.Tensor] | None = None
+        self.waited = 0  # steps it spent queued while rows decoded
 
     def start(self, eos_token_ids: list[int]) -> None:
         s = self.request.sampling
