@@ -132,23 +132,16 @@ def test_each_test_is_charged_its_phases_in_the_area_its_code_starts(root):
     assert b.total == pytest.approx(75.51)
 
 
+def _budget(report, *args: str) -> str:
+    """What ``tools/test_budget.py REPORT ARGS`` prints (it must exit 0)."""
+    cmd = [sys.executable, str(REPO / "tools" / "test_budget.py"), str(report), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
 def test_the_command_prints_the_areas_and_writes_json(root, tmp_path):
     report = tmp_path / "durations.txt"
     report.write_text(REPORT)
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "test_budget.py"),
-            str(report),
-            "--root",
-            str(root),
-            "--json",
-            str(tmp_path / "b.json"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _budget(report, "--root", str(root), "--json", str(tmp_path / "b.json"))
     rows = {
         line.split()[0]: line.split()
         for line in out.splitlines()
@@ -178,20 +171,7 @@ def test_the_workers_are_replayed_in_the_suite_s_file_order(tmp_path):
             for i, t in enumerate(ts)
         )
     )
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "test_budget.py"),
-            str(report),
-            "--root",
-            str(tmp_path),
-            "--workers",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _budget(report, "--root", str(tmp_path), "--workers", "2")
     assert "  gw0: 1 files, ends at 22 s (last: test_c.py)" in out.splitlines(), out
     assert "  gw1: 2 files, ends at 18 s; then idle 4 s (last: test_b.py)" in out.splitlines(), out
 
