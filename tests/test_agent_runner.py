@@ -399,6 +399,13 @@ def test_episode_info_round_trips_as_json():
     (res,) = runner().run(Scripted({"e0": ["[up:ab]$", "AB$"]}), [request()], threading.Event())
     back = EpisodeInfo.from_dict(json.loads(json.dumps(res.episode.as_dict())))
     assert back == res.episode
+    # as_dict is written out by hand (asdict's deep copy was slow): it must miss no field, every
+    # field of the dataclasses set to something other than its default
+    from dataclasses import asdict, replace
+
+    full = replace(res.episode, prefix_breaks=1, rerender_mismatches=1, digest="d", key="k", end="stop")
+    full.turns[0] = replace(full.turns[0], finish_reason="stop", calls=2, errors=1, timeouts=1, contents=["x"])
+    assert full.as_dict() == asdict(full)
 
 
 @pytest.mark.parametrize("seed", [None, 0, 5])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -98,6 +99,13 @@ class ChatBridge:
         if reserved:
             raise ValueError(f"template_kwargs may not set {sorted(reserved)}: the bridge sets them per call")
         self._added_tokens = {i: t for t, i in tokenizer.get_added_vocab().items()}
+        # rerender's fixed first message, encoded once: the runner re-renders every episode
+        self._probe_user_ids: list[int] | None = None
+        # A fast tokenizer keeps split_special_tokens as state of its Rust tokenizer, set by each
+        # encode call before it encodes; the engine calls' episodes run on threads of their own, and
+        # a tool answer (special tokens split, so it cannot forge a turn boundary) encoded while
+        # another thread encodes a rendering (special tokens whole) must not take its setting.
+        self._encoding = threading.Lock()
         self._eot_text, self.end_of_turn_ids, self.turn_separator = self._find_end_of_turn()
         # Where the suffix starts in the probe rendering, by the environment messages' roles: the
         # text before it can depend on which roles follow (Qwen3's last user query), never on
@@ -183,7 +191,9 @@ class ChatBridge:
         tail = self._eot_text + self.turn_separator
         if not ends_with_env and text.endswith(tail):
             text = text[: len(text) - len(tail)] + (self._eot_text if closed else "")
-        return self._encode(self.render([user], add_generation_prompt=True)), self._encode(text)
+        if self._probe_user_ids is None:
+            self._probe_user_ids = self._encode(self.render([user], add_generation_prompt=True))
+        return list(self._probe_user_ids), self._encode(text)
 
     def truncate(self, text: str, max_tokens: int, side: str) -> str:
         """``text`` cut to ``max_tokens`` tokens of this tokenizer (not characters): ``left`` keeps
@@ -221,7 +231,8 @@ class ChatBridge:
     def _encode(self, text: str) -> list[int]:
         # The template writes the special tokens itself; the tokenizer must not add a BOS. A tool's
         # answer is encoded whole before it is cut, often past the model's length: no warning.
-        return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
+        with self._encoding:
+            return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -312,9 +323,10 @@ class ChatBridge:
         return ids + self._encode(rest)
 
     def _encode_plain(self, text: str) -> list[int]:
-        return list(
-            self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True, verbose=False)
-        )
+        with self._encoding:
+            return list(
+                self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True, verbose=False)
+            )
 
     def _probe_rendering(self, messages: Sequence[dict]) -> str:
         probe = [

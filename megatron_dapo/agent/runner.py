@@ -69,6 +69,9 @@ from megatron_dapo.rollout.types import (
 
 logger = logging.getLogger(__name__)
 _MAX_LOGGED = 5  # broken episodes whose difference is logged; the metrics count them all
+# Threads waiting on the engine for turns, at most (``MultiTurn._turn_threads``): no cap in practice,
+# as every turn in flight needs one; a pool makes a thread only when all of its threads are busy.
+_TURN_THREADS = 1 << 16
 
 
 # ---------------------------------------------------------------- what the loop is handed
@@ -475,10 +478,16 @@ class MultiTurn:
         self._eot = set(bridge.end_of_turn_ids)
         self._logged = 0
         self._pool = ThreadPoolExecutor(max_workers=tools.workers, thread_name_prefix="tool-call")
+        # The threads that wait on the engine for the episodes' turns, shared by every engine call
+        # of the run and kept between them: a pool per call started a thread per episode anew at
+        # every call, a fifth of the driver's CPU in the calculator demo's rollouts. A thread waits
+        # for one turn at a time, and an episode has at most one in flight.
+        self._turn_threads = ThreadPoolExecutor(max_workers=_TURN_THREADS, thread_name_prefix="turn")
 
     def close(self) -> None:
         """End the tool processes (the run is over)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._turn_threads.shutdown(wait=False, cancel_futures=True)
         self.tools.close()
 
     def _decode(self, ids: list[int]) -> str:
@@ -546,22 +555,19 @@ class _Flight:
         self._ended: dict[int, GenerationResult] = {}
         self._stopping = False  # an engine abort reached a turn: no new turn starts
         self._error: BaseException | None = None
-        self._threads = ThreadPoolExecutor(max_workers=max(1, len(episodes)), thread_name_prefix="turn")
+        self._threads = runner._turn_threads
 
     def run(self) -> list[GenerationResult]:
-        try:
-            for e in self.episodes:
-                self._report(e)  # a continuation broken from the start
-            if self.stop.is_set():
-                first = []
-            else:
-                first = [(e, q) for e in self.episodes if e.live and (q := self._request(e)) is not None]
-            if first:
-                self._send(first, on_result=True)
-            while self._in_flight:
-                self._take(self._events.get())
-        finally:
-            self._threads.shutdown(wait=False)
+        for e in self.episodes:
+            self._report(e)  # a continuation broken from the start
+        if self.stop.is_set():
+            first = []
+        else:
+            first = [(e, q) for e in self.episodes if e.live and (q := self._request(e)) is not None]
+        if first:
+            self._send(first, on_result=True)
+        while self._in_flight:
+            self._take(self._events.get())
         if self._error is not None:
             raise self._error
         for e in self.episodes:

@@ -35,6 +35,15 @@ def hf_frame(cfg: Any) -> int:
     return int(cfg.data.max_prompt_length) + max(int(cfg.data.max_response_length), int(val or 0))
 
 
+def hf_slots(cfg: Any) -> int:
+    """An HF engine's rows decoded together: every request the rollout manager may have in flight
+    on it (``rollout.max_concurrency_per_engine``, SGLang's running requests), so that no turn
+    waits in the engine's queue behind full slots. With fewer (256 before), the calculator demo's
+    512 first turns filled them and the rest joined one or two a step as rows left, each join a
+    prefill forward of its own."""
+    return int(cfg.rollout.max_concurrency_per_engine)
+
+
 class EngineHost:
     def __init__(
         self,

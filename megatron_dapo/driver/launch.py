@@ -25,7 +25,7 @@ from megatron_dapo.config import ConfigError, load_config, to_container, to_yaml
 from megatron_dapo.driver import cpu_warnings
 from megatron_dapo.driver.actor_worker import ActorWorker
 from megatron_dapo.driver.datasets import load_tokenizer, make_scorer, train_dataset, val_problems
-from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine, hf_frame
+from megatron_dapo.driver.engine_host import EngineHost, RemoteEngine, hf_frame, hf_slots
 from megatron_dapo.driver.hub import resolve_hub_paths
 from megatron_dapo.driver.plots import plot_run
 from megatron_dapo.driver.preflight import preflight
@@ -275,7 +275,7 @@ class Placement:
                 cfg.model.path,
                 name,
                 cfg.trainer.seed + i,
-                256,
+                hf_slots(cfg),
                 threads or 1,
                 record_routing=cfg.actor.routing_replay == "rollout",
                 frame=hf_frame(cfg),

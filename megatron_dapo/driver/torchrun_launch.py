@@ -19,7 +19,7 @@ import torch
 from megatron_dapo.config import ConfigError, to_container
 from megatron_dapo.data.types import DataError
 from megatron_dapo.driver.actor_worker import ActorWorker
-from megatron_dapo.driver.engine_host import hf_frame
+from megatron_dapo.driver.engine_host import hf_frame, hf_slots
 from megatron_dapo.driver.launch import drive, load_for_cli, prepare_run, resolve_device, resolve_engine
 from megatron_dapo.driver.rank_group import SPMDRankGroup
 from megatron_dapo.driver.stop import StopFlag
@@ -46,7 +46,7 @@ def build_engines(
                 cfg.model.path,
                 name=f"hf-{i}",
                 seed=cfg.trainer.seed + i,
-                max_batch_size=256,
+                max_batch_size=hf_slots(cfg),
                 record_routing=cfg.actor.routing_replay == "rollout",
                 frame=hf_frame(cfg),
             )

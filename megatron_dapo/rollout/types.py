@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_dapo.data.types import PromptSample
@@ -115,8 +115,29 @@ class EpisodeInfo:
         return [t for t in self.turns if t.role == "assistant"]
 
     def as_dict(self) -> dict[str, Any]:
-        """The JSON form samples and checkpoints hold."""
-        return asdict(self)
+        """The JSON form samples and checkpoints hold. Written out rather than ``asdict``: every
+        episode of a step is converted, and ``asdict``'s recursive deep copy took a tenth of the
+        driver's CPU in the calculator demo's rollouts."""
+        return {
+            "turns": [
+                {
+                    "role": t.role,
+                    "start": t.start,
+                    "end": t.end,
+                    "finish_reason": t.finish_reason,
+                    "calls": t.calls,
+                    "errors": t.errors,
+                    "timeouts": t.timeouts,
+                    "contents": None if t.contents is None else list(t.contents),
+                }
+                for t in self.turns
+            ],
+            "end": self.end,
+            "prefix_breaks": self.prefix_breaks,
+            "key": self.key,
+            "rerender_mismatches": self.rerender_mismatches,
+            "digest": self.digest,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EpisodeInfo:
