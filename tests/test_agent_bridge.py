@@ -588,4 +588,3 @@ def test_the_runner_checks_episodes_against_the_real_templates(template_file, th
         res = _episode(bridge, _texts(think), mode)
         assert res.episode.rerender_mismatches == want, (mode, want)
         assert (set(res.loss_mask) == {0}) == bool(want)
-

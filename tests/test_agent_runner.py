@@ -404,7 +404,9 @@ def test_episode_info_round_trips_as_json():
     from dataclasses import asdict, replace
 
     full = replace(res.episode, prefix_breaks=1, rerender_mismatches=1, digest="d", key="k", end="stop")
-    full.turns[0] = replace(full.turns[0], finish_reason="stop", calls=2, errors=1, timeouts=1, contents=["x"])
+    full.turns[0] = replace(
+        full.turns[0], finish_reason="stop", calls=2, errors=1, timeouts=1, contents=["x"]
+    )
     assert full.as_dict() == asdict(full)
 
 

@@ -325,7 +325,9 @@ class ChatBridge:
     def _encode_plain(self, text: str) -> list[int]:
         with self._encoding:
             return list(
-                self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True, verbose=False)
+                self.tokenizer.encode(
+                    text, add_special_tokens=False, split_special_tokens=True, verbose=False
+                )
             )
 
     def _probe_rendering(self, messages: Sequence[dict]) -> str:
