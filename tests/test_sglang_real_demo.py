@@ -22,7 +22,7 @@ SEQUENCE = [5, 6, 7, 8, 40, 41, 42, 100, 3, 77]
 
 
 def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(
-    calculator_assets, tmp_path, monkeypatch, capsys
+    calculator_assets, tmp_path, monkeypatch, capsys, caplog
 ):
     """`megatron-dapo demo --task calculator --engine sglang`: two DAPO steps of tool episodes. The
     server stops each turn at <|end|> (the end-of-turn token) and gets each next turn as input ids
@@ -54,7 +54,6 @@ def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(
         # each turn's request is the episode's ids and SGLang's reply; the episode is the template's
         # rendering of its conversation
         assert r["rollout/multiturn/prefix_breaks"] == 0, r["step"]
-        assert r["rollout/multiturn/rerender_mismatches"] == 0, r["step"]
         # a sampled call the calculator cannot read is the model's (an error answer, counted); the
         # tool answers the rest (measured: 1 error in 11 calls at step 2 of one run, unseeded)
         calls = r["rollout/multiturn/tool_calls_mean"] * 16  # 4 prompts x 4 episodes
@@ -63,6 +62,15 @@ def test_calculator_demo_runs_tool_episodes_on_real_sglang_servers(
         assert r["rollout/engines_down"] == 0 and r["rollout/groups_in_batch"] == 4
         # every episode was scored as it ended, before its engine call returned
         assert r["reward/early_fraction"] == 1.0, r["step"]
+    # The re-render differs only where the (unseeded) policy sampled one of the demo tokenizer's
+    # reserved ids, whose name decodes to text that encodes back as characters (demo/tokenizer.py):
+    # the check catching a token that does not survive decode and encode, as it must. Any other
+    # first difference is the server's ids disagreeing with the template's. Measured: 1 of the 32
+    # training episodes of one run in the suite.
+    warned = [m for m in caplog.messages if "differs from the chat template's rendering" in m]
+    assert all(m.split(" first ", 1)[1].startswith("'<|reserved_") for m in warned), warned
+    mismatches = sum(r["rollout/multiturn/rerender_mismatches"] for r in steps)
+    assert mismatches <= len(warned) or len(warned) >= 5, (mismatches, warned)  # 5: the runner logs 5
     assert "val/avg@4" in steps[-1] and steps[-1]["val/num_problems"] == 8
     assert (run / "summary.json").is_file()
     # the control: training moved the weights enough that step 2 sampled from unsynced (initial)
