@@ -233,7 +233,7 @@ def test_release_and_resume_memory_round_trip(engine, models):
 def test_hung_server_ends_in_a_named_timeout(sglang_cpu_server):
     pgid = sglang_cpu_server.server.proc.pid
     hung = SGLangEngine(
-        sglang_cpu_server.url, name="hung-engine", timeout_s=5.0, max_retries=1, health_timeout_s=5.0
+        sglang_cpu_server.url, name="hung-engine", timeout_s=2.0, max_retries=1, health_timeout_s=2.0
     )
     os.killpg(pgid, signal.SIGSTOP)
     try:
