@@ -423,21 +423,3 @@ def test_a_call_that_fails_after_handing_over_is_retried_and_each_response_score
     assert engine.calls == 2 and m["rollout/retries"] == 1
     assert _batch(batch) == _batch(reference) and len(batch.samples) == 4
     assert scorer.items == 4 and m["reward/early_fraction"] == 1.0
-
-
-def test_a_call_that_reaches_its_runner_after_the_abort_never_reaches_the_engine():
-    """The manager dispatches a call on a thread and may abort (batch full) before that thread runs:
-    the call's requests must not go to the engine after the abort, where they would run to their
-    end (an engine takes an abort only for requests in flight) and hold the step's settle. Seen
-    once in three suite runs as test_abort_once_full_counts_in_flight_and_queued_groups waiting out
-    abort_timeout_s (60 s): its slow call started after the abort and blocked until the deadline."""
-    from megatron_dapo.rollout.episodes import SingleTurn
-    from megatron_dapo.rollout.types import GenerationRequest, SamplingParams
-
-    engine = ScriptedEngine("e0", slow_prompts=[0])
-    stop = threading.Event()
-    stop.set()
-    request = GenerationRequest("v0-g0-s0", [MIXED, 0, 0], SamplingParams(max_new_tokens=3))
-    results = SingleTurn().run(engine, [request], stop)
-    assert engine.calls == 0 and engine.requests == []  # nothing was sent
-    assert [(r.finish_reason, r.output_ids) for r in results] == [("abort", [])]
