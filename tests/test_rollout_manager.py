@@ -115,7 +115,10 @@ def test_budget_exhaustion_partial_batch_when_allowed():
 def test_abort_once_full_counts_in_flight_and_queued_groups():
     # 12 prompts in one round; prompts 0, 1 come back at once, the rest block until aborted.
     # 4 calls per engine (64 // (4 * 4)): 2 slow in flight + 8 never dispatched = 10 aborted.
-    engine = ScriptedEngine("e0", slow_prompts=range(2, 12))
+    # slow_once: a slow call whose thread reaches the engine only after the abort (the manager
+    # dispatched it first) is aborted too, as one in flight; otherwise it blocked until the
+    # manager's abort_timeout_s (60 s), seen in fresh-clone suite runs on a loaded machine.
+    engine = ScriptedEngine("e0", slow_prompts=range(2, 12), slow_once=True)
     mgr = RolloutManager(
         [engine],
         Scorer(),
