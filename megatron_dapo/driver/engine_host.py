@@ -39,8 +39,8 @@ def hf_slots(cfg: Any) -> int:
     """An HF engine's rows decoded together: every request the rollout manager may have in flight
     on it (``rollout.max_concurrency_per_engine``, SGLang's running requests), so that no turn
     waits in the engine's queue behind full slots. With fewer (256 before), the calculator demo's
-    512 first turns filled them and the rest joined one or two a step as rows left, each join a
-    prefill forward of its own."""
+    512 first turns filled them and the rest joined as rows left, in groups of 1 to 150 rows,
+    each group a prefill forward of its own."""
     return int(cfg.rollout.max_concurrency_per_engine)
 
 
