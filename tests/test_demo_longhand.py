@@ -136,6 +136,9 @@ def test_steps_of_the_longhand_task_run_into_the_budget(longhand_assets, tmp_pat
             "rollout.gen_batch_size": 8,
             "rollout.groups_per_call": 8,
             "algorithm.overlong_filter": "true",
+            # one update a step: the recipe's 16 x 4 updates add time and nothing this test checks
+            "actor.ppo_mini_batch_size": 8,
+            "actor.ppo_epochs": 1,
             "trainer.save_freq": 0,
             "logging.plots_at_end": "false",
             "trainer.hf_export_at_end": "false",
