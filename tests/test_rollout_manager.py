@@ -133,6 +133,69 @@ def test_abort_once_full_counts_in_flight_and_queued_groups():
     assert accounted(m) == 12
 
 
+class ArrivesAfterTheAbort(ScriptedEngine):
+    """Its slow calls reach the engine only after the manager's first abort (calls the manager
+    dispatched before the batch filled, whose threads ran after it) and then generate until an
+    abort made after they arrived: an engine's abort reaches only the requests it holds, as
+    SGLang's abort_all and the HF engine's do."""
+
+    arrived = 0  # slow calls the manager has made, whether or not they reached the engine yet
+    arrive_after = 1  # aborts before they reach it
+
+    def generate(self, requests, on_result=None):
+        if requests[0].prompt_ids[2] in self.slow_prompts:
+            self.arrived += 1
+            deadline = time.monotonic() + 30
+            while self.aborts < self.arrive_after and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().generate(requests, on_result)
+
+
+def test_a_call_that_reaches_its_engine_after_the_abort_is_aborted_too():
+    # prompts 0, 1 answer at once and fill the batch; every slow call arrives after that abort.
+    # One abort would leave them generating to their end (here: until abort_timeout_s, 20 s), and
+    # the step with them: the manager aborts again while calls of the tail are still out.
+    engine = ArrivesAfterTheAbort("e0", slow_prompts=range(2, 12))
+    mgr = RolloutManager(
+        [engine],
+        Scorer(),
+        manager_config(gen_batch_size=12, train_batch_size=2, max_concurrency_per_engine=16, abort_timeout_s=20.0),
+        Tokenizer(),
+    )
+    start = time.monotonic()
+    batch = mgr.collect(Dataset([MIXED]), 0)
+    took = time.monotonic() - start
+    assert engine.unaborted_slow == 0 and engine.blocked == 0
+    assert took < 8, f"the step waited {took:.1f} s for calls that arrived after the abort"
+    m = batch.metrics
+    assert batch.num_groups == 2 and engine.aborts >= 2
+    assert m["rollout/aborted"] == 10 and m["rollout/unused"] == 10 and accounted(m) == 12
+
+
+def test_a_pause_aborts_the_calls_that_reach_their_engine_after_it_too():
+    # rollout.partial's weight sync pauses the rollout and waits until no call is out; calls
+    # the manager made before the pause whose requests reach the engine after its abort would
+    # hold the sync until they finished generating (here: the pause's 20 s timeout)
+    engine = ArrivesAfterTheAbort("e0", slow_prompts=range(4), keep_on_abort=2)
+    engine.arrive_after = 2  # pause() aborts the engines, then the loop aborts each call it holds
+    mgr = RolloutManager([engine], Scorer(), manager_config(partial=True), Tokenizer())
+    batches = []
+    collecting = threading.Thread(target=lambda: batches.append(mgr.collect(Dataset([MIXED]), 0)))
+    collecting.start()
+    deadline = time.monotonic() + 20
+    while engine.arrived < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    quiet = mgr.pause(20.0)
+    took = time.monotonic() - start
+    engine.slow_prompts.clear()  # the continuations answer at once
+    mgr.resume()
+    collecting.join(30)
+    assert quiet and took < 8, f"the pause waited {took:.1f} s for calls that arrived after its abort"
+    assert engine.unaborted_slow == 0 and engine.aborts >= 2
+    assert len(batches) == 1 and batches[0].num_groups == 4
+
+
 class LateFirstEngine(ScriptedEngine):
     """Answers the first ``late`` prompts only after every other prompt of the round is served:
     completion order is the reverse of draw order (the shared ``served`` set spans engines)."""

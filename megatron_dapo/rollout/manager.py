@@ -80,6 +80,8 @@ from megatron_dapo.rollout.units import Call, Group, Unit, check_results, reques
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5
+# while a decided batch's tail is still out, its engines are aborted again this often (_stop)
+_REABORT_S = 0.5
 
 
 class RolloutAbandoned(Exception):
@@ -202,6 +204,7 @@ class RolloutManager:
         self._cond = threading.Condition()
         self._pausing = False
         self._quiet = False  # paused with no engine call in flight
+        self._pause_aborted_at = 0.0  # when the paused calls' engines were last aborted
         self._collecting = False
         # pauses so far: a call dispatched before the latest one may come back aborted by it
         # before the loop has seen the pause (pause() aborts the engines itself)
@@ -477,6 +480,11 @@ class RolloutManager:
         if fresh:
             paused_calls.update(fresh)
             self._abort_engines(fresh)
+            self._pause_aborted_at = time.monotonic()
+        elif calls and time.monotonic() - self._pause_aborted_at >= _REABORT_S:
+            # a call whose request reached its engine after the abort generates on: again
+            self._abort_engines(calls)
+            self._pause_aborted_at = time.monotonic()
         return True
 
     def _requeue_paused(self, call: Call, fut: Future, queue: deque[Unit], ledger: Ledger) -> bool:
@@ -729,18 +737,22 @@ class RolloutManager:
         queue.clear()
         for call in calls.values():
             call.stop.set()
-        live = {c.engine.name: c.engine for c in calls.values()}
-        for engine in live.values():
-            try:
-                engine.abort()
-            except Exception as e:  # an engine that cannot abort still must not lose the batch
-                logger.warning("rollout: abort on engine %s failed: %s", engine.name, e)
+        self._abort_all({c.engine.name: c.engine for c in calls.values()}.values())
         # rewards past the cut are not needed: not waited for, and a served model's requests
         # cancelled (a slow judge would hold the step for its every retry)
         for fut in scoring:
             fut.cancel()
         self._cancel_early(ledger)
-        done, not_done = wait(list(calls), timeout=self.cfg.abort_timeout_s)
+        # An engine's abort reaches the requests it holds; a call dispatched before the abort
+        # whose request reaches the engine after it would generate to its end (with SGLang and
+        # long responses, minutes). So while calls are out, their engines are aborted again.
+        deadline = time.monotonic() + self.cfg.abort_timeout_s
+        not_done = set(calls)
+        while not_done and time.monotonic() < deadline:
+            _, not_done = wait(not_done, timeout=min(_REABORT_S, max(0.0, deadline - time.monotonic())))
+            if not_done and time.monotonic() < deadline:
+                self._abort_all({calls[f].engine.name: calls[f].engine for f in not_done}.values())
+        done = set(calls) - not_done
         for fut, call in list(calls.items()):
             if fut in done:
                 self._record_interval(call, ledger)
