@@ -178,25 +178,44 @@ def layout_data(layout_hf_dir):
     return make_batch(layout_hf_dir)
 
 
-# `make test` runs two pytest-xdist workers that take whole files in collection order. The files
-# below each take one to seven minutes on 2 cores (`tools/test_budget.py` lists the costliest);
-# run first, they overlap each other and the hundreds of short files fill the gaps at the end,
-# instead of the alphabetically late ones (test_sglang_real_*, test_torchrun_*) running last with
-# the other worker idle. The rest keep their order. A stale entry costs only time.
-LONG_FILES_FIRST = (
+# `make test` runs two pytest-xdist workers that take whole files in collection order, this one
+# first and the rest by name. A stale entry costs only time.
+# - The long files each take one to seven minutes on 2 cores (`tools/test_budget.py` lists the
+#   costliest): run first, they overlap each other and the hundreds of short files fill the gaps
+#   at the end, instead of the alphabetically late ones (test_sglang_real_*, test_torchrun_*)
+#   running last with the other worker idle.
+# - A file marked "waits" has tests that mostly wait (time-outs, hung and dying stand-ins,
+#   retries); each comes right after a long file, so that one worker waits while the other
+#   computes. By name they came last (the suite's last ~70 s at 4-50% of the cores, fresh-clone
+#   runs r2, r3); all together after the long files, both workers waited at once (~70 s at 0-60%,
+#   run s1 at e828ba1; sampled from /proc/stat, docs/results.md).
+FILE_ORDER = (
     "test_driver_e2e.py",
+    "test_rewards_served_failures.py",  # waits
     "test_sglang_real_restart.py",
+    "test_sglang_client.py",  # waits
     "test_sglang_real_sigkill.py",
+    "test_sglang_driver_transport.py",  # waits
     "test_sglang_real_torchrun_nodes.py",
+    "test_reward_server_supervision.py",  # waits
     "test_torchrun_train.py",
+    "test_sglang_hung_server.py",  # waits
     "test_demo_determinism.py",
+    "test_torchrun_peer_restart.py",  # waits
     "test_sglang_real_demo.py",
+    "test_sglang_weight_sync.py",  # waits
     "test_demo_calculator.py",
+    "test_trainer_stop_resume.py",  # waits
     "test_agent_e2e.py",
+    "test_rollout_hung_engine.py",  # waits
     "test_reward_model_e2e.py",
+    "test_sglang_server.py",  # waits
     "test_convert_roundtrip.py",
+    "test_torchrun_watchdog_attempts.py",  # waits
     "test_sglang_real_server.py",
+    "test_sglang_driver_engines.py",  # waits
     "test_rewards_served_real_classifier.py",
+    "test_survival_forked_children.py",  # waits
     "test_sglang_driver_cluster.py",
     "test_qwen3_e2e.py",
     "test_loss_types_e2e.py",
@@ -206,28 +225,11 @@ LONG_FILES_FIRST = (
     "test_eval_reward_real_classifier.py",
     "test_eval_served.py",
     "test_gpu_check.py",
-    # Then the files whose tests mostly wait (time-outs, hung and dying stand-ins, retries): by name
-    # they came last, and the suite's last ~70 s ran at 4-50% of the cores (sampled from
-    # /proc/stat in fresh-clone runs r2 and r3, docs/results.md); next to the long files their
-    # waits leave the cores to another worker's run, and short CPU-bound files end the suite.
-    "test_sglang_client.py",
-    "test_sglang_hung_server.py",
-    "test_sglang_weight_sync.py",
-    "test_sglang_server.py",
-    "test_sglang_driver_engines.py",
-    "test_sglang_driver_transport.py",
-    "test_survival_forked_children.py",
-    "test_torchrun_peer_restart.py",
-    "test_torchrun_watchdog_attempts.py",
-    "test_trainer_stop_resume.py",
-    "test_rollout_hung_engine.py",
-    "test_rewards_served_failures.py",
-    "test_reward_server_supervision.py",
 )
 
 
 def pytest_collection_modifyitems(config, items):
-    first = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    first = {name: i for i, name in enumerate(FILE_ORDER)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))
 
 

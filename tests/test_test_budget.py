@@ -161,7 +161,7 @@ def test_the_workers_are_replayed_in_the_suite_s_file_order(tmp_path):
     gw1 runs test_a (10, 1, 1, 1: with two tests left, at 11 s, it is sent test_b) then test_b's
     5 s, ending at 18 and idle the last 4 s."""
     (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "conftest.py").write_text('LONG_FILES_FIRST = ("test_c.py",)\n')
+    (tmp_path / "tests" / "conftest.py").write_text('FILE_ORDER = ("test_c.py",)\n')
     report = tmp_path / "durations.txt"
     times = {"a": [10, 1, 1, 1], "b": [5], "c": [20, 1, 1]}
     report.write_text(
