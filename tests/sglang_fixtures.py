@@ -24,7 +24,7 @@ from built import missing
 
 from megatron_dapo.ports import free_port
 from megatron_dapo.sglang.engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
-from megatron_dapo.sglang.engines import cpu_server_env
+from megatron_dapo.sglang.engines import CPU_MEM_FRACTION, cpu_server_env
 from megatron_dapo.sglang.server import REPO_SGLANG_PYTHON, SGLangServer, SGLangServerConfig
 
 # The CPU flags, environment and kernel stand-ins are the product's own (the driver launches CPU
@@ -121,7 +121,7 @@ def start_cpu_server(
     cfg = SGLangServerConfig(
         model_path=str(model_path),
         port=port,
-        mem_fraction_static=0.05,
+        mem_fraction_static=CPU_MEM_FRACTION,
         dtype="float32",
         enable_memory_saver=enable_memory_saver,
         extra_args=CPU_SERVER_ARGS + list(extra_args or []),

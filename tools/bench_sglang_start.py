@@ -56,7 +56,7 @@ def measure(model: Path, log: Path, standins: Path | None) -> dict:
     import psutil
 
     from megatron_dapo.ports import free_port
-    from megatron_dapo.sglang.engines import CPU_SERVER_ARGS, cpu_server_env
+    from megatron_dapo.sglang.engines import CPU_MEM_FRACTION, CPU_SERVER_ARGS, cpu_server_env
     from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
 
     env = cpu_server_env()
@@ -65,7 +65,7 @@ def measure(model: Path, log: Path, standins: Path | None) -> dict:
     cfg = SGLangServerConfig(
         model_path=str(model),
         port=free_port(),
-        mem_fraction_static=0.05,
+        mem_fraction_static=CPU_MEM_FRACTION,
         dtype="float32",
         extra_args=list(CPU_SERVER_ARGS),
         env=env,

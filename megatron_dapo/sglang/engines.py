@@ -57,6 +57,13 @@ CPU_SERVER_ARGS = [
     "--disable-cuda-graph",
     "--disable-overlap-schedule",
 ]
+# A CPU server's --mem-fraction-static. SGLang checks that the host memory available after its
+# weights load is at least (1 - fraction) of what was available before, and on a CPU that is the
+# whole host's memory: another server's KV pool, a trainer rank or the other test worker allocating
+# in that second failed a server's start at 0.05 ("Loaded weights leave no GPU memory for the KV
+# cache ... minimum viable 0.0600", two servers of one torchrun test starting together). The pool
+# itself is sized by --max-total-tokens (kv_pool_tokens), so the fraction only bounds that check.
+CPU_MEM_FRACTION = 0.3
 # The stand-ins for the two CUDA-only imports of the CPU server (tests/sglang_cpu/README.md); a
 # source checkout has them, and only the server's PYTHONPATH gets them.
 CPU_STANDINS = Path(__file__).resolve().parents[2] / "tests" / "sglang_cpu"
@@ -110,7 +117,7 @@ def server_config(
 ):
     """The `SGLangServerConfig` of engine i: model, TP, address, base GPU, memory settings.
 
-    `cpu`: a server without GPUs (CPU flags and environment above, memory fraction kept small).
+    `cpu`: a server without GPUs (CPU flags, environment and memory fraction above).
     With `actor.routing_replay: rollout` it returns the routed experts (`routed_experts_shape`).
     """
     s = cfg.rollout.sglang
@@ -120,7 +127,7 @@ def server_config(
         tp_size=len(gpus) or int(cfg.rollout.tensor_parallel_size),
         host=host or s.host,
         port=int(s.base_port) + i if port is None else int(port),
-        mem_fraction_static=min(float(s.mem_fraction_static), 0.05) if cpu else float(s.mem_fraction_static),
+        mem_fraction_static=CPU_MEM_FRACTION if cpu else float(s.mem_fraction_static),
         api_key=s.api_key,
         # release/resume of memory between rollout and training only matters when sharing GPUs
         enable_memory_saver=bool(colocated and s.enable_memory_saver and not cpu),

@@ -51,7 +51,7 @@ from megatron_dapo.rewards.served import (
     probe_tolerance,
     server_specs,
 )
-from megatron_dapo.sglang.engines import CPU_SERVER_ARGS, cpu_server_env
+from megatron_dapo.sglang.engines import CPU_MEM_FRACTION, CPU_SERVER_ARGS, cpu_server_env
 from megatron_dapo.sglang.node_host import launch_on_nodes, stop_node_hosts
 from megatron_dapo.sglang.placement import EnginePlan, engine_gpu_ids, local_actor_gpus
 from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
@@ -184,7 +184,8 @@ class RewardServers:
                 host=host,
                 # a planned server's port 0 is a free one on its own node (its host picks it)
                 port=port,
-                mem_fraction_static=0.05 if cpu else share,
+                # on a CPU without max_total_tokens the fraction sizes the KV pool: kept small
+                mem_fraction_static=(CPU_MEM_FRACTION if max_total_tokens else 0.05) if cpu else share,
                 dtype=dtype,
                 base_gpu_id=group[0] if group else None,
                 extra_args=(list(CPU_SERVER_ARGS) if cpu else []) + list(spec.extra_args),
