@@ -80,7 +80,8 @@ from megatron_dapo.rollout.units import Call, Group, Unit, check_results, reques
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5
-# while a decided batch's tail is still out, its engines are aborted again this often (_stop)
+# while a decided batch's tail (_stop) or a paused rollout's calls (_paused) are still out, their
+# engines are aborted again this often
 _REABORT_S = 0.5
 
 
@@ -747,11 +748,10 @@ class RolloutManager:
         # whose request reaches the engine after it would generate to its end (with SGLang and
         # long responses, minutes). So while calls are out, their engines are aborted again.
         deadline = time.monotonic() + self.cfg.abort_timeout_s
-        not_done = set(calls)
-        while not_done and time.monotonic() < deadline:
-            _, not_done = wait(not_done, timeout=min(_REABORT_S, max(0.0, deadline - time.monotonic())))
-            if not_done and time.monotonic() < deadline:
-                self._abort_all({calls[f].engine.name: calls[f].engine for f in not_done}.values())
+        _, not_done = wait(calls, timeout=min(_REABORT_S, self.cfg.abort_timeout_s))
+        while not_done and (left := deadline - time.monotonic()) > 0:
+            self._abort_engines({f: calls[f] for f in not_done})
+            _, not_done = wait(not_done, timeout=min(_REABORT_S, left))
         done = set(calls) - not_done
         for fut, call in list(calls.items()):
             if fut in done:
