@@ -23,8 +23,8 @@ from pathlib import Path
 from built import missing
 
 from megatron_dapo.ports import free_port
-from megatron_dapo.sglang.engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
 from megatron_dapo.sglang.engines import CPU_MEM_FRACTION, cpu_server_env
+from megatron_dapo.sglang.engines import CPU_SERVER_ARGS as DRIVER_CPU_SERVER_ARGS
 from megatron_dapo.sglang.server import REPO_SGLANG_PYTHON, SGLangServer, SGLangServerConfig
 
 # The CPU flags, environment and kernel stand-ins are the product's own (the driver launches CPU

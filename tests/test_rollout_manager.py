@@ -159,7 +159,9 @@ def test_a_call_that_reaches_its_engine_after_the_abort_is_aborted_too():
     mgr = RolloutManager(
         [engine],
         Scorer(),
-        manager_config(gen_batch_size=12, train_batch_size=2, max_concurrency_per_engine=16, abort_timeout_s=20.0),
+        manager_config(
+            gen_batch_size=12, train_batch_size=2, max_concurrency_per_engine=16, abort_timeout_s=20.0
+        ),
         Tokenizer(),
     )
     start = time.monotonic()

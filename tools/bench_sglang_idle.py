@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _cpu_s(root) -> float:
+def tree_cpu_s(root) -> float:
+    """CPU seconds (user + system) of ``root`` and its live descendants."""
     import psutil
 
     total = 0.0
@@ -42,15 +43,14 @@ def _cpu_s(root) -> float:
     return total
 
 
-def measure(model: Path, log_dir: Path, sleep_on_idle: bool, idle_s: float, requests: int) -> dict:
-    import httpx
-    import psutil
-
+def cpu_server_config(model: Path, log_file: Path, **kw):
+    """The CPU test server's settings (the product's CPU flags, environment and memory fraction)
+    on ``model``, a free port, a 4096-token KV pool; ``kw`` overrides."""
     from megatron_dapo.ports import free_port
     from megatron_dapo.sglang.engines import CPU_MEM_FRACTION, CPU_SERVER_ARGS, cpu_server_env
-    from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
+    from megatron_dapo.sglang.server import SGLangServerConfig
 
-    cfg = SGLangServerConfig(
+    settings = dict(
         model_path=str(model),
         port=free_port(),
         mem_fraction_static=CPU_MEM_FRACTION,
@@ -58,8 +58,28 @@ def measure(model: Path, log_dir: Path, sleep_on_idle: bool, idle_s: float, requ
         extra_args=list(CPU_SERVER_ARGS),
         env=cpu_server_env(),
         max_total_tokens=4096,
-        sleep_on_idle=sleep_on_idle,
-        log_file=str(log_dir / f"sglang_sleep_{int(sleep_on_idle)}.log"),
+        log_file=str(log_file),
+    )
+    return SGLangServerConfig(**{**settings, **kw})
+
+
+def demo_model(tmp: Path, model: Path | None) -> Path:
+    """``model``, or the tests' small demo assets (5 warm-start steps) built under ``tmp``."""
+    if model is not None:
+        return model
+    from megatron_dapo.demo.assets import prepare_demo_assets
+
+    return Path(prepare_demo_assets(tmp / "assets", sft_steps=5, eval_problems=4).hf_dir)
+
+
+def measure(model: Path, log_dir: Path, sleep_on_idle: bool, idle_s: float, requests: int) -> dict:
+    import httpx
+    import psutil
+
+    from megatron_dapo.sglang.server import SGLangServer
+
+    cfg = cpu_server_config(
+        model, log_dir / f"sglang_sleep_{int(sleep_on_idle)}.log", sleep_on_idle=sleep_on_idle
     )
     server = SGLangServer(cfg).start()
     try:
@@ -74,9 +94,9 @@ def measure(model: Path, log_dir: Path, sleep_on_idle: bool, idle_s: float, requ
                 return time.monotonic() - start
 
             generate()  # the first request after start-up pays its own warm-up
-            before = _cpu_s(root)
+            before = tree_cpu_s(root)
             time.sleep(idle_s)  # the measured window
-            idle_cpu = _cpu_s(root) - before
+            idle_cpu = tree_cpu_s(root) - before
             after_idle = []
             for _ in range(requests):
                 time.sleep(1.5)
@@ -106,11 +126,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_sglang_idle_") as tmp:
         tmp = Path(tmp)
-        model = args.model
-        if model is None:
-            from megatron_dapo.demo.assets import prepare_demo_assets
-
-            model = Path(prepare_demo_assets(tmp / "assets", sft_steps=5, eval_problems=4).hf_dir)
+        model = demo_model(tmp, args.model)
         rows = {}
         for flag in (False, True):
             print(f"starting a CPU server, sleep_on_idle={flag} ...", flush=True)

@@ -28,18 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def _cpu_s(root) -> float:
-    import psutil
-
-    total = 0.0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
+from tools.bench_sglang_idle import cpu_server_config, demo_model, tree_cpu_s  # noqa: E402
 
 
 def spawn_standins(tmp: Path) -> Path:
@@ -55,29 +44,19 @@ def measure(model: Path, log: Path, standins: Path | None) -> dict:
     import httpx
     import psutil
 
-    from megatron_dapo.ports import free_port
-    from megatron_dapo.sglang.engines import CPU_MEM_FRACTION, CPU_SERVER_ARGS, cpu_server_env
-    from megatron_dapo.sglang.server import SGLangServer, SGLangServerConfig
+    from megatron_dapo.sglang.engines import cpu_server_env
+    from megatron_dapo.sglang.server import SGLangServer
 
     env = cpu_server_env()
     if standins is not None:
         env["PYTHONPATH"] = str(standins)
-    cfg = SGLangServerConfig(
-        model_path=str(model),
-        port=free_port(),
-        mem_fraction_static=CPU_MEM_FRACTION,
-        dtype="float32",
-        extra_args=list(CPU_SERVER_ARGS),
-        env=env,
-        max_total_tokens=4096,
-        log_file=str(log),
-    )
+    cfg = cpu_server_config(model, log, env=env)
     start = time.monotonic()
     server = SGLangServer(cfg).start()
     try:
         server.wait_healthy()
         wall = time.monotonic() - start
-        cpu = _cpu_s(psutil.Process(server.proc.pid))
+        cpu = tree_cpu_s(psutil.Process(server.proc.pid))
         body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
         reply = httpx.post(f"{cfg.url}/generate", json=body, timeout=120).raise_for_status().json()
     finally:
@@ -92,22 +71,23 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_sglang_start_") as tmp:
         tmp = Path(tmp)
-        model = args.model
-        if model is None:
-            from megatron_dapo.demo.assets import prepare_demo_assets
-
-            model = Path(prepare_demo_assets(tmp / "assets", sft_steps=5, eval_problems=4).hf_dir)
+        model = demo_model(tmp, args.model)
         spawn_dir = spawn_standins(tmp)
         rows: dict[str, list[dict]] = {"fork": [], "spawn": []}
         for i in range(args.repeats):
             for way, standins in (("spawn", spawn_dir), ("fork", None)):
                 row = measure(model, tmp / f"sglang_{way}_{i}.log", standins)
                 rows[way].append(row)
-                print(f"{way:>6} #{i}: healthy after {row['wall_s']:6.1f} s, {row['cpu_s']:6.1f} s of CPU", flush=True)
+                print(
+                    f"{way:>6} #{i}: healthy after {row['wall_s']:6.1f} s, {row['cpu_s']:6.1f} s of CPU",
+                    flush=True,
+                )
     tokens = {way: [r["tokens"] for r in rs] for way, rs in rows.items()}
     if len({tuple(t) for ts in tokens.values() for t in ts}) != 1:
         sys.exit(f"the greedy tokens differ between starts: {tokens}")
-    med = {way: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s")} for way, rs in rows.items()}
+    med = {
+        way: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s")} for way, rs in rows.items()
+    }
     print(f"\n{'start':>6} {'wall to healthy (median)':>25} {'CPU (median)':>13}")
     for way in ("spawn", "fork"):
         print(f"{way:>6} {med[way]['wall_s']:>23.1f} s {med[way]['cpu_s']:>11.1f} s")

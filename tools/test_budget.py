@@ -250,9 +250,7 @@ def suite_order(root: Path, files) -> list[str]:
     """``files`` in make test's order: tests/conftest.py's ``FILE_ORDER``, then by name."""
     first: list[str] = []
     for node in ast.parse((root / "tests" / "conftest.py").read_text()).body:
-        if isinstance(node, ast.Assign) and any(
-            getattr(t, "id", "") == "FILE_ORDER" for t in node.targets
-        ):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "FILE_ORDER" for t in node.targets):
             first = list(ast.literal_eval(node.value))
     rank = {name: i for i, name in enumerate(first)}
     return sorted(files, key=lambda f: (rank.get(Path(f).name, len(rank)), f))
