@@ -171,6 +171,8 @@ def test_two_turn_episode_tokens_mask_and_turns():
     assert second.prompt_ids == toks("Q?[up:ab]$" + env)
     assert engine.sent[0][0].sampling.seed == 11 and second.sampling.seed == turn_seed(11, 1) != 11
     assert second.sampling.max_new_tokens == 100 - 8 - len(env) and EOT in second.sampling.stop_token_ids
+    # the earlier turns' prompt lengths, where an HF engine splits the prompt to reuse their keys
+    assert engine.sent[0][0].prefix_lengths == () and second.prefix_lengths == (2,)
     assert tools.calls == [("e0", "up", "ab")] and tools.released == ["e0"]
 
 
@@ -366,6 +368,9 @@ def test_a_continued_episode_resumes_mid_turn_and_equals_the_uninterrupted_one()
     engine = Scripted(script)
     (rest,) = runner().run(engine, [again], threading.Event())
     assert engine.sent[0][0].request_id == "e0/t1" and engine.sent[0][0].sampling.seed == turn_seed(11, 1)
+    # split where the turns' prompts end, the interrupted one's included: a resumed run splits as
+    # the uninterrupted run that continues it does
+    assert engine.sent[0][0].prefix_lengths == (2, len(toks("Q?[up:ab]$\n<AB>\n")))
     joined = join(carried, rest)
     assert joined.output_ids == whole.output_ids and joined.loss_mask == whole.loss_mask
     assert joined.episode.as_dict() == whole.episode.as_dict()

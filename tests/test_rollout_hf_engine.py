@@ -443,3 +443,75 @@ def test_logprobs_match_a_separate_forward_across_families_and_attention(family,
     for req, res in zip(reqs, engine.generate(reqs)):
         ref = reference_logprobs(model, req.prompt_ids, res.output_ids, 0.9)
         torch.testing.assert_close(torch.tensor(res.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def _episodes(engine, n=3):
+    """Three turns of ``n`` episodes through ``engine``, each turn a call once the last answered:
+    turn k's prompt is turn k-1's prompt, its response and a tool answer, sent with the earlier
+    prompts' lengths (what the episode runner sends). Returns each turn's requests and results."""
+    prompts = [[5 + i] * (3 + 5 * i) for i in range(n)]
+    cuts: list[tuple[int, ...]] = [() for _ in range(n)]
+    turns = []
+    for k in range(3):
+        reqs = [
+            GenerationRequest(
+                f"e{i}/t{k}", p, SamplingParams(0.9, max_new_tokens=8, seed=50 + 10 * i + k), prefix_lengths=c
+            )
+            for i, (p, c) in enumerate(zip(prompts, cuts))
+        ]
+        results = engine.generate(reqs)
+        turns.append((reqs, results))
+        cuts = [c + (len(p),) for p, c in zip(prompts, cuts)]
+        prompts = [p + r.output_ids + [7 + k] * (2 + i) for i, (p, r) in enumerate(zip(prompts, results))]
+    return turns
+
+
+def test_an_episodes_later_turn_reuses_its_earlier_prompt_with_the_same_bits(model):
+    """Prefix reuse: an episode's turn restores its previous prompt's keys and values and prefills
+    only what it adds. Its response is bitwise the one computed without the stored prefix (a new
+    engine, a weight load between, batch mates), and its log-probs are the model's."""
+    engine = HFEngine(model=model, frame=96)
+    turns = _episodes(engine)
+    reqs, results = turns[2]
+    earlier = [len(q.prompt_ids) for q in turns[1][0]]  # each third turn restores its second prompt
+    assert engine.stats["reused_tokens"] == sum(len(q.prompt_ids) for q in turns[0][0]) + sum(earlier)
+    assert engine.stats["prefill_tokens"] == sum(len(q.prompt_ids) for q in turns[0][0]) + sum(
+        len(q.prompt_ids) - len(p.prompt_ids) for t in (1, 2) for q, p in zip(turns[t][0], turns[t - 1][0])
+    )
+    for q, r in zip(reqs, results):
+        torch.testing.assert_close(
+            torch.tensor(r.logprobs),
+            reference_logprobs(model, q.prompt_ids, r.output_ids, 0.9),
+            atol=1e-5,
+            rtol=0,
+        )
+    cold = HFEngine(model=model, frame=96)
+    assert _bits([cold.generate([q])[0] for q in reqs]) == _bits(results)
+    assert cold.stats["reused_tokens"] == 0
+    mates = [_one(i, tokens=12) for i in range(3)]
+    assert _bits(HFEngine(model=model, frame=96).generate(mates + reqs)[3:]) == _bits(results)
+    engine.load_weights([dict(model.state_dict())], version=1)  # the stored prefixes go with the weights
+    reused = engine.stats["reused_tokens"]
+    assert _bits(engine.generate(reqs)) == _bits(results)
+    assert engine.stats["reused_tokens"] == reused
+
+
+def test_a_reused_prefix_keeps_its_routed_experts():
+    """MoE routing replay covers the whole prompt when part of it came from the store."""
+    from helpers import random_hf_model
+
+    model = random_hf_model(tiny_hf_config("qwen3_moe", vocab=128), 0).eval()
+    warm = HFEngine(model=model, record_routing=True, frame=96)
+    reqs, results = _episodes(warm, n=2)[1]
+    assert warm.stats["reused_tokens"] > 0
+    cold = [HFEngine(model=model, record_routing=True, frame=96).generate([q])[0] for q in reqs]
+    for q, hot, miss in zip(reqs, results, cold):
+        assert hot.routed_experts.shape[0] == len(q.prompt_ids) + len(hot.output_ids) - 1
+        assert torch.equal(hot.routed_experts, miss.routed_experts)
+        assert hot.output_ids == miss.output_ids
+
+
+def test_prefix_lengths_outside_the_prompt_are_refused_naming_the_field(model):
+    bad = GenerationRequest("b", [5] * 6, SamplingParams(max_new_tokens=2), prefix_lengths=(4, 2))
+    with pytest.raises(ValueError, match="prefix_lengths"):
+        HFEngine(model=model).generate([bad])

@@ -293,8 +293,12 @@ class _Episode:
                 "stop_token_ids": list(dict.fromkeys([*base.stop_token_ids, *extra_stops])),
             }
         )
+        # the episode's earlier turns' prompts, from its turns (a resumed run's continuation splits
+        # its prompt where the uninterrupted one's does): an HF engine reuses their keys and values
+        base = len(self.request.prompt_ids) - self.offset
+        cuts = sorted({base + t.start for t in self.info.assistant_turns()} - {len(self.context)})
         self.last_request = GenerationRequest(
-            f"{self.request.request_id}/t{index}", list(self.context), sampling
+            f"{self.request.request_id}/t{index}", list(self.context), sampling, prefix_lengths=tuple(cuts)
         )
         return self.last_request
 

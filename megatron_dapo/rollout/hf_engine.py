@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,7 +107,16 @@ class HFEngine:
         self.model = model.to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.weight_version: int | None = 0
-        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "busy_s": 0.0, "prefills": 0, "steps": 0}
+        self.stats = {
+            "requests": 0,
+            "tokens": 0,
+            "aborted": 0,
+            "busy_s": 0.0,
+            "prefills": 0,
+            "steps": 0,
+            "prefill_tokens": 0,
+            "reused_tokens": 0,
+        }
         cfg = self.model.config
         self.eos_token_ids = _eos_ids(self.model)
         pad = getattr(cfg, "pad_token_id", None)
@@ -120,6 +129,8 @@ class HFEngine:
         self._frame = _Frame(self.device, None if frame is None else min(frame, self.max_positions))
         self._gemm_rows = _gemm_row_multiple(cfg, self.device)
         self._masks = _MaskBuilder(cfg)
+        # episodes' prompts' keys and values for their next turns: as many tokens as the frame holds
+        self._prefixes = _PrefixStore(lambda: self.max_batch_size * max(self._frame.width, 1))
         self._lock = threading.Lock()  # the model: a step or a weight load at a time
         self._cv = threading.Condition()  # the rows' queue and slots, and who runs the steps
         self._pending: deque[_Row] = deque()
@@ -217,6 +228,12 @@ class HFEngine:
                 f"request {r.request_id}: prompt of {len(r.prompt_ids)} tokens does not fit the model's "
                 f"max_position_embeddings={self.max_positions}"
             )
+        cuts = list(r.prefix_lengths or ())
+        if any(not 0 < c < len(r.prompt_ids) for c in cuts) or cuts != sorted(set(cuts)):
+            raise ValueError(
+                f"request {r.request_id}: prefix_lengths {cuts} must rise strictly within (0, "
+                f"{len(r.prompt_ids)}), the lengths of the episode's earlier prompts"
+            )
 
     def _step(self) -> None:
         """Answer the rows an abort reached, let queued rows into free slots, then one forward
@@ -294,14 +311,22 @@ class HFEngine:
             for row in joining:
                 row.start(self.eos_token_ids)
             need = max(row.frame_tokens(self.max_positions) for row in self._active + joining)
+            self._active += joining
             self._frame.fit(len(self._active), need)
-            by_width: dict[int, list[_Row]] = {}
             for row in joining:
-                by_width.setdefault(self._prefill_width(len(row.request.prompt_ids)), []).append(row)
-            for width, rows in by_width.items():
-                first = len(self._active)
-                self._active += rows
-                self._prefill(rows, first, width)
+                row.segments = self._segments(row)
+            # a row's segments go one forward each, in order; rows whose next segment has the same
+            # kind and width share a forward
+            while True:
+                groups: dict[tuple[bool, int], list[_Row]] = {}
+                for row in joining:
+                    if row.segments:
+                        start, end = row.segments[0]
+                        groups.setdefault((start > 0, self._prefill_width(end - start)), []).append(row)
+                if not groups:
+                    break
+                for (extend, width), rows in groups.items():
+                    self._prefill(rows, width, extend)
         live = list(self._active)
         if not live or self._abort_epoch != epoch:
             return
@@ -324,7 +349,7 @@ class HFEngine:
         out = self.model(
             input_ids=feed,
             position_ids=pos[:, None],
-            attention_mask=self._masks.decode(pos, self._frame.width),
+            attention_mask=self._masks.decode(pos[:, None], self._frame.width),
             cache=self._frame,
             use_cache=True,
             logits_to_keep=1,
@@ -347,35 +372,83 @@ class HFEngine:
         share one."""
         return min(-(-length // _PREFILL_STEP) * _PREFILL_STEP, self.max_positions)
 
-    def _prefill(self, rows: list[_Row], first: int, width: int) -> None:
-        """The prompts of ``rows`` (right-padded to ``width``), written to slots from ``first``;
-        their first tokens drawn. Filler rows (pad tokens, free slots) round the token count up."""
+    def _segments(self, row: _Row) -> list[tuple[int, int]]:
+        """The spans of ``row``'s prompt still to compute, in order. An episode's turn
+        (``prefix_lengths``) is computed in segments split at its earlier prompts' lengths: the
+        first prefilled alone, each later one attending to the frame (``_prefill``). So its numbers
+        are the same whether the keys and values of an earlier prompt come from the store or are
+        computed again here (a miss: evicted, another engine, a weight load between), and the
+        longest stored prefix is restored into the row's slot instead of computed."""
+        prompt = row.request.prompt_ids
+        cuts = list(row.request.prefix_lengths or ())
+        start = 0
+        for j in range(len(cuts) - 1, -1, -1):
+            entry = self._prefixes.take(prompt[: cuts[j]], cuts[:j])
+            if entry is not None:
+                kv, routed = entry
+                self._frame.restore(self._active.index(row), kv)
+                if routed is not None:
+                    row.routed = [routed]
+                start = cuts[j]
+                self.stats["reused_tokens"] += start
+                break
+        bounds = [start] + [c for c in cuts if c > start] + [len(prompt)]
+        return list(zip(bounds, bounds[1:]))
+
+    def _prefill(self, rows: list[_Row], width: int, extend: bool) -> None:
+        """The next segment of each of ``rows``, right-padded to ``width`` tokens, written to their
+        slots; the rows whose prompt it completes draw their first token (and an episode's turn
+        keeps its prompt's keys and values for the next turn). A first segment attends to itself
+        alone; a later one (``extend``) to its row's frame, which holds the prompt before it.
+        Filler rows (pad tokens, free slots) round the token count up."""
+        slot_of = {id(r): k for k, r in enumerate(self._active)}
         padded = self._rows_for(len(rows), width)
-        self._frame.fit(first + padded, 0)
-        lengths = [len(r.request.prompt_ids) for r in rows]
-        prompts = [r.request.prompt_ids + [self.pad_token_id] * (width - n) for r, n in zip(rows, lengths)]
-        prompts += [[self.pad_token_id] * width] * (padded - len(rows))
-        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
-        positions = torch.arange(width, device=self.device).expand(padded, -1)
-        self._frame.prefilling(list(range(first, first + padded)))
+        free = len(self._active)
+        self._frame.fit(free + padded - len(rows), 0)
+        slots = [slot_of[id(r)] for r in rows] + list(range(free, free + padded - len(rows)))
+        spans = [row.segments.pop(0) for row in rows]
+        prompts = [r.request.prompt_ids for r in rows]
+        feed = [p[s:e] + [self.pad_token_id] * (width - (e - s)) for p, (s, e) in zip(prompts, spans)]
+        feed += [[self.pad_token_id] * width] * (padded - len(rows))
+        ids = torch.tensor(feed, dtype=torch.long, device=self.device)
+        starts = torch.tensor([s for s, _ in spans] + [0] * (padded - len(rows)), device=self.device)
+        positions = starts[:, None] + torch.arange(width, device=self.device)[None, :]
+        if extend:
+            self._frame.extending(slots, positions)
+            mask = self._masks.decode(positions, self._frame.width)
+        else:
+            self._frame.prefilling(slots)
+            mask = self._masks.prefill(padded, width, self.device)
         if self._routing:
             self._routing.start()
         keep = min(_PREFILL_STEP, width)  # a fixed count: the head's GEMM rows stay a multiple
         out = self.model(
             input_ids=ids,
             position_ids=positions,
-            attention_mask=self._masks.prefill(padded, width, self.device),
+            attention_mask=mask,
             cache=self._frame,
             use_cache=True,
             logits_to_keep=keep,
         )
         self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += sum(e - s for s, e in spans)
         if self._routing:
-            for row, experts, n in zip(rows, self._routing.prefill(padded), lengths):
-                row.routed = [experts[0][:n]]
-        last = torch.tensor([n - 1 - (width - keep) for n in lengths], device=self.device)
-        logits = out.logits[torch.arange(len(rows), device=self.device), last, :].float()
-        self._sampled(rows, logits)
+            for row, experts, (s, e) in zip(rows, self._routing.prefill(padded), spans):
+                row.routed = (row.routed or []) + [experts[0][: e - s]]
+        complete = [b for b, row in enumerate(rows) if not row.segments]
+        if not complete:
+            return
+        for b in complete:
+            row = rows[b]
+            if row.request.prefix_lengths is not None:
+                routed = None if row.routed is None else torch.cat(row.routed)
+                kv = self._frame.save(slots[b], len(row.request.prompt_ids))
+                self._prefixes.put(row.request.prompt_ids, row.request.prefix_lengths, kv, routed)
+        last = torch.tensor(
+            [spans[b][1] - spans[b][0] - 1 - (width - keep) for b in complete], device=self.device
+        )
+        picked = torch.tensor(complete, device=self.device)
+        self._sampled([rows[b] for b in complete], out.logits[picked, last, :].float())
 
     def _sampled(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Draw each row's next token; a row that stops is answered (``on_result`` at once) and
@@ -438,6 +511,7 @@ class HFEngine:
         with self._between_rows():
             self._healthy = False
             self.weight_version = None
+            self._prefixes.clear()  # computed by the weights being replaced
             targets, canonical = self._weight_targets()
             covered: set[str] = set()
             with torch.no_grad():
@@ -517,6 +591,7 @@ class HFEngine:
         """CUDA: move the model to host memory; CPU: nothing to release."""
         if self.device.type == "cuda":
             with self._between_rows():
+                self._prefixes.clear()
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
 
@@ -569,6 +644,7 @@ class _Row:
         self.stops: set[int] = set()
         self.routed: list[torch.Tensor] | None = None
         self.waited = 0  # steps it spent queued while rows decoded
+        self.segments: list[tuple[int, int]] = []  # spans of its prompt still to compute
 
     def start(self, eos_token_ids: list[int]) -> None:
         s = self.request.sampling
@@ -613,6 +689,7 @@ class _Frame:
         self.values: dict[int, torch.Tensor] = {}
         self._prefill_slots: torch.Tensor | None = None
         self._decode: tuple[int, torch.Tensor] | None = None
+        self._extend: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def fit(self, rows: int, width: int) -> None:
         """Room for ``rows`` rows of ``width`` positions (grown: slots to a power of two, width
@@ -643,11 +720,32 @@ class _Frame:
 
     def prefilling(self, slots: list[int]) -> None:
         self._prefill_slots = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self._decode = None
+        self._decode = self._extend = None
 
     def decoding(self, rows: int, positions: torch.Tensor) -> None:
         self._decode = (rows, positions)
-        self._prefill_slots = None
+        self._prefill_slots = self._extend = None
+
+    def extending(self, slots: list[int], positions: torch.Tensor) -> None:
+        """A later prompt segment: rows in ``slots`` at ``positions`` ``[rows, tokens]`` (its
+        padding's positions past the frame are not written; no query of the prompt reads them)."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        inside = positions < self.width
+        self._extend = (index, index[:, None].expand_as(positions)[inside], positions[inside], inside)
+        self._prefill_slots = self._decode = None
+
+    def save(self, slot: int, n: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of the keys and values of ``slot``'s first ``n`` positions, by layer."""
+        return {
+            layer: (self.keys[layer][slot, :, :n].clone(), self.values[layer][slot, :, :n].clone())
+            for layer in self.keys
+        }
+
+    def restore(self, slot: int, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write what ``save`` copied into ``slot``'s first positions."""
+        for layer, (k, v) in kv.items():
+            self.keys[layer][slot, :, : k.shape[1]] = k
+            self.values[layer][slot, :, : v.shape[1]] = v
 
     def _buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.keys:
@@ -664,11 +762,53 @@ class _Frame:
             keys[self._prefill_slots, :, :n] = key_states[:, :, :n]
             values[self._prefill_slots, :, :n] = value_states[:, :, :n]
             return key_states, value_states
+        if self._extend is not None:
+            index, rows, positions, inside = self._extend
+            keys[rows, :, positions] = key_states.transpose(1, 2)[inside]
+            values[rows, :, positions] = value_states.transpose(1, 2)[inside]
+            return keys[index], values[index]
         rows, positions = self._decode
         index = torch.arange(rows, device=self.device)
         keys[index, :, positions] = key_states[:, :, 0]
         values[index, :, positions] = value_states[:, :, 0]
         return keys[:rows], values[:rows]
+
+
+class _PrefixStore:
+    """Episodes' prompts' keys and values (and routed experts), kept for their next turns, least
+    recently stored first out past ``capacity()`` tokens. Keyed by the prompt's ids and the
+    lengths it was split at, which fix its numbers (``HFEngine._segments``); a turn takes its
+    prefix out, as the next turn extends the turn's own prompt instead. Cleared on a weight load."""
+
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, tuple[dict, torch.Tensor | None, int]] = OrderedDict()
+        self._tokens = 0
+
+    def put(self, prompt: list[int], cuts: Sequence[int], kv: dict, routed: torch.Tensor | None) -> None:
+        key = (tuple(prompt), tuple(cuts))
+        self._drop(key)
+        self._entries[key] = (kv, routed, len(prompt))
+        self._tokens += len(prompt)
+        while self._tokens > self.capacity() and self._entries:
+            self._drop(next(iter(self._entries)))
+
+    def take(self, prompt: list[int], cuts: Sequence[int]) -> tuple[dict, torch.Tensor | None] | None:
+        key = (tuple(prompt), tuple(cuts))
+        if key not in self._entries:
+            return None
+        kv, routed, _ = self._entries[key]
+        self._drop(key)
+        return kv, routed
+
+    def _drop(self, key: tuple) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._tokens -= entry[2]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._tokens = 0
 
 
 class _MaskBuilder:
@@ -709,9 +849,11 @@ class _MaskBuilder:
         return self._by_type(causal, distance[None, None], dtype)
 
     def decode(self, positions: torch.Tensor, width: int, dtype=torch.float32):
+        """Queries at ``positions`` ``[rows, tokens]`` over a frame of ``width`` keys: each its row's
+        keys up to its own position (a decode step's one token, or a later prompt segment)."""
         keys = torch.arange(width, device=positions.device)
-        distance = positions[:, None] - keys[None, :]
-        return self._by_type((distance >= 0)[:, None, None, :], distance[:, None, None, :], dtype)
+        distance = (positions[:, :, None] - keys[None, None, :])[:, None]
+        return self._by_type(distance >= 0, distance, dtype)
 
 
 def _per_expert_views(name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:

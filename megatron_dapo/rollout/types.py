@@ -159,13 +159,18 @@ class GenerationRequest:
     response so far); engines ignore it, the episode runner resumes from it. ``tools_kwargs``:
     verl's per-sample tool arguments (the dataset row's ``extra_info.tools_kwargs``: ``{tool name:
     {"create_kwargs": {...}, "execute_kwargs": {...}}}``), which the episode runner hands to the
-    tools; engines ignore it."""
+    tools; engines ignore it. ``prefix_lengths``: set on an episode's turn, the lengths of its
+    earlier turns' prompts (each a prefix of ``prompt_ids``; empty on its first turn). The HF
+    engine computes such a prompt in segments split there and keeps its keys and values for the
+    next turn, which then prefills only what it adds; SGLang's radix cache finds prefixes itself
+    and ignores it. None: nothing to keep."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     episode: EpisodeInfo | None = None
     tools_kwargs: dict[str, Any] | None = None
+    prefix_lengths: tuple[int, ...] | None = None
 
 
 @dataclass
