@@ -515,3 +515,30 @@ def test_prefix_lengths_outside_the_prompt_are_refused_naming_the_field(model):
     bad = GenerationRequest("b", [5] * 6, SamplingParams(max_new_tokens=2), prefix_lengths=(4, 2))
     with pytest.raises(ValueError, match="prefix_lengths"):
         HFEngine(model=model).generate([bad])
+
+
+def test_a_groups_episodes_share_their_first_prompts_stored_prefix(model):
+    """A group's samples send one prompt: each of their second turns finds it stored (a store that
+    handed an entry to the first taker would leave the others to compute it again)."""
+    engine = HFEngine(model=model, frame=96)
+    prompt = [6] * 9
+    first = engine.generate(
+        [
+            GenerationRequest(
+                f"g{i}/t0", prompt, SamplingParams(0.9, max_new_tokens=6, seed=i), prefix_lengths=()
+            )
+            for i in range(4)
+        ]
+    )
+    second = [
+        GenerationRequest(
+            f"g{i}/t1",
+            prompt + r.output_ids + [7, 7],
+            SamplingParams(0.9, max_new_tokens=6, seed=9),
+            prefix_lengths=(9,),
+        )
+        for i, r in enumerate(first)
+    ]
+    for q in second:  # one at a time, each after the one before took the entry
+        engine.generate([q])
+    assert engine.stats["reused_tokens"] == 4 * len(prompt)

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 _PREFILL_STEP = 16
 # decode steps a queued row waits at most for others to join with it (HFEngine._admit_now)
 _ADMIT_WAIT = 4
+# seconds an idle engine's first queued row waits for others to start with it (HFEngine._admit_now)
+_IDLE_GATHER_S = 0.01
 
 
 class WeightLoadError(EngineError):
@@ -251,7 +253,11 @@ class HFEngine:
             for row in self._pending:
                 row.waited += 1
             if not joining and not self._active:
-                self._cv.wait(timeout=0.1)  # nothing to decode: this caller's rows were just answered
+                # nothing to decode: this caller's rows were just answered, or queued ones gather
+                gathering = (
+                    _IDLE_GATHER_S - (time.monotonic() - self._pending[0].queued_at) if self._pending else 0.1
+                )
+                self._cv.wait(timeout=min(max(gathering, 0.0), 0.1))
                 return
         with self._lock:
             t0 = time.perf_counter()
@@ -276,7 +282,9 @@ class HFEngine:
         if not self._pending:
             return False
         n = len(self._active)
-        return n == 0 or 4 * len(self._pending) >= n or self._pending[0].waited >= _ADMIT_WAIT
+        if n == 0:
+            return time.monotonic() - self._pending[0].queued_at >= _IDLE_GATHER_S
+        return 4 * len(self._pending) >= n or self._pending[0].waited >= _ADMIT_WAIT
 
     def _drop_aborted(self) -> None:
         """Under ``_cv``: rows of calls made before the last abort are answered "abort" with what
@@ -286,19 +294,25 @@ class HFEngine:
         for row in stale:
             self._pending.remove(row)
             row.job.answer(row.index, self._aborted(row.request, [], []))
-        if any(r.job.epoch != epoch for r in self._active):
-            for row in [r for r in self._active if r.job.epoch != epoch]:
-                row.job.answer(row.index, self._aborted(row.request, row.out_ids, row.out_lps))
-                self._release(row)
+        stale = [r for r in self._active if r.job.epoch != epoch]
+        for row in stale:
+            row.job.answer(row.index, self._aborted(row.request, row.out_ids, row.out_lps))
+        self._release(stale)
 
-    def _release(self, row: _Row) -> None:
-        """Row leaves its slot; the last row in flight moves into it (rows stay in slots 0..n-1,
-        so a step's keys are a view of the frame)."""
-        k = self._active.index(row)
-        last = self._active.pop()
-        if last is not row:
-            self._frame.move(len(self._active), k)
-            self._active[k] = last
+    def _release(self, rows: list[_Row]) -> None:
+        """``rows`` leave their slots; rows in flight from past the new end move into the slots
+        left below it (rows stay in slots 0..n-1, so a step's keys are a view of the frame), all
+        in one copy per layer: a step may end hundreds of rows."""
+        if not rows:
+            return
+        leaving = {id(r) for r in rows}
+        n = len(self._active) - len(leaving)
+        holes = [k for k, r in enumerate(self._active[:n]) if id(r) in leaving]
+        movers = [k for k in range(n, len(self._active)) if id(self._active[k]) not in leaving]
+        self._frame.move(movers, holes)
+        for src, dst in zip(movers, holes):
+            self._active[dst] = self._active[src]
+        del self._active[n:]
         if not self._active and self._loads_waiting:
             self._cv.notify_all()  # a weight load waits for the rows in flight
 
@@ -440,7 +454,9 @@ class HFEngine:
             return
         for b in complete:
             row = rows[b]
-            if row.request.prefix_lengths is not None:
+            if row.request.prefix_lengths is not None and not self._prefixes.has(
+                row.request.prompt_ids, row.request.prefix_lengths
+            ):  # a group's samples send one prompt
                 routed = None if row.routed is None else torch.cat(row.routed)
                 kv = self._frame.save(slots[b], len(row.request.prompt_ids))
                 self._prefixes.put(row.request.prompt_ids, row.request.prefix_lengths, kv, routed)
@@ -465,10 +481,9 @@ class HFEngine:
             self._rng,
         )
         done = []
-        for b, row in enumerate(rows):
-            tok = int(tokens[b])
+        for row, tok, lp in zip(rows, tokens.tolist(), lps.tolist()):
             row.out_ids.append(tok)
-            row.out_lps.append(float(lps[b]))
+            row.out_lps.append(lp)
             finish = row.finish_after(tok, self.max_positions)
             if finish is not None:
                 result = self._finished(row, finish)
@@ -479,7 +494,7 @@ class HFEngine:
             with self._cv:
                 for row, result in done:
                     row.job.answer(row.index, result)
-                    self._release(row)
+                self._release([row for row, _ in done])
 
     def _finished(self, row: _Row, finish: str) -> GenerationResult:
         self.stats["requests"] += 1
@@ -644,6 +659,7 @@ class _Row:
         self.stops: set[int] = set()
         self.routed: list[torch.Tensor] | None = None
         self.waited = 0  # steps it spent queued while rows decoded
+        self.queued_at = time.monotonic()
         self.segments: list[tuple[int, int]] = []  # spans of its prompt still to compute
 
     def start(self, eos_token_ids: list[int]) -> None:
@@ -713,10 +729,15 @@ class _Frame:
                     grown[: t.shape[0], :, : t.shape[2]] = t
                     store[layer] = grown
 
-    def move(self, src: int, dst: int) -> None:
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Slots ``src`` copied into slots ``dst`` (none of them among ``src``)."""
+        if not src:
+            return
+        src_index = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_index = torch.tensor(dst, dtype=torch.long, device=self.device)
         for store in (self.keys, self.values):
             for t in store.values():
-                t[dst] = t[src]
+                t[dst_index] = t[src_index]
 
     def prefilling(self, slots: list[int]) -> None:
         self._prefill_slots = torch.tensor(slots, dtype=torch.long, device=self.device)
@@ -776,9 +797,10 @@ class _Frame:
 
 class _PrefixStore:
     """Episodes' prompts' keys and values (and routed experts), kept for their next turns, least
-    recently stored first out past ``capacity()`` tokens. Keyed by the prompt's ids and the
-    lengths it was split at, which fix its numbers (``HFEngine._segments``); a turn takes its
-    prefix out, as the next turn extends the turn's own prompt instead. Cleared on a weight load."""
+    recently used first out past ``capacity()`` tokens. Keyed by the prompt's ids and the lengths
+    it was split at, which fix its numbers (``HFEngine._segments``): a group's episodes share
+    their first prompt's entry, so a turn that finds one leaves it for its group mates. Cleared on
+    a weight load."""
 
     def __init__(self, capacity):
         self.capacity = capacity
@@ -793,12 +815,15 @@ class _PrefixStore:
         while self._tokens > self.capacity() and self._entries:
             self._drop(next(iter(self._entries)))
 
+    def has(self, prompt: list[int], cuts: Sequence[int]) -> bool:
+        return (tuple(prompt), tuple(cuts)) in self._entries
+
     def take(self, prompt: list[int], cuts: Sequence[int]) -> tuple[dict, torch.Tensor | None] | None:
         key = (tuple(prompt), tuple(cuts))
         if key not in self._entries:
             return None
+        self._entries.move_to_end(key)
         kv, routed, _ = self._entries[key]
-        self._drop(key)
         return kv, routed
 
     def _drop(self, key: tuple) -> None:
