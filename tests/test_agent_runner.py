@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import pytest
@@ -550,3 +551,48 @@ def test_a_difference_in_tokens_of_the_same_text_names_their_ids():
     (diff,) = _differences([1, 2, 5], [1, 3, 4, 5], decode)
     assert diff == ("<|r|> (ids [2])", "<|r|> (ids [3, 4])")
     assert "".join(diff[0].split()) != "".join(diff[1].split())
+
+
+class Submitted(Scripted):
+    """Scripted, and it takes one-request calls by ``submit`` (`SubmitsTurns`): their futures are
+    answered only when the test says."""
+
+    def __init__(self, script):
+        super().__init__(script)
+        self.held: list[tuple[GenerationRequest, Future]] = []
+        self.queued = threading.Semaphore(0)
+
+    def submit(self, request):
+        fut = Future()
+        self.held.append((request, fut))
+        self.queued.release()
+        return fut
+
+    def answer_held(self):
+        held, self.held = self.held, []
+        for q, fut in held:
+            fut.set_result(self.generate([q])[0])
+
+
+def test_later_turns_submitted_to_an_engine_that_takes_them_hold_no_thread_each():
+    """64 episodes' second turns wait on the engine at once: with an engine that takes a turn by
+    ``submit`` no thread is started for them (a thread per waiting turn is what cost the
+    calculator demo's driver a fifth more CPU than the lockstep loop, in thread switches), and the
+    episodes end as with ``generate``."""
+    script = {f"e{i}": ["[up:ab]$", "AB$"] for i in range(64)}
+    engine = Submitted(script)
+    before = threading.active_count()
+    out = {}
+    run = threading.Thread(
+        target=lambda: out.setdefault(
+            "r", runner().run(engine, [request(f"e{i}") for i in range(64)], threading.Event())
+        )
+    )
+    run.start()
+    for _ in range(64):
+        assert engine.queued.acquire(timeout=60)
+    assert threading.active_count() - before <= 8  # the run thread and the tool pool's, not one a turn
+    engine.answer_held()
+    run.join(timeout=60)
+    assert [r.output_ids for r in out["r"]] == [toks("[up:ab]$\n<AB>\nAB$")] * 64
+    assert all(r.episode.end == "stop" for r in out["r"])

@@ -58,7 +58,7 @@ from typing import Any, Protocol
 
 from megatron_dapo.agent.calls import outside_think
 from megatron_dapo.config.knobs import from_config, knob
-from megatron_dapo.rollout.engine import EngineError, OnResult
+from megatron_dapo.rollout.engine import EngineError, OnResult, SubmitsTurns
 from megatron_dapo.rollout.types import (
     EpisodeInfo,
     EpisodeTurn,
@@ -593,6 +593,12 @@ class _Flight:
         for e, q in turns:
             self._turns[q.request_id] = e
         self._in_flight += 1
+        if not on_result and len(sent) == 1 and isinstance(self.engine, SubmitsTurns):
+            # no thread waits on it: hundreds of waiting turn threads cost more than the turns
+            self.engine.submit(sent[0]).add_done_callback(
+                lambda f: self._events.put(("turn call", (sent, f)))
+            )
+            return
         if on_result:  # each finished turn handed over while the call's others still decode
             fut = self._threads.submit(self.engine.generate, sent, on_result=self._hand_over)
         else:
@@ -609,10 +615,10 @@ class _Flight:
             self._turn(what)
             return
         self._in_flight -= 1
-        if kind == "call":
+        if kind in ("call", "turn call"):
             sent, fut = what
             try:
-                results = fut.result()
+                results = fut.result() if kind == "call" else [fut.result()]
                 _check_turn(self.engine, sent, results)
             except BaseException as e:  # noqa: BLE001 - raised from run() once nothing is in flight
                 self._fail(e)

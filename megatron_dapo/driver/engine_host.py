@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -148,7 +148,9 @@ class RemoteEngine:
     call of its own in the engine's batcher), so a step's turns cost a Ray call per 10 ms rather
     than one each. Messages do not wait for each other: the engine's queue gathers them for its
     next batch. An abort answers the ones still waiting here "abort" with no tokens, as the
-    engine answers its own queue."""
+    engine answers its own queue. ``submit`` (`SubmitsTurns`) queues a turn without a thread of
+    the caller's waiting on it: one sender thread gathers the queue, and a thread per message
+    (not per turn) waits for the actor's answer."""
 
     gather_s = 0.01
 
@@ -160,6 +162,8 @@ class RemoteEngine:
         self._waiting: list[tuple[GenerationRequest, int, Future]] = []  # (request, abort epoch, answer)
         self._epoch = 0
         self._version: int | None = None  # the weights of the last turn answered (for an abort here)
+        self._sender: threading.Thread | None = None
+        self._messages = ThreadPoolExecutor(max_workers=1 << 10, thread_name_prefix=f"{name}-message")
 
     def _get(self, ref, what: str):
         import ray
@@ -204,21 +208,35 @@ class RemoteEngine:
                 on_result(result)
 
     def _one(self, request: GenerationRequest) -> GenerationResult:
-        """A one-request call: the first of a message waits ``gather_s`` for others to join it,
-        then sends them all and answers each; the others wait for their answer."""
+        return self.submit(request).result()
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """A one-request call, answered by the future: it waits in the queue that the sender
+        thread sends as one message ``gather_s`` after the first of them came."""
         answer: Future = Future()
         with self._cv:
             self._waiting.append((request, self._epoch, answer))
-            gather = len(self._waiting) == 1
-        if gather:
-            time.sleep(self.gather_s)
-            self._send_waiting()
-        return answer.result()
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_loop, name=f"{self.name}-sender", daemon=True
+                )
+                self._sender.start()
+            self._cv.notify()
+        return answer
 
-    def _send_waiting(self) -> None:
-        """One message: every one-request call waiting (those an abort reached answered here)."""
+    def _send_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting:
+                    self._cv.wait()
+            time.sleep(self.gather_s)
+            with self._cv:
+                batch, self._waiting = self._waiting, []
+            self._messages.submit(self._send, batch)
+
+    def _send(self, batch: list[tuple[GenerationRequest, int, Future]]) -> None:
+        """One message: the one-request calls gathered (those an abort reached answered here)."""
         with self._cv:
-            batch, self._waiting = self._waiting, []
             stale = [(q, f) for q, epoch, f in batch if epoch != self._epoch]
             batch = [(q, f) for q, epoch, f in batch if epoch == self._epoch]
         for q, f in stale:

@@ -25,6 +25,7 @@ prompt ends with them and whose ``max_new_tokens`` is the budget left (``rollout
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -76,6 +77,17 @@ class RolloutEngine(Protocol):
         itself (its server's answer), not whether a supervised process lives, which may cost a
         call to another node."""
         ...
+
+
+@runtime_checkable
+class SubmitsTurns(Protocol):
+    """An engine that takes a one-request call without a thread of the caller's waiting on it:
+    ``submit`` returns at once, and the future is answered as ``generate([request])`` would be
+    (an abort included). The episode runner sends an episode's later turns this way when an
+    engine offers it: hundreds of episodes each waiting on a thread of their own cost the driver
+    more in thread switches than their turns (the Ray-hosted HF engine's proxy offers it)."""
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationResult]: ...
 
 
 def launched_by_this_run(engine: object) -> bool:
