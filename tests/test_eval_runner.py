@@ -3,13 +3,16 @@ against a local HTTP server (loopback only) that answers, fails, then answers.""
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from megatron_dapo.driver.validation import engine_generator
 from megatron_dapo.eval.openai_endpoint import EndpointError, make_endpoint_generator
 from megatron_dapo.eval.runner import Completion, EvalProblem, evaluate
+from megatron_dapo.rollout.types import GenerationResult, SamplingParams
 
 
 @dataclass
@@ -178,3 +181,48 @@ def test_validation_leaves_a_broken_episode_unscored():
     assert scorer.seen == ["9", "9"]
     assert m["val/unscored/broken_episode"] == 2 and m["val/problems_below@2"] == 2
     assert m["val/avg@2"] == 0.0  # the right-looking "0"s were never counted
+
+
+class CharTok:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_validation_keeps_several_calls_in_flight_on_an_engine_and_its_numbers():
+    """``calls_per_engine`` calls run on an engine at once (an engine batches them; one at a time it
+    waits at each call's last episodes), and the samples are the same as one call at a time."""
+
+    class Engine:
+        name = "e"
+
+        def __init__(self):
+            self.now = self.most = 0
+            self.lock = threading.Lock()
+
+        def generate(self, requests, on_result=None):
+            with self.lock:
+                self.now += 1
+                self.most = max(self.most, self.now)
+            time.sleep(0.05)
+            with self.lock:
+                self.now -= 1
+            return [
+                GenerationResult(q.request_id, [ord("0") + q.sampling.seed % 10], [0.0], "stop")
+                for q in requests
+            ]
+
+    problems = [EvalProblem(f"p{i}", f"prompt {i}", [1], "aime", "0", {}) for i in range(8)]
+    seen = {}
+    for calls in (1, 4):
+        engine = Engine()
+        generate = engine_generator(
+            [engine],
+            CharTok(),
+            SamplingParams(max_new_tokens=4),
+            seed=0,
+            requests_per_call=4,
+            calls_per_engine=calls,
+        )
+        seen[calls] = [[c.text for c in row] for row in generate(problems, 4)]
+        assert engine.most == calls
+    assert seen[1] == seen[4]

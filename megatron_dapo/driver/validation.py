@@ -31,6 +31,7 @@ def engine_generator(
     *,
     seed: int,
     requests_per_call: int = 64,
+    calls_per_engine: int = 1,
     episodes: EpisodeRunner | None = None,
 ):
     """A `Generator` for `evaluate` that spreads k samples per problem over `engines`.
@@ -40,6 +41,9 @@ def engine_generator(
     training rollout uses (multi-turn tool use is validated with its tools, as it trains), one turn
     by default. An episode whose token check broke is unscored, as training leaves it
     (``val/unscored/broken_episode``), never scored on tokens that are not what was sampled.
+    ``calls_per_engine``: calls of ``requests_per_call`` in flight on each engine at once; an
+    engine batches concurrent calls, and one call at a time leaves it waiting at every call's
+    last episodes (their later turns come as their tools answer).
     """
     runner = episodes or SingleTurn()
 
@@ -62,7 +66,7 @@ def engine_generator(
                     )
                 )
         chunks = [requests[i : i + requests_per_call] for i in range(0, len(requests), requests_per_call)]
-        with ThreadPoolExecutor(max(1, len(engines))) as pool:
+        with ThreadPoolExecutor(max(1, len(engines) * calls_per_engine)) as pool:
             parts = list(
                 pool.map(
                     lambda ic: runner.run(engines[ic[0] % len(engines)], ic[1], threading.Event()),
@@ -117,8 +121,15 @@ def val_sampling(cfg, tokenizer) -> SamplingParams:
 
 
 def make_validator(cfg, engines, scorer, problems, tokenizer, episodes: EpisodeRunner | None = None):
+    per_call = 64
     generate = engine_generator(
-        engines, tokenizer, val_sampling(cfg, tokenizer), seed=cfg.trainer.seed, episodes=episodes
+        engines,
+        tokenizer,
+        val_sampling(cfg, tokenizer),
+        seed=cfg.trainer.seed,
+        requests_per_call=per_call,
+        calls_per_engine=max(1, cfg.rollout.max_concurrency_per_engine // per_call),
+        episodes=episodes,
     )
 
     def validate(step: int) -> dict[str, float]:
