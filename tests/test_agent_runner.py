@@ -554,7 +554,7 @@ def test_a_difference_in_tokens_of_the_same_text_names_their_ids():
 
 
 class Submitted(Scripted):
-    """Scripted, and it takes one-request calls by ``submit`` (`SubmitsTurns`): their futures are
+    """Scripted, and it takes one-request calls by ``submit_turn`` (`SubmitsTurns`): their futures are
     answered only when the test says."""
 
     def __init__(self, script):
@@ -562,7 +562,7 @@ class Submitted(Scripted):
         self.held: list[tuple[GenerationRequest, Future]] = []
         self.queued = threading.Semaphore(0)
 
-    def submit(self, request):
+    def submit_turn(self, request):
         fut = Future()
         self.held.append((request, fut))
         self.queued.release()

@@ -595,7 +595,7 @@ class _Flight:
         self._in_flight += 1
         if not on_result and len(sent) == 1 and isinstance(self.engine, SubmitsTurns):
             # no thread waits on it: hundreds of waiting turn threads cost more than the turns
-            self.engine.submit(sent[0]).add_done_callback(
+            self.engine.submit_turn(sent[0]).add_done_callback(
                 lambda f: self._events.put(("turn call", (sent, f)))
             )
             return

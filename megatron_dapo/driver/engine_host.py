@@ -148,7 +148,7 @@ class RemoteEngine:
     call of its own in the engine's batcher), so a step's turns cost a Ray call per 10 ms rather
     than one each. Messages do not wait for each other: the engine's queue gathers them for its
     next batch. An abort answers the ones still waiting here "abort" with no tokens, as the
-    engine answers its own queue. ``submit`` (`SubmitsTurns`) queues a turn without a thread of
+    engine answers its own queue. ``submit_turn`` (`SubmitsTurns`) queues a turn without a thread of
     the caller's waiting on it: one sender thread gathers the queue, and a thread per message
     (not per turn) waits for the actor's answer."""
 
@@ -208,9 +208,9 @@ class RemoteEngine:
                 on_result(result)
 
     def _one(self, request: GenerationRequest) -> GenerationResult:
-        return self.submit(request).result()
+        return self.submit_turn(request).result()
 
-    def submit(self, request: GenerationRequest) -> Future:
+    def submit_turn(self, request: GenerationRequest) -> Future:
         """A one-request call, answered by the future: it waits in the queue that the sender
         thread sends as one message ``gather_s`` after the first of them came."""
         answer: Future = Future()

@@ -82,12 +82,14 @@ class RolloutEngine(Protocol):
 @runtime_checkable
 class SubmitsTurns(Protocol):
     """An engine that takes a one-request call without a thread of the caller's waiting on it:
-    ``submit`` returns at once, and the future is answered as ``generate([request])`` would be
+    ``submit_turn`` returns at once, and the future is answered as ``generate([request])`` would be
     (an abort included). The episode runner sends an episode's later turns this way when an
     engine offers it: hundreds of episodes each waiting on a thread of their own cost the driver
-    more in thread switches than their turns (the Ray-hosted HF engine's proxy offers it)."""
+    more in thread switches than their turns (the Ray-hosted HF engine's proxy offers it). The
+    method's name is its own: a Protocol is checked by attribute name, and the SGLang engine's
+    ``submit`` (a coroutine onto its loop) once passed for this one."""
 
-    def submit(self, request: GenerationRequest) -> Future[GenerationResult]: ...
+    def submit_turn(self, request: GenerationRequest) -> Future[GenerationResult]: ...
 
 
 def launched_by_this_run(engine: object) -> bool:
